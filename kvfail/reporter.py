@@ -1,0 +1,196 @@
+"""``FailureReporterMixin``: the load-error contract, implemented once for every connector.
+
+A worker-role connector mixes this in, calls :meth:`init_failure_reporter` from its
+``__init__``, and then needs exactly one call per event:
+
+* a load starts            -> :meth:`track_load`
+* a peer task finishes     -> :meth:`load_succeeded`
+* anything goes wrong      -> :meth:`load_failed` (or :meth:`abandon_load` before any
+                              peer task exists)
+* once per engine step     -> return :meth:`transfer_results` from
+                              ``get_transfer_results``; ``get_block_ids_with_load_errors``
+                              is provided.
+
+Everything the scheduler relies on (pairing failures with completion in one pass, waiting
+for every peer, routing by KV-cache group count, never naming ids it no longer tracks,
+deadlines) lives in :class:`kvfail.tracker.LoadTracker`; this class is the thin adapter
+with names that read well inside a connector.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+from kvfail import compat
+from kvfail.compat import UnsupportedLayoutError
+from kvfail.stages import Stage
+from kvfail.stats import FailureStats
+from kvfail.tracker import ALL_PEERS, Clock, LoadTracker, StepReport
+
+
+class FailureReporterMixin:
+    """Mix into a vLLM worker-side KV connector (or its worker object)."""
+
+    _kvfail_tracker: LoadTracker | None = None
+    _kvfail_invalid: set[int]
+
+    def init_failure_reporter(
+        self,
+        *,
+        num_kv_cache_groups: int,
+        name: str | None = None,
+        default_deadline_s: float | None = None,
+        request_level_channel: bool | None = None,
+        fence_retry_s: float = 0.0,
+        clock: Clock = time.monotonic,
+    ) -> LoadTracker:
+        """Set up the tracker. Refuses, here and not at the first failure, a KV layout
+        whose failures this vLLM could not be told about.
+
+        ``request_level_channel``: None detects it from the installed vLLM.
+        """
+        if request_level_channel is None:
+            request_level_channel = compat.request_level_channel_available()
+        if num_kv_cache_groups > 1 and not request_level_channel:
+            raise UnsupportedLayoutError(
+                f"{num_kv_cache_groups} KV-cache groups need the request-level failure "
+                "channel (get_transfer_results().failed_recving, vLLM >= 0.30), which the "
+                "installed vLLM lacks; block ids are not unique across groups, so block-"
+                "level reports would invalidate the wrong blocks. Use one KV-cache group "
+                "or upgrade vLLM."
+            )
+        override = type(self).kvfail_fence is not FailureReporterMixin.kvfail_fence
+        self._kvfail_tracker = LoadTracker(
+            num_kv_cache_groups=num_kv_cache_groups,
+            name=name or type(self).__name__,
+            default_deadline_s=default_deadline_s,
+            request_level_available=request_level_channel,
+            fence=self.kvfail_fence if override else None,
+            fence_retry_s=fence_retry_s,
+            clock=clock,
+        )
+        self._kvfail_invalid = set()
+        return self._kvfail_tracker
+
+    @property
+    def failure_reporter(self) -> LoadTracker:
+        tracker = self._kvfail_tracker
+        if tracker is None:
+            raise RuntimeError(
+                f"{type(self).__name__} uses FailureReporterMixin but never called "
+                "init_failure_reporter() in its __init__"
+            )
+        return tracker
+
+    # ---------------------------------------------------------------- events
+
+    def track_load(
+        self,
+        req_id: str,
+        block_ids: object,
+        *,
+        peers: int | Iterable[Hashable] = 1,
+        deadline_s: float | None = None,
+    ) -> bool:
+        """Register a load into ``block_ids`` (flat, or one list per KV-cache group).
+
+        ``peers`` is a count or the names of the peer tasks (P workers, TP ranks) that
+        must all settle before the load is delivered. An empty ``block_ids`` marks a
+        notify-only pull: it is settled but never reported.
+        """
+        return self.failure_reporter.track(req_id, block_ids, peers=peers, deadline_s=deadline_s)
+
+    def expect_peers(self, req_id: str, peers: int | Iterable[Hashable]) -> bool:
+        return self.failure_reporter.expect_peers(req_id, peers)
+
+    def load_succeeded(self, req_id: str, *, peer: Hashable | None = None) -> bool:
+        return self.failure_reporter.succeeded(req_id, peer=peer)
+
+    def load_failed(
+        self,
+        req_id: str,
+        stage: Stage | str,
+        reason: str,
+        *,
+        peer: Hashable | None = None,
+        settle: bool = True,
+        block_ids: object = None,
+    ) -> bool:
+        """The one failure call. Safe from any thread or event loop; idempotent; sticky."""
+        return self.failure_reporter.failed(
+            req_id, stage, reason, peer=peer, settle=settle, block_ids=block_ids
+        )
+
+    def abandon_load(self, req_id: str, stage: Stage | str, reason: str) -> bool:
+        """Fail a load and settle all its peer tasks: nothing was started, or all stopped."""
+        return self.failure_reporter.failed(req_id, stage, reason, peer=ALL_PEERS)
+
+    def fail_loads(
+        self,
+        req_ids: Iterable[str],
+        stage: Stage | str,
+        reason: str,
+        *,
+        peer: Hashable | None = None,
+    ) -> int:
+        """Fail several loads for one cause (a batch, a peer); returns how many were known."""
+        failed = self.failure_reporter.failed
+        return sum(failed(r, stage, reason, peer=peer) for r in req_ids)
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        """Called when a load's deadline passes with peer tasks outstanding.
+
+        Override to cancel the transfer (release its handle, drop the peer). Return True
+        only when nothing can still write into the load's blocks; returning False keeps
+        the request (and its blocks) held and the fence is retried at later drains.
+        """
+        return True
+
+    # ---------------------------------------------------------------- per step
+
+    def drain_step(self) -> StepReport:
+        """Drain once per step; invalid blocks wait for get_block_ids_with_load_errors()."""
+        report = self.failure_reporter.drain()
+        if report.invalid_block_ids:
+            self._kvfail_invalid.update(report.invalid_block_ids)
+        return report
+
+    def transfer_results(
+        self,
+        finished_sending: Iterable[str] = (),
+        *,
+        finished_recving: Iterable[str] = (),
+    ) -> Any:
+        """Build this step's ``KVConnectorTransferResults`` (call from get_transfer_results).
+
+        ``finished_recving`` is for loads the connector completes outside the tracker;
+        tracked loads are added here, failed ones included.
+        """
+        report = self.drain_step()
+        cls = compat.transfer_results_class()
+        if cls is None:
+            raise UnsupportedLayoutError("the installed vLLM has no KVConnectorTransferResults")
+        recving = set(report.finished_recving)
+        recving.update(finished_recving)
+        return cls(
+            finished_sending=set(finished_sending),
+            finished_recving=recving,
+            failed_recving=set(report.failed_recving),
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM's block-level channel: blocks from this step's drain, then cleared."""
+        invalid = self._kvfail_invalid
+        if not invalid:
+            return set()
+        self._kvfail_invalid = set()
+        return invalid
+
+    def failure_stats(self) -> FailureStats:
+        return self.failure_reporter.stats()
+
+    def take_failure_stats(self) -> FailureStats:
+        """Counters since the last call, for vLLM's per-interval connector stats."""
+        return self.failure_reporter.take_interval_stats()

@@ -1,0 +1,515 @@
+"""The load tracker: per-request, sticky, idempotent failure state, drained once a step.
+
+Design notes (why it looks like this):
+
+* One lock, short critical sections, no timer threads. Reports arrive from transport
+  threads, asyncio loops and the worker thread; the drain runs on the worker thread once
+  per engine step. Deadlines are checked at the drain, because the drain is the only
+  moment a result can reach the scheduler anyway.
+* State lives per request, not per report. A request that fails five times (several
+  peers, retries, a watchdog) occupies one slot, and its slot is released at the drain
+  that delivers it. Memory is bounded by in-flight loads, which the scheduler bounds.
+* A request is delivered only when every peer task has settled (C11): after delivery the
+  scheduler may free and reuse the blocks, so a peer still writing would corrupt another
+  request. Failure and completion are delivered in the same drain (C2, C3).
+* Reports for ids we do not track are counted and logged, never raised and never passed
+  on (C7): the scheduler asserts on unknown ids inside the engine loop.
+* The idle drain takes no lock: it checks a list and the earliest deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvfail.blocks import normalise_block_ids
+from kvfail.stages import Stage
+from kvfail.stats import FailureStats, StatsRecorder
+
+logger = logging.getLogger("kvfail")
+
+Clock = Callable[[], float]
+Fence = Callable[[str], bool]
+
+
+class _AllPeers:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ALL_PEERS"
+
+
+#: Pass as ``peer=`` to settle every outstanding peer task of a load at once.
+ALL_PEERS: Final = _AllPeers()
+
+#: How many recently delivered ids are remembered, to tell a late report from an unknown
+#: one in stats and logs. A constant, so it does not grow with traffic.
+RECENT_IDS_KEPT: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    stage: Stage
+    reason: str
+    peer: Hashable | None
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one drain delivers. Treat the sets as read-only: the idle report is shared."""
+
+    finished_recving: AbstractSet[str]
+    failed_recving: AbstractSet[str]
+    invalid_block_ids: AbstractSet[int]
+    failures: tuple[tuple[str, Failure], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_recving or self.failed_recving or self.invalid_block_ids)
+
+
+IDLE_REPORT: Final = StepReport(frozenset(), frozenset(), frozenset())
+
+
+@dataclass(slots=True, eq=False)
+class _Load:
+    req_id: str
+    groups: tuple[tuple[int, ...], ...]
+    flat: tuple[int, ...]
+    pending: set[Hashable]
+    started: float
+    deadline: float
+    failure: Failure | None = None
+    #: Blocks the connector narrowed the failure to; None means "all of them".
+    failed_blocks: set[int] | None = None
+    #: Set when we must fail the request but hold no block ids we could name.
+    request_level_only: bool = False
+    settled: bool = False
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Log lines computed under the lock and emitted after it is released."""
+
+    lines: list[tuple[int, str, dict[str, object]]] = field(default_factory=list)
+
+    def add(self, level: int, msg: str, **fields: object) -> None:
+        self.lines.append((level, msg, fields))
+
+    def flush(self) -> None:
+        for level, msg, fields in self.lines:
+            if logger.isEnabledFor(level):
+                kv = " ".join(
+                    f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items()
+                )
+                logger.log(level, "%s %s", msg, kv, extra={"kvfail": fields})
+
+
+class LoadTracker:
+    """Thread-safe registry of in-flight KV loads on the receiving side."""
+
+    def __init__(
+        self,
+        *,
+        num_kv_cache_groups: int = 1,
+        name: str = "connector",
+        default_deadline_s: float | None = None,
+        request_level_available: bool = True,
+        fence: Fence | None = None,
+        fence_retry_s: float = 0.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if num_kv_cache_groups < 1:
+            raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
+        if default_deadline_s is not None and not default_deadline_s > 0:
+            raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
+        self.name = name
+        self.num_kv_cache_groups = num_kv_cache_groups
+        #: With several groups, block ids are only unique within a group, so a failed
+        #: request can only be named by id (C5).
+        self.request_level = num_kv_cache_groups > 1
+        self.request_level_available = request_level_available
+        self.default_deadline_s = default_deadline_s
+        self._fence = fence
+        self._fence_retry_s = fence_retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._loads: dict[str, _Load] = {}
+        self._ready: list[_Load] = []
+        self._deadlines: list[tuple[float, int, _Load]] = []
+        self._seq = itertools.count()
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._stats = StatsRecorder()
+
+    # ------------------------------------------------------------------ registration
+
+    def track(
+        self,
+        req_id: str,
+        block_ids: object,
+        *,
+        peers: int | Iterable[Hashable] = 1,
+        deadline_s: float | None = None,
+    ) -> bool:
+        """Register an incoming load. Returns False if it was refused (see logs/stats)."""
+        log = _Pending()
+        try:
+            with self._lock:
+                return self._track_locked(req_id, block_ids, peers, deadline_s, log)
+        finally:
+            log.flush()
+
+    def _track_locked(
+        self,
+        req_id: str,
+        block_ids: object,
+        peers: int | Iterable[Hashable],
+        deadline_s: float | None,
+        log: _Pending,
+    ) -> bool:
+        if not isinstance(req_id, str) or not req_id:
+            self._stats.event("invalid_inputs")
+            log.add(
+                logging.ERROR,
+                "kvfail: refused load with a non-string request id",
+                connector=self.name,
+                req_id=repr(req_id),
+            )
+            return False
+        if req_id in self._loads:
+            self._stats.event("duplicate_tracks")
+            log.add(
+                logging.WARNING,
+                "kvfail: load already tracked; keeping the first",
+                connector=self.name,
+                req_id=req_id,
+            )
+            return False
+        self._recent.pop(req_id, None)  # a re-load after recompute starts afresh
+        now = self._clock()
+        blocks = normalise_block_ids(block_ids)
+        pending = _peer_set(peers)
+        if deadline_s is None:
+            deadline_s = self.default_deadline_s
+        deadline = math.inf if deadline_s is None else now + float(deadline_s)
+        load = _Load(req_id, blocks.groups, blocks.flat, pending, now, deadline)
+        self._loads[req_id] = load
+        self._stats.event("loads_tracked")
+        if blocks.problem or not pending:
+            # Keep the load and fail it: raising here would lose the request for good.
+            problem = blocks.problem or f"no peers to wait for (peers={peers!r})"
+            self._stats.event("invalid_inputs")
+            load.request_level_only = not blocks.flat and bool(blocks.problem)
+            self._fail_locked(load, Stage.INTERNAL, f"invalid load: {problem}", None, log)
+            if not pending:
+                self._settle_locked(load, ALL_PEERS, log)
+        if deadline != math.inf and not load.settled:
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), load))
+            if len(self._deadlines) > 2 * len(self._loads) + 64:
+                self._compact_deadlines()
+        return True
+
+    def expect_peers(self, req_id: str, peers: int | Iterable[Hashable]) -> bool:
+        """Replace the set of peer tasks still to settle, once it is known.
+
+        Mooncake learns how many P workers serve a request only after the bootstrap
+        query; a load can be tracked with one placeholder peer and widened here.
+        """
+        log = _Pending()
+        try:
+            with self._lock:
+                load = self._loads.get(req_id)
+                if load is None or load.settled:
+                    self._refuse_locked(req_id, "expect_peers", log)
+                    return False
+                load.pending = _peer_set(peers)
+                if not load.pending:
+                    self._settle_locked(load, ALL_PEERS, log)
+                return True
+        finally:
+            log.flush()
+
+    # ------------------------------------------------------------------ reports
+
+    def succeeded(self, req_id: str, *, peer: Hashable | None = None) -> bool:
+        """One peer task finished its part of the load. A prior failure stays a failure."""
+        log = _Pending()
+        try:
+            with self._lock:
+                load = self._loads.get(req_id)
+                if load is None:
+                    self._refuse_locked(req_id, "success", log)
+                    return False
+                self._settle_locked(load, peer, log)
+                return True
+        finally:
+            log.flush()
+
+    def failed(
+        self,
+        req_id: str,
+        stage: Stage | str,
+        reason: str,
+        *,
+        peer: Hashable | None = None,
+        settle: bool = True,
+        block_ids: object = None,
+    ) -> bool:
+        """Record a failure; sticky and idempotent. Returns False if the id is not tracked.
+
+        ``settle`` also settles the reporting peer's task (the usual case: the task that
+        saw the error is done). ``peer=ALL_PEERS`` settles every task, for failures that
+        happen before any peer task exists (bootstrap, bad params). ``block_ids`` narrows
+        the failure to the blocks that really failed, so ``recompute`` can keep a valid
+        prefix; by default every block of the load is reported.
+        """
+        log = _Pending()
+        try:
+            with self._lock:
+                load = self._loads.get(req_id)
+                if load is None:
+                    self._refuse_locked(req_id, "failure", log)
+                    return False
+                self._fail_locked(load, _as_stage(stage), reason, peer, log)
+                if block_ids is not None:
+                    self._narrow_locked(load, block_ids, log)
+                if settle:
+                    self._settle_locked(load, peer, log)
+                return True
+        finally:
+            log.flush()
+
+    def is_tracked(self, req_id: str) -> bool:
+        return req_id in self._loads
+
+    def failure_of(self, req_id: str) -> Failure | None:
+        load = self._loads.get(req_id)
+        return None if load is None else load.failure
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    # ------------------------------------------------------------------ drain
+
+    def drain(self) -> StepReport:
+        """Deliver every settled load, failing overdue ones first. Call once per step."""
+        if not self._ready:
+            heap = self._deadlines
+            if not heap or heap[0][0] > self._clock():
+                return IDLE_REPORT
+        log = _Pending()
+        try:
+            if self._deadlines:
+                self._run_watchdog(log)
+            with self._lock:
+                return self._deliver_locked()
+        finally:
+            log.flush()
+
+    def _deliver_locked(self) -> StepReport:
+        ready, self._ready = self._ready, []
+        if not ready:
+            return IDLE_REPORT
+        finished: set[str] = set()
+        failed: set[str] = set()
+        invalid: set[int] = set()
+        failures: list[tuple[str, Failure]] = []
+        loads, recent = self._loads, self._recent
+        request_level = self.request_level
+        succeeded = 0
+        for load in ready:
+            req_id = load.req_id
+            del loads[req_id]
+            recent[req_id] = None
+            finished.add(req_id)
+            failure = load.failure
+            if failure is None:
+                succeeded += 1
+                continue
+            failures.append((req_id, failure))
+            if request_level or load.request_level_only:
+                failed.add(req_id)
+            elif load.failed_blocks:
+                invalid.update(load.failed_blocks)
+            else:
+                invalid.update(load.flat)
+        while len(recent) > RECENT_IDS_KEPT:
+            recent.popitem(last=False)
+        if succeeded:
+            self._stats.event("loads_succeeded", succeeded)
+        return StepReport(finished, failed, invalid, tuple(failures))
+
+    def _run_watchdog(self, log: _Pending) -> None:
+        now = self._clock()
+        overdue: list[_Load] = []
+        with self._lock:
+            heap, loads = self._deadlines, self._loads
+            while heap and heap[0][0] <= now:
+                deadline, _, load = heapq.heappop(heap)
+                if loads.get(load.req_id) is not load or load.settled:
+                    continue  # delivered or re-tracked since; a stale heap entry
+                if load.failure is None:
+                    self._fail_locked(
+                        load,
+                        Stage.WATCHDOG,
+                        f"no result within {deadline - load.started:.3f}s",
+                        None,
+                        log,
+                    )
+                self._stats.event("watchdog_fired")
+                overdue.append(load)
+        if not overdue:
+            return
+        # The fence runs outside our lock: it is connector code and may call back into us.
+        fenced = {load for load in overdue if self._fence is None or self._try_fence(load)}
+        with self._lock:
+            for load in overdue:
+                if load.settled or self._loads.get(load.req_id) is not load:
+                    continue
+                if load in fenced:
+                    self._settle_locked(load, ALL_PEERS, log)
+                else:
+                    # A transfer that may still write into these blocks must not be
+                    # delivered (C11); try again at a later drain.
+                    self._stats.event("fence_deferred")
+                    retry = (now + self._fence_retry_s, next(self._seq), load)
+                    heapq.heappush(self._deadlines, retry)
+
+    def _try_fence(self, load: _Load) -> bool:
+        assert self._fence is not None
+        try:
+            return bool(self._fence(load.req_id))
+        except Exception:
+            logger.exception("kvfail: fence raised for req_id=%r; retrying later", load.req_id)
+            return False
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> FailureStats:
+        with self._lock:
+            return self._stats.total.copy()
+
+    def take_interval_stats(self) -> FailureStats:
+        with self._lock:
+            return self._stats.take_interval()
+
+    # ------------------------------------------------------------------ internals
+
+    def _fail_locked(
+        self, load: _Load, stage: Stage, reason: str, peer: Hashable | None, log: _Pending
+    ) -> None:
+        if load.failure is not None:
+            self._stats.event("duplicate_reports")
+            return
+        now = self._clock()
+        load.failure = Failure(stage, str(reason), peer, now)
+        self._stats.failed(stage)
+        log.add(
+            logging.ERROR,
+            "kvfail: load failed",
+            connector=self.name,
+            req_id=load.req_id,
+            stage=stage.value,
+            reason=str(reason),
+            peer=repr(peer) if peer is not None else "-",
+            blocks=len(load.flat),
+            peers_pending=len(load.pending),
+            age_ms=round((now - load.started) * 1e3, 1),
+        )
+
+    def _settle_locked(self, load: _Load, peer: Hashable | None, log: _Pending) -> None:
+        if load.settled:
+            if peer is not ALL_PEERS:
+                self._stats.event("duplicate_reports")
+            return
+        pending = load.pending
+        if peer is ALL_PEERS:
+            pending.clear()
+        elif peer is None:
+            if pending:
+                pending.pop()
+        elif peer in pending:
+            pending.discard(peer)
+        else:
+            self._stats.event("duplicate_reports")
+            log.add(
+                logging.DEBUG,
+                "kvfail: peer already settled",
+                connector=self.name,
+                req_id=load.req_id,
+                peer=repr(peer),
+            )
+            return
+        if pending:
+            return
+        load.settled = True
+        if load.flat or load.request_level_only:
+            self._ready.append(load)
+            return
+        # Notify-only load (abort_immediately): the scheduler has already forgotten this
+        # request, so reporting it in any channel would crash the engine (C7).
+        del self._loads[load.req_id]
+        self._recent[load.req_id] = None
+        self._stats.event("empty_loads")
+
+    def _narrow_locked(self, load: _Load, block_ids: object, log: _Pending) -> None:
+        blocks = normalise_block_ids(block_ids)
+        own = set(load.flat)
+        named = set(blocks.flat)
+        foreign = named - own
+        if blocks.problem or foreign:
+            self._stats.event("invalid_inputs")
+            log.add(
+                logging.WARNING,
+                "kvfail: ignoring failed block ids outside the load",
+                connector=self.name,
+                req_id=load.req_id,
+                problem=blocks.problem or f"not in this load: {sorted(foreign)[:5]}",
+            )
+        named &= own
+        if named:
+            load.failed_blocks = named if load.failed_blocks is None else load.failed_blocks | named
+
+    def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
+        late = isinstance(req_id, str) and req_id in self._recent
+        self._stats.event("late_reports" if late else "unknown_reports")
+        log.add(
+            logging.WARNING,
+            "kvfail: ignored report for a request that is no longer tracked"
+            if late
+            else "kvfail: ignored report for an unknown request",
+            connector=self.name,
+            req_id=repr(req_id),
+            report=what,
+        )
+
+    def _compact_deadlines(self) -> None:
+        live = [
+            e for e in self._deadlines if self._loads.get(e[2].req_id) is e[2] and not e[2].settled
+        ]
+        heapq.heapify(live)
+        self._deadlines = live
+
+
+def _peer_set(peers: int | Iterable[Hashable]) -> set[Hashable]:
+    if isinstance(peers, bool):
+        return set()
+    if isinstance(peers, int):
+        return set(range(max(peers, 0)))
+    return set(peers)
+
+
+def _as_stage(stage: Stage | str) -> Stage:
+    try:
+        return Stage(stage)
+    except ValueError:
+        return Stage.INTERNAL
