@@ -1,0 +1,58 @@
+"""Shared bits of the core benchmarks: the upstream-style baseline and output format."""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+from kvfail import FailureReporterMixin
+
+
+class UpstreamStyleWorker:
+    """The way connectors drain failures today: one ``queue.Queue`` per channel, emptied
+    with ``get_nowait`` until ``queue.Empty`` (a queue of block-id sets for the block
+    channel, a queue of request ids for the request channel)."""
+
+    def __init__(self) -> None:
+        self.invalid_q: queue.Queue[set[int]] = queue.Queue()
+        self.failed_q: queue.Queue[str] = queue.Queue()
+
+    def report(self, req_id: str, blocks: set[int]) -> None:
+        self.invalid_q.put(blocks)
+        self.failed_q.put(req_id)
+
+    def step(self) -> tuple[set[str], set[int]]:
+        failed: set[str] = set()
+        while True:
+            try:
+                failed.add(self.failed_q.get_nowait())
+            except queue.Empty:
+                break
+        invalid: set[int] = set()
+        while True:
+            try:
+                invalid |= self.invalid_q.get_nowait()
+            except queue.Empty:
+                break
+        return failed, invalid
+
+
+class KvfailWorker(FailureReporterMixin):
+    def __init__(self, deadline_s: float | None = 30.0) -> None:
+        self.init_failure_reporter(
+            num_kv_cache_groups=1, request_level_channel=True, default_deadline_s=deadline_s
+        )
+
+    def step(self) -> tuple[object, set[int]]:
+        return self.drain_step(), self.get_block_ids_with_load_errors()
+
+
+def quiet() -> None:
+    """Per-failure log lines are real work, but not the work measured here."""
+    logging.getLogger("kvfail").setLevel(logging.CRITICAL)
+
+
+def figures(**values: float) -> str:
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
+    )
