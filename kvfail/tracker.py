@@ -25,7 +25,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -51,8 +50,9 @@ class _AllPeers:
 #: Pass as ``peer=`` to settle every outstanding peer task of a load at once.
 ALL_PEERS: Final = _AllPeers()
 
-#: How many recently delivered ids are remembered, to tell a late report from an unknown
-#: one in stats and logs. A constant, so it does not grow with traffic.
+#: How many recently delivered ids are remembered (per generation; two are kept), to tell
+#: a late report from an unknown one in stats and logs. A constant: it does not grow with
+#: traffic.
 RECENT_IDS_KEPT: Final = 4096
 
 
@@ -147,7 +147,10 @@ class LoadTracker:
         self._ready: list[_Load] = []
         self._deadlines: list[tuple[float, int, _Load]] = []
         self._seq = itertools.count()
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        # Two generations of recently delivered ids, swapped in O(1), so that remembering
+        # them costs one C-level set update per drain however large the burst.
+        self._recent: set[str] = set()
+        self._recent_old: set[str] = set()
         self._stats = StatsRecorder()
 
     # ------------------------------------------------------------------ registration
@@ -194,7 +197,8 @@ class LoadTracker:
                 req_id=req_id,
             )
             return False
-        self._recent.pop(req_id, None)  # a re-load after recompute starts afresh
+        self._recent.discard(req_id)  # a re-load after recompute starts afresh
+        self._recent_old.discard(req_id)
         now = self._clock()
         blocks = normalise_block_ids(block_ids)
         pending = _peer_set(peers)
@@ -224,35 +228,21 @@ class LoadTracker:
         Mooncake learns how many P workers serve a request only after the bootstrap
         query; a load can be tracked with one placeholder peer and widened here.
         """
-        log = _Pending()
-        try:
-            with self._lock:
-                load = self._loads.get(req_id)
-                if load is None or load.settled:
-                    self._refuse_locked(req_id, "expect_peers", log)
-                    return False
-                load.pending = _peer_set(peers)
-                if not load.pending:
-                    self._settle_locked(load, ALL_PEERS, log)
-                return True
-        finally:
-            log.flush()
+
+        def widen(load: _Load, log: _Pending) -> None:
+            load.pending = _peer_set(peers)
+            if not load.pending:
+                self._settle_locked(load, ALL_PEERS, log)
+
+        return self._on_load(req_id, "expect_peers", widen, unsettled_only=True)
 
     # ------------------------------------------------------------------ reports
 
     def succeeded(self, req_id: str, *, peer: Hashable | None = None) -> bool:
         """One peer task finished its part of the load. A prior failure stays a failure."""
-        log = _Pending()
-        try:
-            with self._lock:
-                load = self._loads.get(req_id)
-                if load is None:
-                    self._refuse_locked(req_id, "success", log)
-                    return False
-                self._settle_locked(load, peer, log)
-                return True
-        finally:
-            log.flush()
+        return self._on_load(
+            req_id, "success", lambda load, log: self._settle_locked(load, peer, log)
+        )
 
     def failed(
         self,
@@ -272,18 +262,33 @@ class LoadTracker:
         the failure to the blocks that really failed, so ``recompute`` can keep a valid
         prefix; by default every block of the load is reported.
         """
+
+        def fail(load: _Load, log: _Pending) -> None:
+            self._fail_locked(load, _as_stage(stage), reason, peer, log)
+            if block_ids is not None:
+                self._narrow_locked(load, block_ids, log)
+            if settle:
+                self._settle_locked(load, peer, log)
+
+        return self._on_load(req_id, "failure", fail)
+
+    def _on_load(
+        self,
+        req_id: str,
+        what: str,
+        action: Callable[[_Load, _Pending], None],
+        *,
+        unsettled_only: bool = False,
+    ) -> bool:
+        """Run ``action`` on a tracked load under the lock; refuse unknown or late ids."""
         log = _Pending()
         try:
             with self._lock:
                 load = self._loads.get(req_id)
-                if load is None:
-                    self._refuse_locked(req_id, "failure", log)
+                if load is None or (unsettled_only and load.settled):
+                    self._refuse_locked(req_id, what, log)
                     return False
-                self._fail_locked(load, _as_stage(stage), reason, peer, log)
-                if block_ids is not None:
-                    self._narrow_locked(load, block_ids, log)
-                if settle:
-                    self._settle_locked(load, peer, log)
+                action(load, log)
                 return True
         finally:
             log.flush()
@@ -319,33 +324,28 @@ class LoadTracker:
         ready, self._ready = self._ready, []
         if not ready:
             return IDLE_REPORT
-        finished: set[str] = set()
+        finished = {load.req_id for load in ready}
+        loads, recent = self._loads, self._recent
+        for req_id in finished:
+            del loads[req_id]
+        recent.update(finished)
+        if len(recent) > RECENT_IDS_KEPT:
+            self._retire_recent()
         failed: set[str] = set()
         invalid: set[int] = set()
         failures: list[tuple[str, Failure]] = []
-        loads, recent = self._loads, self._recent
         request_level = self.request_level
-        succeeded = 0
         for load in ready:
-            req_id = load.req_id
-            del loads[req_id]
-            recent[req_id] = None
-            finished.add(req_id)
             failure = load.failure
             if failure is None:
-                succeeded += 1
                 continue
-            failures.append((req_id, failure))
+            failures.append((load.req_id, failure))
             if request_level or load.request_level_only:
-                failed.add(req_id)
-            elif load.failed_blocks:
-                invalid.update(load.failed_blocks)
+                failed.add(load.req_id)
             else:
-                invalid.update(load.flat)
-        while len(recent) > RECENT_IDS_KEPT:
-            recent.popitem(last=False)
-        if succeeded:
-            self._stats.event("loads_succeeded", succeeded)
+                invalid.update(load.failed_blocks or load.flat)
+        if len(failures) < len(ready):
+            self._stats.event("loads_succeeded", len(ready) - len(failures))
         return StepReport(finished, failed, invalid, tuple(failures))
 
     def _run_watchdog(self, log: _Pending) -> None:
@@ -458,7 +458,7 @@ class LoadTracker:
         # Notify-only load (abort_immediately): the scheduler has already forgotten this
         # request, so reporting it in any channel would crash the engine (C7).
         del self._loads[load.req_id]
-        self._recent[load.req_id] = None
+        self._recent.add(load.req_id)
         self._stats.event("empty_loads")
 
     def _narrow_locked(self, load: _Load, block_ids: object, log: _Pending) -> None:
@@ -480,7 +480,7 @@ class LoadTracker:
             load.failed_blocks = named if load.failed_blocks is None else load.failed_blocks | named
 
     def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
-        late = isinstance(req_id, str) and req_id in self._recent
+        late = isinstance(req_id, str) and (req_id in self._recent or req_id in self._recent_old)
         self._stats.event("late_reports" if late else "unknown_reports")
         log.add(
             logging.WARNING,
@@ -491,6 +491,10 @@ class LoadTracker:
             req_id=repr(req_id),
             report=what,
         )
+
+    def _retire_recent(self) -> None:
+        self._recent_old = self._recent
+        self._recent = set()
 
     def _compact_deadlines(self) -> None:
         live = [
