@@ -1,0 +1,683 @@
+"""Drive vLLM's real ``Scheduler`` on CPU and play the model runner around it.
+
+Why: a connector's load-error behaviour only matters through what the real scheduler does
+with its reports, and the scheduler needs no GPU. So :class:`Engine` builds the real
+``vllm.v1.core.sched.scheduler.Scheduler`` (which builds the SCHEDULER-role connector
+itself), builds one WORKER-role connector per simulated TP rank with real CPU KV tensors,
+and plays the engine core and the model runner each step, in vLLM's order:
+
+1. ``schedule()``;
+2. per rank, with that rank's connector installed as the process's KV transfer group:
+   ``handle_preemptions``, then vLLM's own ``KVConnectorModelRunnerMixin`` runs the worker
+   hooks (``bind_connector_metadata``, ``start_load_kv`` before or after the forward,
+   ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+   ``get_kv_connector_stats``, ... , ``clear_connector_metadata``) around our forward
+   (an optional callback, e.g. a producer writing a byte pattern into its KV tensors);
+   with nothing scheduled, the mixin's ``kv_connector_no_forward``, as the runner does;
+3. a ``ModelRunnerOutput`` with one deterministic sampled token per request that finished
+   its prefill or decoded (none for a partial prefill chunk);
+4. TP > 1: vLLM's ``KVOutputAggregator``, built as the engine core builds it
+   (``from_connector(scheduler.connector, world_size)``);
+5. ``update_from_output``.
+
+Everything the scheduler saw is recorded (:class:`EngineRecord`): each ``EngineCoreOutput``,
+each rank's raw ``KVConnectorOutput`` and the aggregated one, which request ids were in
+``WAITING_FOR_REMOTE_KVS`` after each ``schedule()``, and which requests each failure
+report touched. An exception from a worker hook or from ``update_from_output`` (C7's
+``assert req_id in self.requests``, C5's ``RuntimeError``) would kill a real EngineCore;
+here it is recorded as a :class:`Crash` and the engine refuses further steps.
+
+World of one. Worker connectors that ask for TP/PP ranks need vLLM's distributed state,
+so the first engine in a process runs the real ``init_distributed_environment`` (gloo,
+world size 1, on 127.0.0.1) and ``ensure_model_parallel_initialized(1, 1)``.
+
+TP = 2, and its limits. Two WORKER-role instances are built in this one process, each
+with its own KV tensors, and the mixin runs each in turn with that instance installed as
+the transfer group (vLLM's ``_KV_CONNECTOR_AGENT`` is swapped for the duration of the
+rank's hooks and restored after). The aggregation is vLLM's real code with two real
+outputs. What is *not* simulated: each instance still sees TP rank 0 of a TP world of
+size 1 (the process is a world of one and ``parallel_config.tensor_parallel_size`` stays
+1), so a connector that shards heads or picks peers by TP rank behaves as rank 0 twice.
+TP = 2 is therefore honest for connectors whose reporting does not depend on the rank
+(the toy, and the reporter's bookkeeping), not for a real transport's TP layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import socket
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.forward_context import set_forward_context
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+__all__ = [
+    "Crash",
+    "Engine",
+    "EngineCrashedError",
+    "EngineRecord",
+    "ForwardHook",
+    "KVReport",
+    "OutputRecord",
+    "RunResult",
+    "StepRecord",
+    "Worker",
+    "ensure_world_of_one",
+    "prompt_tokens",
+]
+
+WorkerBuild = Literal["direct", "transfer_group"]
+
+#: Token ids below this are never generated (0-2 are pad/bos/eos in the shipped models),
+#: so a request ends by ``max_tokens`` and never by an accidental EOS.
+FIRST_FREE_TOKEN = 3
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class OutputRecord:
+    """One ``EngineCoreOutput`` the scheduler returned from ``update_from_output``."""
+
+    step: int
+    request_id: str
+    finish_reason: FinishReason | None
+    new_token_ids: tuple[int, ...]
+    kv_transfer_params: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class KVReport:
+    """One ``KVConnectorOutput``: a rank's raw output (``rank`` >= 0) or the scheduler's.
+
+    ``rank`` is ``None`` for what ``update_from_output`` actually received (after TP
+    aggregation). ``failed_requests`` is the harness's attribution, computed before the
+    scheduler acted on it: ids in ``failed_recving`` plus every waiting or running request
+    owning a block in ``invalid_block_ids``.
+    """
+
+    step: int
+    rank: int | None
+    finished_recving: frozenset[str]
+    failed_recving: frozenset[str]
+    invalid_block_ids: frozenset[int]
+    finished_sending: frozenset[str]
+    failed_requests: frozenset[str] = frozenset()
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.finished_recving
+            or self.failed_recving
+            or self.invalid_block_ids
+            or self.finished_sending
+        )
+
+
+@dataclass(frozen=True)
+class Crash:
+    """An exception that would have killed a real EngineCore or worker."""
+
+    step: int
+    phase: str  # "update_from_output", "worker[<rank>]", "schedule", "forward[<rank>]"
+    exc_type: str
+    message: str
+    traceback: str
+
+    @property
+    def clause(self) -> str:
+        """The contract clause this crash most likely violates (for oracle messages)."""
+        if self.exc_type == "RuntimeError" and "KV cache groups" in self.message:
+            return "C5"
+        if self.phase == "update_from_output" and self.exc_type == "AssertionError":
+            return "C7"
+        if self.phase.startswith("worker"):
+            return "C13"
+        return "crash"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one :meth:`Engine.step` did."""
+
+    step: int
+    ran: bool
+    num_scheduled_tokens: int = 0
+    waiting_for_remote: frozenset[str] = frozenset()
+    outputs: tuple[OutputRecord, ...] = ()
+    crash: Crash | None = None
+    load_starts: frozenset[str] = frozenset()
+
+
+@dataclass
+class EngineRecord:
+    """Everything observed over an engine's life, for the oracles."""
+
+    steps: int = 0
+    outputs: list[OutputRecord] = field(default_factory=list)
+    #: Raw per-rank reports and the scheduler's view, in step order (empty ones skipped).
+    kv_reports: list[KVReport] = field(default_factory=list)
+    crashes: list[Crash] = field(default_factory=list)
+    #: Index = step number (steps that ran): ids in WAITING_FOR_REMOTE_KVS right after
+    #: ``schedule()``.
+    waiting_for_remote: list[frozenset[str]] = field(default_factory=list)
+    #: Index = step number: ids whose async load started in that step's ``schedule()``.
+    load_starts: list[frozenset[str]] = field(default_factory=list)
+
+    def scheduler_reports(self) -> list[KVReport]:
+        return [r for r in self.kv_reports if r.rank is None]
+
+    def rank_reports(self, rank: int) -> list[KVReport]:
+        return [r for r in self.kv_reports if r.rank == rank]
+
+    def outputs_for(self, request_id: str) -> list[OutputRecord]:
+        return [o for o in self.outputs if o.request_id == request_id]
+
+    def load_episodes(self, request_id: str) -> int:
+        """How many async loads the request started (entries into WAITING_FOR_REMOTE_KVS)."""
+        return sum(request_id in starts for starts in self.load_starts)
+
+    def load_start_steps(self, request_id: str) -> list[int]:
+        return [step for step, starts in enumerate(self.load_starts) if request_id in starts]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How :meth:`Engine.run_until` ended."""
+
+    ok: bool
+    reason: Literal["predicate", "max_steps", "timeout", "crash"]
+    steps: int
+    elapsed_s: float
+
+
+class _ForwardHookError(Exception):
+    """Carries an exception from the test's forward hook, so it is not blamed on the
+    connector (phase ``forward[<rank>]``, not ``worker[<rank>]``)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class EngineCrashedError(RuntimeError):
+    """Raised by :meth:`Engine.step` after a crash: a real EngineCore would be dead."""
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass
+class Worker:
+    """One simulated TP rank: its WORKER-role connector and its own KV tensors."""
+
+    rank: int
+    connector: KVConnectorBase_V1
+    kv_caches: dict[str, torch.Tensor]
+
+
+#: ``forward(engine, worker, scheduler_output)``: runs inside the mixin's context, where a
+#: real runner runs the model; e.g. a producer writes a byte pattern into its KV blocks.
+ForwardHook = Callable[["Engine", Worker, "SchedulerOutput"], None]
+
+
+def _free_local_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_world_of_one(vllm_config: VllmConfig) -> None:
+    """Real gloo init, world size 1 on 127.0.0.1, once per process (idempotent)."""
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
+
+    if torch.distributed.is_initialized() and model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(vllm_config):
+        if not torch.distributed.is_initialized():
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_local_port()}",
+                local_rank=0,
+                backend="gloo",
+            )
+        ensure_model_parallel_initialized(1, 1)
+
+
+@contextlib.contextmanager
+def _installed_as_transfer_group(connector: KVConnectorBase_V1) -> Iterator[None]:
+    """Make ``connector`` the process's KV transfer group while one rank's hooks run.
+
+    vLLM's mixin reads the group through ``get_kv_transfer_group()``, a module global; a
+    real worker process has exactly one. Swapping it per rank lets the real mixin drive
+    several simulated ranks in one process.
+    """
+    previous = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = previous
+
+
+_NONE_HASH_READY = False
+
+
+def _ensure_none_hash() -> None:
+    """``init_none_hash`` once per process, as the engine core does at start-up."""
+    global _NONE_HASH_READY
+    if not _NONE_HASH_READY:
+        init_none_hash(sha256)
+        _NONE_HASH_READY = True
+
+
+def prompt_tokens(seed: str, length: int, vocab_size: int) -> list[int]:
+    """Deterministic prompt: same seed, same tokens (so P and D can share a prompt), and
+    different seeds share no prefix block in practice (so prefix caching stays out of the
+    way unless a test wants it)."""
+    span = vocab_size - FIRST_FREE_TOKEN
+    return [FIRST_FREE_TOKEN + zlib.crc32(f"{seed}:{i}".encode()) % span for i in range(length)]
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine:
+    """One simulated vLLM engine (P or D): real Scheduler, real worker connectors, our loop.
+
+    ``worker_build="direct"`` builds each rank's connector with
+    ``KVConnectorFactory.create_connector(vllm_config, WORKER, kv_cache_config)``, i.e.
+    ``Cls(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``;
+    ``"transfer_group"`` uses ``ensure_kv_transfer_initialized`` exactly as a GPU/CPU
+    worker does (process-global, so TP must be 1 and only one such engine may exist).
+    """
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        *,
+        forward: ForwardHook | None = None,
+        worker_build: WorkerBuild = "direct",
+        log_stats: bool = True,
+    ) -> None:
+        if worker_build == "transfer_group" and spec.tp_size != 1:
+            raise ValueError("worker_build='transfer_group' supports tp_size=1 only")
+        self.spec = spec
+        self.built: BuiltConfig = build_config(spec)
+        self.vllm_config: VllmConfig = self.built.vllm_config
+        self.kv_cache_config = self.built.kv_cache_config
+        self.forward = forward
+        self.record = EngineRecord()
+        self.requests: dict[str, Request] = {}
+        self._worker_build = worker_build
+        self._owns_transfer_group = False
+        self._closed = False
+        self._crashed: Crash | None = None
+        self._next_id = 0
+        _ensure_none_hash()
+        ensure_world_of_one(self.vllm_config)
+        with set_current_vllm_config(self.vllm_config):
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=spec.block_size,
+                log_stats=log_stats,
+            )
+            self.workers: list[Worker] = [self._build_worker(r) for r in range(spec.tp_size)]
+        self.aggregator: KVOutputAggregator | None = None
+        if spec.tp_size > 1:
+            assert self.scheduler.connector is not None
+            self.aggregator = KVOutputAggregator.from_connector(
+                self.scheduler.connector, spec.tp_size
+            )
+        self.vocab_size: int = self.vllm_config.model_config.get_vocab_size()
+        self._hasher = get_request_block_hasher(spec.block_size, sha256)
+
+    def _build_worker(self, rank: int) -> Worker:
+        if self._worker_build == "transfer_group":
+            if kv_transfer_state.has_kv_transfer_group():
+                raise RuntimeError("a KV transfer group already exists in this process")
+            kv_transfer_state.ensure_kv_transfer_initialized(self.vllm_config, self.kv_cache_config)
+            self._owns_transfer_group = True
+            connector = kv_transfer_state.get_kv_transfer_group()
+        else:
+            # Cls(vllm_config, WORKER, kv_cache_config), plus the factory's own checks.
+            connector = KVConnectorFactory.create_connector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+        assert isinstance(connector, KVConnectorBase_V1)
+        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+        kv_caches = allocate_kv_cache(
+            self.kv_cache_config,
+            torch.device("cpu"),
+            layout,
+            kernel_block_sizes=[self.spec.block_size] * len(self.kv_cache_config.kv_cache_groups),
+        )
+        connector.register_kv_caches(kv_caches)
+        return Worker(rank, connector, kv_caches)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        *,
+        prompt_len: int = 100,
+        prompt: list[int] | None = None,
+        prompt_seed: str | None = None,
+        max_tokens: int = 4,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> Request:
+        """Add a real ``Request`` (deterministic prompt unless ``prompt`` is given)."""
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if prompt is None:
+            prompt = prompt_tokens(prompt_seed or request_id, prompt_len, self.vocab_size)
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
+        params.update_from_generation_config(
+            {}, self.vllm_config.model_config.hf_config.eos_token_id
+        )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self._hasher,
+        )
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[str]:
+        """Abort as the API server does (``finish_requests(..., FINISHED_ABORTED)``)."""
+        with set_current_vllm_config(self.vllm_config):
+            done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [r.request_id for r in done]
+
+    def status(self, request_id: str) -> RequestStatus | None:
+        request = self.requests.get(request_id)
+        return None if request is None else request.status
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def crashed(self) -> Crash | None:
+        return self._crashed
+
+    def is_idle(self) -> bool:
+        """What the engine core's busy loop asks before stepping."""
+        return not self.scheduler.has_requests()
+
+    def waiting_for_remote(self) -> frozenset[str]:
+        return frozenset(
+            rid
+            for rid, req in self.scheduler.requests.items()
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self, *, force: bool = False) -> StepRecord:
+        """One engine-core iteration; skipped (``ran=False``) when idle unless ``force``."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if self._crashed is not None:
+            raise EngineCrashedError(
+                f"engine crashed at step {self._crashed.step}: "
+                f"{self._crashed.exc_type}: {self._crashed.message}"
+            )
+        step = self.record.steps
+        if not force and self.is_idle():
+            return StepRecord(step, ran=False)
+        self.record.steps += 1
+        with set_current_vllm_config(self.vllm_config):
+            before = self.waiting_for_remote()
+            ready = before & self.scheduler.finished_recving_kv_req_ids
+            try:
+                so = self.scheduler.schedule()
+            except Exception as exc:
+                self.record.waiting_for_remote.append(frozenset())
+                self.record.load_starts.append(frozenset())
+                return self._crash(step, "schedule", exc)
+            waiting = self.waiting_for_remote()
+            # A load starts when a request enters WAITING_FOR_REMOTE_KVS, including one
+            # promoted and re-admitted for a new load within the same schedule() call.
+            still_ready = self.scheduler.finished_recving_kv_req_ids
+            starts = frozenset(
+                r for r in waiting if r not in before or (r in ready and r not in still_ready)
+            )
+            self.record.waiting_for_remote.append(waiting)
+            self.record.load_starts.append(starts)
+            rank_outputs: list[ModelRunnerOutput] = []
+            for worker in self.workers:
+                try:
+                    rank_outputs.append(self._run_worker(worker, so))
+                except _ForwardHookError as err:
+                    return self._crash(step, f"forward[{worker.rank}]", err.cause, waiting, so)
+                except Exception as exc:
+                    return self._crash(step, f"worker[{worker.rank}]", exc, waiting, so)
+                self._record_kv(step, worker.rank, rank_outputs[-1].kv_connector_output)
+            mro = self._combine(rank_outputs)
+            self._record_kv(step, None, mro.kv_connector_output, attribute=so)
+            try:
+                engine_outputs = self.scheduler.update_from_output(so, mro)
+            except Exception as exc:
+                return self._crash(step, "update_from_output", exc, waiting, so)
+        outputs = tuple(
+            OutputRecord(
+                step=step,
+                request_id=o.request_id,
+                finish_reason=o.finish_reason,
+                new_token_ids=tuple(o.new_token_ids),
+                kv_transfer_params=o.kv_transfer_params,
+            )
+            for eco in engine_outputs.values()
+            for o in eco.outputs
+        )
+        self.record.outputs.extend(outputs)
+        return StepRecord(step, True, so.total_num_scheduled_tokens, waiting, outputs, None, starts)
+
+    def run_until(
+        self,
+        predicate: Callable[[Engine], bool],
+        *,
+        max_steps: int = 200,
+        timeout_s: float = 30.0,
+        poll_s: float = 0.0,
+    ) -> RunResult:
+        """Step until ``predicate(self)``; bounded by ``max_steps`` AND ``timeout_s``.
+
+        ``poll_s`` sleeps between steps, for real transports that progress in threads.
+        Never raises for a crash: returns ``reason="crash"`` (see ``record.crashes``).
+        """
+        start = time.monotonic()
+        steps = 0
+        while True:
+            if self._crashed is not None:
+                return RunResult(False, "crash", steps, time.monotonic() - start)
+            if predicate(self):
+                return RunResult(True, "predicate", steps, time.monotonic() - start)
+            if steps >= max_steps:
+                return RunResult(False, "max_steps", steps, time.monotonic() - start)
+            if time.monotonic() - start >= timeout_s:
+                return RunResult(False, "timeout", steps, time.monotonic() - start)
+            self.step()
+            steps += 1
+            if poll_s > 0:
+                time.sleep(poll_s)
+
+    def run_until_idle(
+        self, *, max_steps: int = 200, timeout_s: float = 30.0, poll_s: float = 0.0
+    ) -> RunResult:
+        return self.run_until(
+            Engine.is_idle, max_steps=max_steps, timeout_s=timeout_s, poll_s=poll_s
+        )
+
+    def close(self) -> None:
+        """Shut the connectors down; idempotent. Leaves the process's world of one alone."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                worker.connector.shutdown()
+        if self._owns_transfer_group:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _run_worker(self, worker: Worker, so: SchedulerOutput) -> ModelRunnerOutput:
+        connector = worker.connector
+        assert so.kv_connector_metadata is not None
+        with _installed_as_transfer_group(connector):
+            connector.handle_preemptions(so.kv_connector_metadata)
+            if so.total_num_scheduled_tokens == 0:
+                # What the runner does with nothing to compute: connector work only.
+                mro = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
+                # The empty case returns a shared module-level object: never mutate it.
+                return copy.copy(mro)
+            with (
+                set_forward_context(None, self.vllm_config),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_output,
+            ):
+                if self.forward is not None:
+                    try:
+                        self.forward(self, worker, so)
+                    except Exception as exc:
+                        raise _ForwardHookError(exc) from exc
+        return self._model_runner_output(so, kv_output)
+
+    def _model_runner_output(
+        self, so: SchedulerOutput, kv_output: KVConnectorOutput
+    ) -> ModelRunnerOutput:
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        span = self.vocab_size - FIRST_FREE_TOKEN
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            if request.is_prefill_chunk:
+                sampled.append([])  # the runner discards a partial prefill's sample
+                continue
+            token = FIRST_FREE_TOKEN + zlib.crc32(f"{req_id}:{request.num_tokens}".encode()) % span
+            sampled.append([token])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_output,  # as the runner does, empty or not
+        )
+
+    def _combine(self, outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+        if self.aggregator is None:
+            return outputs[0]
+        # Workers in a real executor send serialized copies; keep ours independent too.
+        combined = self.aggregator.aggregate([copy.copy(o) for o in outputs], output_rank=0)
+        assert combined is not None
+        return combined
+
+    def _record_kv(
+        self,
+        step: int,
+        rank: int | None,
+        output: KVConnectorOutput | None,
+        attribute: SchedulerOutput | None = None,
+    ) -> None:
+        if output is None:
+            return
+        report = KVReport(
+            step=step,
+            rank=rank,
+            finished_recving=frozenset(output.finished_recving or ()),
+            failed_recving=frozenset(output.failed_recving or ()),
+            invalid_block_ids=frozenset(output.invalid_block_ids or ()),
+            finished_sending=frozenset(output.finished_sending or ()),
+        )
+        if report.empty:
+            return
+        if attribute is not None:
+            report = dataclasses.replace(report, failed_requests=self._attribute(report))
+        self.record.kv_reports.append(report)
+
+    def _attribute(self, report: KVReport) -> frozenset[str]:
+        """Which tracked requests a failure report touches, before the scheduler acts."""
+        failed = set(report.failed_recving) & set(self.scheduler.requests)
+        if report.invalid_block_ids:
+            manager = self.scheduler.kv_cache_manager
+            for req_id, request in self.scheduler.requests.items():
+                if request.status not in (
+                    RequestStatus.WAITING_FOR_REMOTE_KVS,
+                    RequestStatus.RUNNING,
+                ):
+                    continue
+                blocks = {b for group in manager.get_block_ids(req_id) for b in group}
+                if blocks & report.invalid_block_ids:
+                    failed.add(req_id)
+        return frozenset(failed)
+
+    def _crash(
+        self,
+        step: int,
+        phase: str,
+        exc: BaseException,
+        waiting: frozenset[str] = frozenset(),
+        so: SchedulerOutput | None = None,
+    ) -> StepRecord:
+        crash = Crash(
+            step=step,
+            phase=phase,
+            exc_type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        self.record.crashes.append(crash)
+        self._crashed = crash
+        tokens = 0 if so is None else so.total_num_scheduled_tokens
+        return StepRecord(step, True, tokens, waiting, (), crash)

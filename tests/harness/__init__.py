@@ -1,0 +1,1 @@
+"""Tests of kvfail.harness (vLLM's real Scheduler driven on CPU)."""
