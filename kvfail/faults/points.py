@@ -1,0 +1,260 @@
+"""The named fault points of the conformance suite, as data.
+
+Tests, reports and the compliance matrix must all say the same thing about a fault: what
+it is, whether a connector can be expected to notice it promptly or only through its own
+deadline, and which contract clauses (``contract.md``) it puts under test. Keeping that
+here, as frozen data with no behaviour, gives every consumer one vocabulary and lets the
+matrix be derived rather than hand-maintained.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = [
+    "CLAUSE_TITLES",
+    "FAULT_SPECS",
+    "Clause",
+    "Detection",
+    "FaultPoint",
+    "FaultSpec",
+    "Injection",
+    "points_for",
+]
+
+
+class Clause(enum.StrEnum):
+    """Clause numbers of the load-error contract (``contract.md``)."""
+
+    C1 = "C1"
+    C2 = "C2"
+    C3 = "C3"
+    C4 = "C4"
+    C5 = "C5"
+    C6 = "C6"
+    C7 = "C7"
+    C8 = "C8"
+    C9 = "C9"
+    C10 = "C10"
+    C11 = "C11"
+    C12 = "C12"
+    C13 = "C13"
+    C14 = "C14"
+
+    @property
+    def summary(self) -> str:  # not `title`: that would shadow str.title
+        return CLAUSE_TITLES[self]
+
+
+CLAUSE_TITLES: Mapping[Clause, str] = MappingProxyType(
+    {
+        Clause.C1: "every detected load failure is reported",
+        Clause.C2: "a failed async load is still reported as finished receiving",
+        Clause.C3: "a failure is reported no later than the pass reporting it finished",
+        Clause.C4: "a sync load's failures are reported in the pass that detects them",
+        Clause.C5: "block-level reports only with one KV-cache group",
+        Clause.C6: "a failed_recving id is paired with finished_recving",
+        Clause.C7: "never report an id the scheduler no longer tracks",
+        Clause.C8: "each completion and each failure is reported once",
+        Clause.C9: "aborted and failed loads still end with finished_recving",
+        Clause.C10: "the connector guarantees bounded termination",
+        Clause.C11: "completion only when no write can still land in the blocks",
+        Clause.C12: "advertise only loadable tokens; never re-advertise a failed hit",
+        Clause.C13: "a load failure is reported, not raised",
+        Clause.C14: "build_connector_meta does not modify scheduler_output",
+    }
+)
+
+
+class Detection(enum.StrEnum):
+    """How a connector can learn of the fault; decides which oracle and time budget apply."""
+
+    ACTIVE = "active"
+    """An error surfaces promptly (refused, reset, error reply): report within a few steps."""
+    SILENT = "silent"
+    """Nothing ever surfaces (hung peer, dropped packets): only the connector's deadline can
+    end the load, so the test budget must exceed that deadline."""
+
+
+class Injection(enum.StrEnum):
+    """Which tool of this package (or of the harness) produces the fault."""
+
+    PROCESS = "process"  # PeerProcess: kill / freeze the prefill peer
+    NETWORK = "network"  # FaultProxy: refuse / reset / blackhole / delay
+    PEER = "peer"  # a scripted peer answering wrongly on purpose
+    DRIVER = "driver"  # the test driver acts on D (abort, zero-block request)
+    TOPOLOGY = "topology"  # the fault hits one part of a multi-worker setup
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    description: str
+    detection: Detection
+    injection: Injection
+    clauses: frozenset[Clause]
+
+
+def _spec(description: str, detection: Detection, injection: Injection, clauses: str) -> FaultSpec:
+    # Clauses as "C1 C2 C10" keep the table compact; a typo still fails at import.
+    return FaultSpec(description, detection, injection, frozenset(map(Clause, clauses.split())))
+
+
+class FaultPoint(enum.StrEnum):
+    """A named place where the suite injects a fault; the value is a stable report id."""
+
+    KILL_BEFORE_PULL = "kill_before_pull"
+    KILL_DURING_TRANSFER = "kill_during_transfer"
+    FREEZE_PEER = "freeze_peer"
+    REFUSE = "refuse"
+    BOOTSTRAP_DOWN = "bootstrap_down"
+    UNKNOWN_ENGINE = "unknown_engine"
+    NET_RESET = "net_reset"
+    NET_BLACKHOLE = "net_blackhole"
+    NET_DELAY = "net_delay"
+    PEER_ERROR_RESPONSE = "peer_error_response"
+    PEER_ERR_REQS = "peer_err_reqs"
+    PEER_FINISH_WITHOUT_RESULT = "peer_finish_without_result"
+    ABORT_WHILE_WAITING = "abort_while_waiting"
+    NOTIFY_ONLY_EMPTY_BLOCKS = "notify_only_empty_blocks"
+    TP_ONE_RANK = "tp_one_rank"
+
+    @property
+    def spec(self) -> FaultSpec:
+        return FAULT_SPECS[self]
+
+    @property
+    def description(self) -> str:
+        return self.spec.description
+
+    @property
+    def detection(self) -> Detection:
+        return self.spec.detection
+
+    @property
+    def active(self) -> bool:
+        return self.spec.detection is Detection.ACTIVE
+
+    @property
+    def silent(self) -> bool:
+        return self.spec.detection is Detection.SILENT
+
+    @property
+    def injection(self) -> Injection:
+        return self.spec.injection
+
+    @property
+    def clauses(self) -> frozenset[Clause]:
+        return self.spec.clauses
+
+
+_A, _S = Detection.ACTIVE, Detection.SILENT
+
+FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
+    {
+        FaultPoint.KILL_BEFORE_PULL: _spec(
+            "P is SIGKILLed after handing out its transfer params, before D starts pulling",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C3 C10 C13",
+        ),
+        FaultPoint.KILL_DURING_TRANSFER: _spec(
+            "P is SIGKILLed while D's pull is in flight; part of the data has already landed",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C3 C10 C11",
+        ),
+        FaultPoint.FREEZE_PEER: _spec(
+            "P is SIGSTOPped: its sockets stay open but it never answers (a hung peer)",
+            _S,
+            Injection.PROCESS,
+            "C1 C2 C10 C11",
+        ),
+        FaultPoint.REFUSE: _spec(
+            "nothing listens at the advertised address (peer gone or wrong port)",
+            _A,
+            Injection.NETWORK,
+            "C1 C2 C3 C10",
+        ),
+        FaultPoint.BOOTSTRAP_DOWN: _spec(
+            "the bootstrap / side-channel endpoint D asks for P's metadata is unreachable",
+            _A,
+            Injection.NETWORK,
+            "C1 C2 C10 C13",
+        ),
+        FaultPoint.UNKNOWN_ENGINE: _spec(
+            "the transfer params name an engine or agent the transport does not know",
+            _A,
+            Injection.PEER,
+            "C1 C2 C3 C10 C13",
+        ),
+        FaultPoint.NET_RESET: _spec(
+            "every D<->P connection is reset (RST) mid-flight, and new ones are reset at once",
+            _A,
+            Injection.NETWORK,
+            "C1 C2 C3 C10 C11",
+        ),
+        FaultPoint.NET_BLACKHOLE: _spec(
+            "D<->P traffic is silently swallowed while the connections stay open",
+            _S,
+            Injection.NETWORK,
+            "C1 C2 C10 C11",
+        ),
+        FaultPoint.NET_DELAY: _spec(
+            "D<->P traffic is delayed: must succeed under the deadline, or fail by it, never hang",
+            _S,
+            Injection.NETWORK,
+            "C2 C3 C10 C11",
+        ),
+        FaultPoint.PEER_ERROR_RESPONSE: _spec(
+            "P answers the pull or handshake with an explicit error or a malformed reply",
+            _A,
+            Injection.PEER,
+            "C1 C2 C3 C10 C13",
+        ),
+        FaultPoint.PEER_ERR_REQS: _spec(
+            "P reports failed request ids, including ones D never asked for or already settled",
+            _A,
+            Injection.PEER,
+            "C1 C3 C6 C7 C8",
+        ),
+        FaultPoint.PEER_FINISH_WITHOUT_RESULT: _spec(
+            "P finishes and frees the request without ever sending D data or a notification",
+            _S,
+            Injection.PEER,
+            "C1 C2 C10 C11",
+        ),
+        FaultPoint.ABORT_WHILE_WAITING: _spec(
+            "the request is aborted on D while its load waits for remote KV; signals may follow",
+            _A,
+            Injection.DRIVER,
+            "C7 C9 C10 C11",
+        ),
+        FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: _spec(
+            "the load has no local blocks (rejected / abort_immediately): only P is notified",
+            _A,
+            Injection.DRIVER,
+            "C7 C10",
+        ),
+        FaultPoint.TP_ONE_RANK: _spec(
+            "with TP>1 the fault hits one rank only; the others load successfully",
+            _A,
+            Injection.TOPOLOGY,
+            "C1 C2 C6 C8 C10 C11",
+        ),
+    }
+)
+
+
+def points_for(
+    clause: Clause | None = None, detection: Detection | None = None
+) -> tuple[FaultPoint, ...]:
+    """Fault points matching the filters, in declaration order (stable test ids)."""
+    return tuple(
+        p
+        for p in FaultPoint
+        if (clause is None or clause in p.clauses)
+        and (detection is None or p.detection is detection)
+    )

@@ -1,0 +1,578 @@
+"""Real peer processes that a test can kill, freeze and thaw, and that never outlive pytest.
+
+Process faults are the only honest way to produce a crashed or hung peer: the kernel closes
+a killed process's sockets (the RST/EOF a transport sees), and a SIGSTOPped process keeps
+them open while answering nothing (the silent peer NIXL never detects). Each peer runs in
+its own session, hence its own process group, so a fault or a cleanup reaches the workers
+it spawned too (vLLM's engine core holds the listening sockets, not the API process).
+
+Leaks are the main hazard: a stopped process ignores SIGTERM until continued, and a test
+that fails half-way skips its own cleanup. `PeerProcess.close` therefore always continues,
+terminates, then kills the whole group, and a module registry plus an `atexit` hook close
+whatever a test forgot. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal
+
+from kvfail.faults._net import LOOPBACK, require_loopback
+
+__all__ = [
+    "PeerExitedError",
+    "PeerProcess",
+    "close_all",
+    "free_port",
+    "free_ports",
+    "live_peers",
+    "proc_state",
+    "wait_for_port",
+]
+
+log = logging.getLogger(__name__)
+
+Stream = Literal["stdout", "stderr", "both"]
+LineMatcher = str | re.Pattern[str]
+
+_POLL_S = 0.02
+
+
+class PeerExitedError(RuntimeError):
+    """The peer died while we waited for it: fail at once instead of running to the timeout."""
+
+    def __init__(self, message: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat from the state on (index 0 = state, 1 = ppid, 2 = pgrp).
+
+    The command name may contain spaces and parentheses, so split after the last ')'.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.rpartition(")")[2].split()
+
+
+def proc_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` ('R', 'S', 'T', 'Z', ...), or None if gone."""
+    fields = _read_stat(pid)
+    return fields[0] if fields else None
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`.
+
+    `killpg(pgid, 0)` is not enough: orphaned grandchildren are reparented to PID 1, which
+    in a container may never reap them, so zombies would count as alive forever.
+    """
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _read_stat(int(entry.name))
+        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZXx":
+            members.append(int(entry.name))
+    return members
+
+
+class _LineBuffer:
+    """Lines read from one pipe by a background thread, kept bounded for long-lived peers."""
+
+    def __init__(self, maxlen: int, cond: threading.Condition) -> None:
+        self.lines: deque[str] = deque(maxlen=maxlen)
+        self.total = 0  # lines ever appended, to find the new ones after the deque wrapped
+        self.eof = False
+        self._cond = cond
+
+    def pump(self, pipe: IO[bytes]) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                with self._cond:
+                    self.lines.append(line)
+                    self.total += 1
+                    self._cond.notify_all()
+        except (OSError, ValueError):  # pipe closed under us during close()
+            pass
+        finally:
+            with self._cond:
+                self.eof = True
+                self._cond.notify_all()
+
+    def since(self, seen: int) -> list[str]:
+        """Lines appended after the first `seen` (caller holds the condition)."""
+        n = len(self.lines)
+        new = min(self.total - seen, n)
+        # Index from the right end (cheap on a deque) rather than copying all of it.
+        return [self.lines[i] for i in range(n - new, n)] if new > 0 else []
+
+
+class PeerProcess:
+    """A child process in its own session, with fault controls and guaranteed cleanup.
+
+    Signals go to the whole process group by default (``group=True``): a peer's workers
+    must crash or hang with it, or the fault does not happen.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str | os.PathLike[str]],
+        *,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        inherit_env: bool = True,
+        cwd: str | os.PathLike[str] | None = None,
+        stdin: bool = False,
+        merge_stderr: bool = False,
+        max_lines: int = 10_000,
+    ) -> None:
+        if isinstance(argv, str | bytes):
+            raise TypeError("argv must be a list of arguments, not one string (no shell here)")
+        self.argv = [os.fspath(a) for a in argv]
+        self.name = name or Path(self.argv[0]).name
+        full_env = dict(os.environ) if inherit_env else {}
+        # Ready lines must not sit in a child's stdio buffer until it exits.
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        self._cond = threading.Condition()
+        self._out = _LineBuffer(max_lines, self._cond)
+        self._err = _LineBuffer(max_lines, self._cond)
+        self._closed = False
+        self._popen = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+            cwd=cwd,
+            env=full_env,
+            start_new_session=True,  # own session => own process group, pgid == pid
+            close_fds=True,
+        )
+        self.pid = self._popen.pid
+        self.pgid = self.pid
+        _register(self)
+        self._readers: list[threading.Thread] = []
+        pipes: list[tuple[_LineBuffer, IO[bytes] | None]] = [(self._out, self._popen.stdout)]
+        if merge_stderr:
+            self._err.eof = True
+        else:
+            pipes.append((self._err, self._popen.stderr))
+        for buf, pipe in pipes:
+            assert pipe is not None
+            t = threading.Thread(
+                target=buf.pump, args=(pipe,), name=f"peer-{self.name}-{self.pid}", daemon=True
+            )
+            t.start()
+            self._readers.append(t)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def alive(self) -> bool:
+        """True until the process has exited (a frozen process is alive)."""
+        return self._popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """Negative signal number if killed by a signal, as with subprocess."""
+        return self._popen.poll()
+
+    @property
+    def state(self) -> str | None:
+        """Kernel state letter of the leader; 'T' while frozen, None once reaped."""
+        return proc_state(self.pid) if self.alive else None
+
+    @property
+    def frozen(self) -> bool:
+        return self.state in ("T", "t")
+
+    def group_members(self) -> list[int]:
+        """Live processes of this peer's group (the leader and anything it spawned)."""
+        return _group_members(self.pgid)
+
+    def stdout_lines(self) -> list[str]:
+        with self._cond:
+            return list(self._out.lines)
+
+    def stderr_lines(self) -> list[str]:
+        with self._cond:
+            return list(self._err.lines)
+
+    def output_tail(self, n: int = 40) -> str:
+        """Recent output for assertion messages: why did the peer fail to come up?"""
+        with self._cond:
+            out = list(self._out.lines)[-n:]
+            err = list(self._err.lines)[-n:]
+        parts = [f"[{self.name} pid={self.pid} rc={self.returncode}]"]
+        if out:
+            parts.append("stdout:\n" + "\n".join(out))
+        if err:
+            parts.append("stderr:\n" + "\n".join(err))
+        return "\n".join(parts)
+
+    # ------------------------------------------------------------------ readiness
+
+    def wait_ready(
+        self,
+        timeout_s: float,
+        *,
+        line: LineMatcher | None = None,
+        predicate: Callable[[], bool] | None = None,
+        path: str | os.PathLike[str] | None = None,
+        stream: Stream = "stdout",
+    ) -> str | None:
+        """Block until the peer is ready; return the matching line (None for a predicate).
+
+        Exactly one of `line` (a substring or compiled regex, searched in the peer's output,
+        or in the file `path` when given) and `predicate` (polled) must be set. Raises
+        PeerExitedError as soon as the peer dies and TimeoutError after `timeout_s`.
+        """
+        if (line is None) == (predicate is None):
+            raise ValueError("give exactly one of line= or predicate=")
+        if path is not None and line is None:
+            raise ValueError("path= needs line=")
+        deadline = time.monotonic() + timeout_s
+        if predicate is not None:
+            return self._wait_predicate(predicate, deadline, timeout_s)
+        assert line is not None
+        match = self._matcher(line)
+        if path is not None:
+            return self._wait_file(Path(path), match, deadline, timeout_s)
+        return self._wait_stream(match, stream, deadline, timeout_s)
+
+    @staticmethod
+    def _matcher(line: LineMatcher) -> Callable[[str], bool]:
+        if isinstance(line, re.Pattern):
+            return lambda s: line.search(s) is not None
+        return lambda s: line in s
+
+    def _exited(self, what: str) -> PeerExitedError:
+        return PeerExitedError(
+            f"peer {self.name} exited (rc={self.returncode}) before {what}\n{self.output_tail()}",
+            self.returncode,
+        )
+
+    def _timed_out(self, what: str, timeout_s: float) -> TimeoutError:
+        return TimeoutError(
+            f"peer {self.name} not ready ({what}) after {timeout_s}s\n{self.output_tail()}"
+        )
+
+    def _wait_predicate(
+        self, predicate: Callable[[], bool], deadline: float, timeout_s: float
+    ) -> None:
+        while True:
+            if predicate():
+                return None
+            if not self.alive:
+                # One last look: the peer may have finished its work and exited.
+                if predicate():
+                    return None
+                raise self._exited("predicate held")
+            if time.monotonic() >= deadline:
+                raise self._timed_out("predicate", timeout_s)
+            time.sleep(_POLL_S)
+
+    def _wait_file(
+        self, path: Path, match: Callable[[str], bool], deadline: float, timeout_s: float
+    ) -> str:
+        def scan() -> str | None:
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError:
+                return None
+            return next((ln for ln in text.splitlines() if match(ln)), None)
+
+        while True:
+            found = scan()
+            if found is not None:
+                return found
+            if not self.alive:
+                found = scan()
+                if found is not None:
+                    return found
+                raise self._exited(f"a matching line in {path}")
+            if time.monotonic() >= deadline:
+                raise self._timed_out(f"line in {path}", timeout_s)
+            time.sleep(_POLL_S)
+
+    def _wait_stream(
+        self, match: Callable[[str], bool], stream: Stream, deadline: float, timeout_s: float
+    ) -> str:
+        bufs = {"stdout": [self._out], "stderr": [self._err], "both": [self._out, self._err]}
+        watched = bufs[stream]
+        seen = [0] * len(watched)
+        with self._cond:
+            while True:
+                for i, buf in enumerate(watched):
+                    new = buf.since(seen[i])
+                    seen[i] = buf.total
+                    for candidate in new:
+                        if match(candidate):
+                            return candidate
+                # Dead only counts once its pipes are drained: the ready line may be the
+                # last thing it printed.
+                if all(b.eof for b in watched) and not self.alive:
+                    raise self._exited(f"a matching line on {stream}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._timed_out(f"line on {stream}", timeout_s)
+                # Bounded even if no line ever comes: we also need to notice the exit.
+                self._cond.wait(min(remaining, 0.1))
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the peer to exit by itself; TimeoutError if it does not."""
+        try:
+            return self._popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"peer {self.name} still running after {timeout_s}s") from None
+
+    # ------------------------------------------------------------------ faults
+
+    def send_signal(self, sig: int, *, group: bool = True) -> None:
+        """Send `sig` to the group (or only the leader); a vanished target is not an error."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(self.pgid, sig)
+            elif self.alive:
+                os.kill(self.pid, sig)
+
+    def kill(self, *, group: bool = True, timeout_s: float = 5.0) -> int:
+        """SIGKILL (a crash), then reap: on return the kernel has closed the peer's sockets."""
+        self.send_signal(signal.SIGKILL, group=group)
+        rc = self.wait(timeout_s)
+        if group:
+            self._wait_group_gone(timeout_s)
+        return rc
+
+    def freeze(self, *, group: bool = True, timeout_s: float = 2.0) -> None:
+        """SIGSTOP: a hung peer whose sockets stay open.
+
+        Returns only once the kernel shows every targeted process stopped ('T'): signal
+        delivery is asynchronous, and a worker still running for a few more milliseconds
+        could answer the very request the test expects to go unanswered.
+        """
+        if not self.alive:
+            raise self._exited("freeze")
+        self.send_signal(signal.SIGSTOP, group=group)
+        self._wait_stopped(True, group, timeout_s)
+
+    def thaw(self, *, group: bool = True, timeout_s: float = 2.0) -> None:
+        """SIGCONT; returns once no targeted process is still in the stopped state."""
+        self.send_signal(signal.SIGCONT, group=group)
+        self._wait_stopped(False, group, timeout_s)
+
+    def _wait_stopped(self, stopped: bool, group: bool, timeout_s: float) -> None:
+        what = "stopped" if stopped else "continued"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leader = proc_state(self.pid)
+            if leader is None or leader in "ZXx":
+                raise self._exited(what)
+            pids = self.group_members() if group else [self.pid]
+            states = {pid: proc_state(pid) for pid in pids}
+            pending = {
+                pid: st
+                for pid, st in states.items()
+                if st is not None and st not in "ZXx" and (st in "Tt") != stopped
+            }
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"peer {self.name} not {what} after {timeout_s}s (states {pending})"
+                )
+            time.sleep(0.005)
+
+    def _wait_group_gone(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.group_members():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # ------------------------------------------------------------------ stdin
+
+    def write_stdin(self, data: str | bytes) -> None:
+        """Send a command to a peer started with stdin=True (e.g. a line-based protocol)."""
+        pipe = self._popen.stdin
+        if pipe is None:
+            raise RuntimeError("peer started without stdin=True")
+        pipe.write(data.encode() if isinstance(data, str) else data)
+        pipe.flush()
+
+    # ------------------------------------------------------------------ cleanup
+
+    def close(self, grace_s: float = 1.0, timeout_s: float = 5.0) -> int | None:
+        """Always leave nothing behind: SIGCONT, SIGTERM, then SIGKILL, to the whole group.
+
+        SIGCONT comes first because a stopped process only acts on SIGTERM once continued.
+        Never raises for a stubborn process; logs instead, so teardown cannot mask a test's
+        real failure. Returns the leader's return code (None if it could not be reaped).
+        """
+        if self._closed:
+            return self.returncode
+        self._closed = True
+        try:
+            if self.alive or self.group_members():
+                self.send_signal(signal.SIGCONT)
+                self.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._popen.wait(grace_s)
+                if self.alive or self.group_members():
+                    self.send_signal(signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):
+                        self._popen.kill()  # the leader, even if it left its group
+                try:
+                    self._popen.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.error(
+                        "peer %s (pid %d) survived SIGKILL for %ss", self.name, self.pid, timeout_s
+                    )
+                if not self._wait_group_gone(timeout_s):
+                    log.error(
+                        "peer %s: group %d still has %s", self.name, self.pgid, self.group_members()
+                    )
+        finally:
+            self._close_pipes()
+            _unregister(self)
+        return self.returncode
+
+    def _close_pipes(self) -> None:
+        if self._popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._popen.stdin.close()
+        # Readers hit EOF once every writer (the whole group) is dead; a process that escaped
+        # the group could keep a pipe open, so the join is bounded and the threads are daemons.
+        for t in self._readers:
+            t.join(1.0)
+        for pipe in (self._popen.stdout, self._popen.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PeerProcess(name={self.name!r}, pid={self.pid}, rc={self.returncode})"
+
+
+# ---------------------------------------------------------------------- registry
+
+_registry: dict[int, PeerProcess] = {}
+_registry_lock = threading.Lock()
+
+
+def _register(peer: PeerProcess) -> None:
+    with _registry_lock:
+        _registry[peer.pid] = peer
+
+
+def _unregister(peer: PeerProcess) -> None:
+    with _registry_lock:
+        if _registry.get(peer.pid) is peer:
+            del _registry[peer.pid]
+
+
+def live_peers() -> list[PeerProcess]:
+    """Peers started and not yet closed (a fixture can assert this is empty after a test)."""
+    with _registry_lock:
+        return list(_registry.values())
+
+
+def close_all(grace_s: float = 0.5) -> None:
+    """Close every peer not yet closed; also registered with atexit."""
+    for peer in live_peers():
+        try:
+            peer.close(grace_s=grace_s)
+        except Exception:  # one failure must not leave the others running
+            log.exception("closing %r", peer)
+
+
+atexit.register(close_all)
+
+
+# ---------------------------------------------------------------------- ports
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` distinct ports that were free a moment ago.
+
+    All are held open together so they differ; another process can still take one before
+    the caller binds it, so prefer letting the peer bind port 0 and report it when possible.
+    """
+    require_loopback(host)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port on 127.0.0.1 that was free a moment ago (see `free_ports` for the race)."""
+    return free_ports(1, host)[0]
+
+
+def wait_for_port(
+    port: int,
+    timeout_s: float,
+    *,
+    host: str = LOOPBACK,
+    peer: PeerProcess | None = None,
+    interval_s: float = 0.02,
+) -> None:
+    """Block until a TCP connect to host:port succeeds, or raise TimeoutError.
+
+    A connect succeeds as soon as the socket is listening, even if the owner is frozen (the
+    kernel completes the handshake), so this proves "listening", not "serving". Pass `peer`
+    to fail at once with PeerExitedError if it dies while we wait.
+    """
+    require_loopback(host)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 0.01)):
+                return
+        except OSError:
+            pass
+        if peer is not None and not peer.alive:
+            raise peer._exited(f"port {port} accepted")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"nothing accepted on {host}:{port} within {timeout_s}s")
+        time.sleep(interval_s)

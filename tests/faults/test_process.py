@@ -1,0 +1,259 @@
+"""PeerProcess against real child processes: signals, readiness, and leak-free cleanup.
+
+Process state is checked straight from /proc rather than through the code under test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvfail.faults import (
+    PeerExitedError,
+    PeerProcess,
+    close_all,
+    free_port,
+    free_ports,
+    live_peers,
+    wait_for_port,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_S = 15.0  # only reached when broken; a cold python start on a loaded box is slow
+SLEEPER = "import time; print('READY', flush=True); time.sleep(60)"
+WITH_GRANDCHILD = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+    print('GRANDCHILD', g.pid, flush=True)
+    print('READY', flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def py(code: str, **kw: object) -> PeerProcess:
+    return PeerProcess([sys.executable, "-c", code], **kw)  # type: ignore[arg-type]
+
+
+def stat_state(pid: int) -> str | None:
+    """State letter from /proc/PID/stat, read independently of the library."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw.rpartition(")")[2].split()[0]
+
+
+def gone(pid: int) -> bool:
+    # An orphan may stay a zombie if PID 1 in this container does not reap: dead all the same.
+    return stat_state(pid) in (None, "Z", "X")
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return predicate()
+        time.sleep(0.01)
+    return True
+
+
+def test_freeze_thaw_kill() -> None:
+    with py(SLEEPER, name="sleeper") as peer:
+        assert peer.wait_ready(READY_S, line="READY") == "READY"
+        assert peer.alive
+
+        peer.freeze()
+        assert stat_state(peer.pid) == "T"
+        assert peer.frozen and peer.alive
+
+        peer.thaw()
+        assert stat_state(peer.pid) not in (None, "T")
+        assert not peer.frozen
+
+        assert peer.kill() == -signal.SIGKILL
+        assert not peer.alive
+        assert peer.returncode == -9
+        assert stat_state(peer.pid) is None  # reaped, not a zombie
+
+
+def test_kill_a_frozen_peer() -> None:
+    with py(SLEEPER) as peer:
+        peer.wait_ready(READY_S, line="READY")
+        peer.freeze()
+        assert peer.kill() == -9
+
+
+def test_close_of_frozen_peer_leaves_nothing() -> None:
+    peer = py(WITH_GRANDCHILD)
+    try:
+        line = peer.wait_ready(READY_S, line=re.compile(r"^GRANDCHILD \d+$"))
+        assert line is not None
+        grandchild = int(line.split()[1])
+        peer.freeze()
+        assert stat_state(peer.pid) == "T"
+        assert stat_state(grandchild) == "T"  # the whole group is frozen
+    finally:
+        rc = peer.close()
+    # SIGCONT then SIGTERM is enough for a default python: no SIGKILL needed.
+    assert rc == -signal.SIGTERM
+    assert stat_state(peer.pid) is None
+    assert wait_until(lambda: gone(grandchild))
+    assert peer not in live_peers()
+    assert peer.close() == rc  # idempotent
+
+
+def test_group_kill_also_kills_grandchild() -> None:
+    with py(WITH_GRANDCHILD) as peer:
+        line = peer.wait_ready(READY_S, line="GRANDCHILD")
+        assert line is not None
+        grandchild = int(line.split()[1])
+        assert not gone(grandchild)
+        assert {peer.pid, grandchild} <= set(peer.group_members())
+        peer.kill()
+        assert wait_until(lambda: gone(grandchild))
+        assert peer.group_members() == []
+
+
+def test_kill_leader_only_leaves_grandchild_for_close() -> None:
+    peer = py(WITH_GRANDCHILD)
+    try:
+        line = peer.wait_ready(READY_S, line="GRANDCHILD")
+        assert line is not None
+        grandchild = int(line.split()[1])
+        peer.kill(group=False)
+        assert not gone(grandchild)  # orphaned but alive
+    finally:
+        peer.close(grace_s=0.2)
+    assert wait_until(lambda: gone(grandchild))  # close() reaches the orphan via its group
+
+
+def test_close_escalates_to_sigkill_when_sigterm_is_ignored() -> None:
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('READY', flush=True); time.sleep(60)"
+    )
+    peer = py(code)
+    peer.wait_ready(READY_S, line="READY")
+    t0 = time.monotonic()
+    assert peer.close(grace_s=0.2) == -signal.SIGKILL
+    assert time.monotonic() - t0 < 10  # bounded, not a timing claim
+    assert stat_state(peer.pid) is None
+
+
+def test_wait_ready_fails_fast_when_the_peer_exits() -> None:
+    with py("import sys; print('boom'); sys.exit(3)") as peer:
+        with pytest.raises(PeerExitedError) as err:
+            peer.wait_ready(READY_S, line="READY")
+        assert err.value.returncode == 3
+        assert "boom" in str(err.value)
+
+
+def test_ready_line_printed_just_before_exit_is_seen() -> None:
+    with py("print('READY and gone')") as peer:
+        assert peer.wait_ready(READY_S, line="READY") == "READY and gone"
+
+
+def test_wait_ready_times_out() -> None:
+    with py(SLEEPER) as peer, pytest.raises(TimeoutError):
+        peer.wait_ready(0.3, line="never printed")
+
+
+def test_wait_ready_on_stderr_file_and_predicate(tmp_path: Path) -> None:
+    flag = tmp_path / "ready.txt"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        print('ERR-READY', file=sys.stderr, flush=True)
+        time.sleep(0.1)
+        open({str(flag)!r}, 'w').write('booting\\nPORT=4242\\n')
+        time.sleep(60)
+        """
+    )
+    with py(code) as peer:
+        assert peer.wait_ready(READY_S, line="ERR-READY", stream="stderr") == "ERR-READY"
+        assert peer.wait_ready(READY_S, line=re.compile(r"PORT=\d+"), path=flag) == "PORT=4242"
+        assert peer.wait_ready(READY_S, predicate=flag.exists) is None
+        assert "ERR-READY" in peer.stderr_lines()
+    with pytest.raises(ValueError):
+        peer.wait_ready(1.0)  # neither line nor predicate
+
+
+def test_stdin_commands() -> None:
+    code = "import sys\nfor line in sys.stdin: print(line.strip().upper(), flush=True)"
+    with py(code, stdin=True) as peer:
+        peer.write_stdin("ping\n")
+        assert peer.wait_ready(READY_S, line="PING") == "PING"
+
+
+def test_free_ports_and_wait_for_port() -> None:
+    ports = free_ports(3)
+    assert len(set(ports)) == 3
+    port = free_port()
+    code = textwrap.dedent(
+        f"""
+        import socket, time
+        s = socket.socket(); s.bind(('127.0.0.1', {port})); time.sleep(0.1); s.listen()
+        print('LISTENING', flush=True); time.sleep(60)
+        """
+    )
+    with py(code) as peer:
+        wait_for_port(port, READY_S, peer=peer)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        # Frozen, it still "accepts": the kernel completes the handshake (the silent peer).
+        peer.freeze()
+        wait_for_port(port, READY_S)
+    with pytest.raises(TimeoutError):
+        wait_for_port(port, 0.3)
+    with pytest.raises(ValueError):
+        wait_for_port(port, 0.1, host="8.8.8.8")
+
+
+def test_wait_for_port_fails_fast_on_dead_peer() -> None:
+    with py("import sys; sys.exit(1)") as peer, pytest.raises(PeerExitedError):
+        wait_for_port(free_port(), READY_S, peer=peer)
+
+
+def test_close_all_closes_registered_peers() -> None:
+    peers = [py(SLEEPER) for _ in range(2)]
+    assert set(peers) <= set(live_peers())
+    close_all(grace_s=0.2)
+    assert not live_peers()
+    assert all(p.returncode is not None for p in peers)
+
+
+def test_atexit_hook_kills_leaked_peers() -> None:
+    """A script that forgets close(): its peer and grandchild must die with the interpreter."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from kvfail.faults import PeerProcess
+        p = PeerProcess([sys.executable, '-c', {WITH_GRANDCHILD!r}])
+        line = p.wait_ready({READY_S}, line='GRANDCHILD')
+        print(p.pid, line.split()[1], flush=True)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO_ROOT,
+        check=True,
+    )
+    child, grandchild = (int(x) for x in out.stdout.split())
+    assert wait_until(lambda: gone(child) and gone(grandchild)), out.stderr
