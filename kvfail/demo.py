@@ -70,4 +70,54 @@ def run(out: TextIO = sys.stdout, deadline_s: float = 0.3) -> int:
     step(f"step 3: {deadline_s}s later, the silent peer's deadline has passed")
     total = w.failure_stats().as_dict()
     print("\ntotals: " + ", ".join(f"{k}={v}" for k, v in total.items() if v), file=out)
-    return 0
+    return scheduler_part(out)
+
+
+def scheduler_part(out: TextIO) -> int:
+    """The same reports consumed by vLLM's real Scheduler, under both policies.
+
+    The connector here is kvfail's ToyConnector: the mixin on a dict "transport" (a test
+    double at the transport boundary); the conformance suite runs real transports.
+    """
+    from vllm.v1.request import RequestStatus
+
+    from kvfail import Stage
+    from kvfail.harness import Engine, EngineSpec, oracles
+
+    print(
+        "\n--- on vLLM's real Scheduler (ToyConnector: the mixin over an in-memory transport) ---",
+        file=out,
+    )
+    worst = 0
+    for policy in ("fail", "recompute"):
+        spec = EngineSpec(
+            role="consumer",
+            policy=policy,
+            engine_id=f"demo-{policy}",
+            extra_config={"toy_mode": "hold"},
+        )
+        with Engine(spec) as engine:
+            req = engine.add_request(
+                "req-1",
+                prompt_len=100,
+                max_tokens=3,
+                kv_transfer_params={"do_remote_prefill": True},
+            )
+            engine.step()
+            waiting = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            engine.workers[0].connector.fail("req-1", block_index=1, stage=Stage.TRANSFER)
+            result = engine.run_until_idle(max_steps=50, timeout_s=30.0)
+            outs = engine.record.outputs_for("req-1")
+            reasons = sorted({str(o.finish_reason) for o in outs if o.finish_reason})
+            tokens = sum(len(o.new_token_ids) for o in outs)
+            violations = oracles.check_all(engine)
+            print(
+                f"policy={policy:<9} waited_for_remote_kv={waiting} "
+                f"steps={result.steps} final={req.status.name} finish={reasons} "
+                f"tokens={tokens} oracle_violations={len(violations)}",
+                file=out,
+            )
+            for v in violations:
+                print(f"  violation: {v}", file=out)
+            worst = max(worst, 1 if violations or not result.ok else 0)
+    return worst
