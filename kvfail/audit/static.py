@@ -1,0 +1,653 @@
+"""Static checks: what a connector's installed source says about the load-error contract.
+
+Every finding is labelled ``STATIC``: it is a reading of the source (AST), never a test
+result. Each check names the contract clause it reads for (``contract.md``), its RFC 2119
+level, and the upstream issue a failing cell resembles. The call graph is followed from the
+worker hooks through ``self.method`` references, module functions and ``self.attr.method``
+where ``attr``'s class can be read from an assignment or annotation, which covers the
+usual ``self.connector_worker.X()`` delegation.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvfail.audit.inventory import Target
+from kvfail.audit.source import ClassRef, Module, SourceIndex, expr_name
+
+PASS, FAIL, UNKNOWN, NA = "pass", "fail", "unknown", "n/a"
+
+# Classes where the walk up the bases stops: vLLM's interface, whose defaults are the
+# behaviour being audited (the base defines get_block_ids_with_load_errors as set()).
+STOP_BASES = frozenset(
+    {"KVConnectorBase_V1", "KVConnectorBase", "SupportsHMA", "ABC", "object", "Generic"}
+)
+WORKER_HOOKS = ("start_load_kv", "wait_for_layer_load", "get_finished", "get_transfer_results")
+RAISE_HOOKS = frozenset(WORKER_HOOKS)
+BLOCK_METHOD = "get_block_ids_with_load_errors"
+MAX_DEPTH = 6
+
+_RESULT_ATTRS = frozenset({"success", "succeeded", "ok", "status", "error", "failed", "is_ok"})
+_RESULT_NAMES = frozenset({"success", "succeeded", "ok", "status", "result", "ret", "rc", "res"})
+_DEADLINE_WORDS = frozenset(
+    {
+        "timeout",
+        "timeouts",
+        "deadline",
+        "deadlines",
+        "expire",
+        "expired",
+        "expires",
+        "expiry",
+        "expiration",
+        "lease",
+        "leases",
+        "ttl",
+        "rcvtimeo",
+        "watchdog",
+        "timed",
+    }
+)
+_WORD_RE = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def _is_deadline_name(name: str) -> bool:
+    """Whole words only: ``_release_blocks`` must not match ``lease``."""
+    return any(w.lower() in _DEADLINE_WORDS for w in _WORD_RE.findall(name))
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """What a check reads for: clause, level, and the issue a failure resembles."""
+
+    id: str
+    title: str
+    clause: str
+    level: str  # "MUST" | "SHOULD"
+    resembles: str
+    heuristic: bool = False
+
+
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec(
+        "reports",
+        "reports load failures",
+        "C1",
+        "MUST",
+        "#49556 (method missing), LMCache #4600 (failure counted as success)",
+    ),
+    CheckSpec(
+        "block_channel",
+        "get_block_ids_with_load_errors",
+        "C1",
+        "SHOULD",
+        "#49556 (connector without the method)",
+    ),
+    CheckSpec(
+        "request_channel",
+        "failed_recving",
+        "C5",
+        "SHOULD",
+        "#54733 (request-level failures), PR #56855",
+    ),
+    CheckSpec("hma", "HMA routing", "C5", "MUST", "#45474, #50687 (HMA with block-level only)"),
+    CheckSpec("stub", "no hard-coded set()", "C1", "MUST", "LMCache PR #2973 (returned set())"),
+    CheckSpec("fallback", "no silent getattr fallback", "C1", "SHOULD", "#49556, LMCache PR #2973"),
+    CheckSpec(
+        "result_checked", "future result read", "C1", "MUST", "HF3FS (.done() only), LMCache #4600"
+    ),
+    CheckSpec(
+        "no_assert",
+        "no assert on transfer result",
+        "C13",
+        "MUST",
+        "#39732, llm-d-kv-cache #514 (Offloading assert)",
+    ),
+    CheckSpec("no_raise", "no raise in load hooks", "C13", "MUST", "#40364, #44249"),
+    CheckSpec(
+        "deadline",
+        "in-flight deadline",
+        "C10",
+        "SHOULD",
+        "#35943, #50719, LMCache #5047 (no timeout)",
+        heuristic=True,
+    ),
+)
+CHECK_BY_ID = {c.id: c for c in CHECKS}
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A source location backing a finding."""
+
+    path: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.text}"
+
+
+@dataclass
+class Finding:
+    """One cell: a check's outcome for one connector, with the lines that support it."""
+
+    check: str
+    status: str
+    summary: str
+    evidence: list[Evidence] = field(default_factory=list)
+    tier: str = "STATIC"
+    # Set by tiers with their own checks (the dynamic runner); static ones use CHECKS.
+    check_spec: CheckSpec | None = None
+
+    @property
+    def spec(self) -> CheckSpec:
+        return self.check_spec or CHECK_BY_ID[self.check]
+
+    @property
+    def violation(self) -> str | None:
+        """ "MUST" / "SHOULD" when this cell breaks a rule of that level, else None."""
+        return self.spec.level if self.status == FAIL else None
+
+    def to_dict(self) -> dict[str, object]:
+        spec = self.spec
+        return {
+            "check": self.check,
+            "title": spec.title,
+            "tier": self.tier,
+            "clause": spec.clause,
+            "level": spec.level,
+            "heuristic": spec.heuristic,
+            "status": self.status,
+            "summary": self.summary,
+            "resembles": spec.resembles if self.status == FAIL else None,
+            "evidence": [{"path": e.path, "line": e.line, "text": e.text} for e in self.evidence],
+        }
+
+
+# ------------------------------------------------------------------ call graph
+
+
+@dataclass(frozen=True)
+class Func:
+    """A function definition and the class (if any) and module it belongs to."""
+
+    module: Module
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+    owner: ClassRef | None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def ev(self, node: ast.AST) -> Evidence:
+        line = getattr(node, "lineno", self.node.lineno)
+        text = linecache.getline(str(self.module.path), line).strip()
+        return Evidence(str(self.module.path), line, text)
+
+
+class ClassModel:
+    """A class's bases (down to vLLM's interface), methods and attribute types."""
+
+    def __init__(self, index: SourceIndex, ref: ClassRef) -> None:
+        self.index = index
+        self.ref = ref
+        self.mro: list[ClassRef] = []
+        self.base_names: set[str] = set()
+        self._walk(ref, 0)
+        self._attr_types: dict[str, list[ClassRef]] | None = None
+
+    def _walk(self, ref: ClassRef, depth: int) -> None:
+        if depth > 12 or any(r.node is ref.node for r in self.mro):
+            return
+        self.mro.append(ref)
+        for base in ref.node.bases:
+            name = expr_name(base)
+            self.base_names.add(name)
+            if name in STOP_BASES:
+                continue
+            found = self.index.resolve_expr(ref.module, base)
+            if found is not None:
+                self._walk(found, depth + 1)
+
+    def method(self, name: str) -> Func | None:
+        for ref in self.mro:
+            for stmt in ref.node.body:
+                if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) and stmt.name == name:
+                    return Func(ref.module, stmt, ref)
+        return None
+
+    def attr_types(self) -> dict[str, list[ClassRef]]:
+        """``self.attr`` -> candidate classes, from constructor calls and annotations."""
+        if self._attr_types is not None:
+            return self._attr_types
+        types: dict[str, list[ClassRef]] = {}
+
+        def add(attr: str, module: Module, expr: ast.expr) -> None:
+            for ref in self._classes_in(module, expr):
+                bucket = types.setdefault(attr, [])
+                if all(r.node is not ref.node for r in bucket):
+                    bucket.append(ref)
+
+        for ref in self.mro:
+            for node in ast.walk(ref.node):
+                if isinstance(node, ast.AnnAssign):
+                    attr = _self_attr(node.target) or (
+                        node.target.id if isinstance(node.target, ast.Name) else None
+                    )
+                    if attr:
+                        add(attr, ref.module, node.annotation)
+                        if node.value is not None and isinstance(node.value, ast.Call):
+                            add(attr, ref.module, node.value.func)
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                    for tgt in node.targets:
+                        attr = _self_attr(tgt)
+                        if attr:
+                            add(attr, ref.module, node.value.func)
+        self._attr_types = types
+        return types
+
+    def _classes_in(self, module: Module, expr: ast.expr) -> Iterator[ClassRef]:
+        """Classes named in an annotation (``A | None``, ``Optional[A]``, ``"A"``) or call."""
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            try:
+                expr = ast.parse(expr.value, mode="eval").body
+            except SyntaxError:
+                return
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Name | ast.Attribute):
+                found = self.index.resolve_expr(module, node)
+                if found is not None:
+                    yield found
+
+
+def _self_attr(node: ast.AST) -> str | None:
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
+class Graph:
+    """Functions reachable from a set of roots, plus delegations it could not resolve."""
+
+    def __init__(self, index: SourceIndex) -> None:
+        self.index = index
+        self._models: dict[int, ClassModel] = {}
+
+    def model(self, ref: ClassRef) -> ClassModel:
+        key = id(ref.node)
+        if key not in self._models:
+            self._models[key] = ClassModel(self.index, ref)
+        return self._models[key]
+
+    def callees(self, func: Func) -> tuple[list[Func], list[tuple[str, ast.AST]]]:
+        """Direct callees, and ``(expr, node)`` for ``self.attr.m()`` with attr unresolved."""
+        out: list[Func] = []
+        external: list[tuple[str, ast.AST]] = []
+        model = self.model(func.owner) if func.owner else None
+        for node in ast.walk(func.node):
+            if isinstance(node, ast.Attribute) and model is not None:
+                attr = _self_attr(node)
+                if attr is not None:
+                    target = model.method(attr)
+                    if target is not None:
+                        out.append(target)
+                    continue
+                inner = _self_attr(node.value)
+                if inner is not None:
+                    classes = model.attr_types().get(inner, [])
+                    hit = False
+                    for ref in classes:
+                        target = self.model(ref).method(node.attr)
+                        if target is not None:
+                            out.append(target)
+                            hit = True
+                    if not hit and not classes:
+                        external.append((f"self.{inner}.{node.attr}", node))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                for stmt in func.module.tree.body:
+                    if (
+                        isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef)
+                        and stmt.name == node.func.id
+                    ):
+                        out.append(Func(func.module, stmt, None))
+        return out, external
+
+    def reachable(self, roots: list[Func]) -> list[Func]:
+        seen: dict[int, Func] = {}
+        frontier = [(f, 0) for f in roots]
+        while frontier:
+            func, depth = frontier.pop(0)
+            if id(func.node) in seen:
+                continue
+            seen[id(func.node)] = func
+            if depth >= MAX_DEPTH:
+                continue
+            callees, _ = self.callees(func)
+            frontier.extend((c, depth + 1) for c in callees if id(c.node) not in seen)
+        return list(seen.values())
+
+
+# ------------------------------------------------------------------ patterns
+
+
+def _body(func: Func) -> list[ast.stmt]:
+    """Statements minus the docstring."""
+    body = list(func.node.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+def _is_empty_set(expr: ast.expr | None) -> bool:
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name):
+        return expr.func.id in ("set", "frozenset") and not expr.args and not expr.keywords
+    return isinstance(expr, ast.Set) and not expr.elts
+
+
+def is_stub(func: Func) -> ast.AST | None:
+    """The ``return set()`` of a function whose only real statement is that return."""
+    body = [
+        s
+        for s in _body(func)
+        if not isinstance(s, ast.Pass)
+        and not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call))
+    ]
+    if len(body) == 1 and isinstance(body[0], ast.Return) and _is_empty_set(body[0].value):
+        return body[0]
+    return None
+
+
+def getattr_fallbacks(func: Func) -> list[ast.AST]:
+    """``getattr(x, "get_block_ids_with_load_errors", ...)`` / ``hasattr(...)`` probes."""
+    hits: list[ast.AST] = []
+    for node in ast.walk(func.node):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == BLOCK_METHOD
+        ):
+            hits.append(node)
+    return hits
+
+
+def _calls_named(func: Func, names: set[str]) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(func.node)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in names
+    ]
+
+
+def done_without_result(func: Func) -> list[ast.AST]:
+    """``.done()`` polled in a function that never reads ``.result()`` / ``.exception()``."""
+    done = [c for c in _calls_named(func, {"done"}) if not c.args and not c.keywords]
+    if not done or _calls_named(func, {"result", "exception"}):
+        return []
+    return list(done)
+
+
+def result_asserts(func: Func) -> list[ast.AST]:
+    """``assert`` whose test reads a transfer outcome (``.success``, ``ok``, ``status``...).
+
+    Guard asserts (``x is not None``, ``isinstance``) are not counted: they are about
+    wiring, not about whether a transfer worked.
+    """
+    hits: list[ast.AST] = []
+    for node in ast.walk(func.node):
+        if not isinstance(node, ast.Assert):
+            continue
+        test = node.test
+        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test = test.operand
+        if (
+            isinstance(test, ast.Call)
+            and isinstance(test.func, ast.Name)
+            and test.func.id in ("isinstance", "callable", "hasattr")
+        ):
+            continue
+        if isinstance(test, ast.Compare) and all(
+            isinstance(op, ast.Is | ast.IsNot) for op in test.ops
+        ):
+            continue
+        for sub in ast.walk(test):
+            if (isinstance(sub, ast.Attribute) and sub.attr in _RESULT_ATTRS) or (
+                isinstance(sub, ast.Name) and sub.id in _RESULT_NAMES
+            ):
+                hits.append(node)
+                break
+    return hits
+
+
+def raises(func: Func) -> list[ast.AST]:
+    """``raise`` statements, except ``NotImplementedError`` (an unimplemented role)."""
+    hits: list[ast.AST] = []
+    for node in ast.walk(func.node):
+        if isinstance(node, ast.Raise):
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if exc is not None and expr_name(exc) == "NotImplementedError":
+                continue
+            hits.append(node)
+    return hits
+
+
+def fills_failed_recving(func: Func) -> list[ast.AST]:
+    """Places that put something into ``failed_recving`` (keyword or attribute update)."""
+    hits: list[ast.AST] = []
+    for node in ast.walk(func.node):
+        if isinstance(node, ast.keyword) and node.arg == "failed_recving":
+            if not _is_empty_set(node.value):
+                hits.append(node.value)
+        elif isinstance(node, ast.Attribute) and node.attr == "failed_recving":
+            hits.append(node)
+    return hits
+
+
+def deadline_names(func: Func) -> list[ast.AST]:
+    """Identifiers that look like a deadline (timeout, expire, lease...). Heuristic."""
+    hits: list[ast.AST] = []
+    for node in ast.walk(func.node):
+        name = None
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.keyword):
+            name = node.arg
+            node = node.value
+        if name and _is_deadline_name(name):
+            hits.append(node)
+    return hits
+
+
+# ------------------------------------------------------------------ the audit
+
+
+def _collect(funcs: list[Func], pattern) -> list[Evidence]:  # type: ignore[no-untyped-def]
+    out: list[Evidence] = []
+    for f in funcs:
+        out.extend(f.ev(n) for n in pattern(f))
+    return sorted(set(out), key=lambda e: (e.path, e.line))
+
+
+def audit_target(target: Target, index: SourceIndex, graph: Graph | None = None) -> list[Finding]:
+    """Run every static check on one connector; one finding per check, in CHECKS order."""
+    if target.ref is None:
+        return [Finding(c.id, NA, "not installed") for c in CHECKS]
+    graph = graph or Graph(index)
+    model = graph.model(target.ref)
+    found: dict[str, Finding] = {}
+
+    # --- block-level channel: the override and whatever it delegates to.
+    block_root = model.method(BLOCK_METHOD)
+    block_funcs = graph.reachable([block_root]) if block_root else []
+    block_impls = [f for f in block_funcs if f.name == BLOCK_METHOD]
+    stubs = [f.ev(s) for f in block_impls if (s := is_stub(f)) is not None]
+    probed = [f for f in block_impls if getattr_fallbacks(f)]
+    real = [
+        f
+        for f in block_impls
+        if is_stub(f) is None and not _is_pure_delegation(f) and f not in probed
+    ]
+    external = [
+        (expr, f.ev(node))
+        for f in block_impls
+        for expr, node in graph.callees(f)[1]
+        if expr.endswith("." + BLOCK_METHOD)
+    ] + [("getattr(...)", f.ev(n)) for f in probed for n in getattr_fallbacks(f)]
+    if block_root is None:
+        found["block_channel"] = Finding("block_channel", FAIL, "not overridden")
+    elif real:
+        ev = [real[0].ev(real[0].node)]
+        where = "delegated" if real[0].owner is not model.ref else "yes"
+        found["block_channel"] = Finding("block_channel", PASS, where, ev)
+    elif external:
+        found["block_channel"] = Finding(
+            "block_channel",
+            UNKNOWN,
+            f"delegated to {external[0][0]} (external)",
+            [external[0][1]],
+        )
+    else:
+        found["block_channel"] = Finding(
+            "block_channel",
+            FAIL,
+            "only returns set()" if stubs else "no implementation",
+            stubs or [block_root.ev(block_root.node)],
+        )
+    found["stub"] = Finding(
+        "stub", FAIL if stubs else PASS, "return set()" if stubs else "none", stubs
+    )
+    fallbacks = _collect(block_impls, getattr_fallbacks)
+    found["fallback"] = Finding(
+        "fallback",
+        FAIL if fallbacks else PASS,
+        "getattr(..., set())" if fallbacks else "none",
+        fallbacks,
+    )
+
+    # --- request-level channel.
+    tr_root = model.method("get_transfer_results")
+    if tr_root is None:
+        found["request_channel"] = Finding("request_channel", FAIL, "no get_transfer_results")
+    else:
+        tr_funcs = graph.reachable([tr_root])
+        fills = _collect(tr_funcs, fills_failed_recving)
+        ext = [e for f in tr_funcs for e in graph.callees(f)[1]]
+        if fills:
+            found["request_channel"] = Finding("request_channel", PASS, "fills it", fills[:3])
+        elif ext:
+            found["request_channel"] = Finding(
+                "request_channel", UNKNOWN, f"delegated to {ext[0][0]}", [tr_root.ev(ext[0][1])]
+            )
+        else:
+            found["request_channel"] = Finding(
+                "request_channel", FAIL, "never filled", [tr_root.ev(tr_root.node)]
+            )
+
+    # --- C1 as a whole: at least one channel carries failures.
+    statuses = {found["block_channel"].status, found["request_channel"].status}
+    if PASS in statuses:
+        which = [k for k in ("block_channel", "request_channel") if found[k].status == PASS]
+        found["reports"] = Finding(
+            "reports",
+            PASS,
+            " + ".join("block" if k == "block_channel" else "request" for k in which),
+            [e for k in which for e in found[k].evidence[:1]],
+        )
+    elif UNKNOWN in statuses:
+        found["reports"] = Finding("reports", UNKNOWN, "only via external code")
+    else:
+        found["reports"] = Finding("reports", FAIL, "no channel")
+
+    # --- HMA: a connector that supports HMA must report request-level (C5).
+    hma_def = model.method("request_finished_all_groups")
+    hma = "SupportsHMA" in model.base_names or hma_def is not None
+    hma_ev = (
+        [hma_def.ev(hma_def.node)]
+        if hma_def
+        else [
+            Evidence(
+                str(target.ref.module.path),
+                target.ref.node.lineno,
+                linecache.getline(str(target.ref.module.path), target.ref.node.lineno).strip(),
+            )
+        ]
+    )
+    req = found["request_channel"].status
+    if not hma:
+        found["hma"] = Finding("hma", NA, "no HMA")
+    elif found["reports"].status == FAIL:
+        # No channel at all is C1's cell; C5 is about routing failures that are reported.
+        found["hma"] = Finding("hma", NA, "HMA, no channel (C1)", hma_ev)
+    elif req == PASS:
+        found["hma"] = Finding("hma", PASS, "HMA + failed_recving", hma_ev)
+    elif req == UNKNOWN:
+        found["hma"] = Finding("hma", UNKNOWN, "HMA, channel external", hma_ev)
+    else:
+        found["hma"] = Finding("hma", FAIL, "HMA, block-level only", hma_ev)
+
+    # --- the worker path: hooks and everything they reach.
+    roots = [m for h in WORKER_HOOKS if (m := model.method(h)) is not None]
+    path = graph.reachable(roots)
+    done = _collect(path, done_without_result)
+    found["result_checked"] = Finding(
+        "result_checked",
+        FAIL if done else PASS,
+        ".done() without .result()" if done else "ok",
+        done[:3],
+    )
+    asserts = _collect(path, result_asserts)
+    found["no_assert"] = Finding(
+        "no_assert",
+        FAIL if asserts else PASS,
+        "asserts success" if asserts else "none",
+        asserts[:3],
+    )
+    hooks = [f for f in path if f.name in RAISE_HOOKS]
+    raised = _collect(hooks, raises)
+    found["no_raise"] = Finding(
+        "no_raise",
+        FAIL if raised else PASS,
+        f"raise x{len(raised)}" if raised else "none",
+        raised[:3],
+    )
+    load_path = graph.reachable(
+        [
+            m
+            for h in ("start_load_kv", "get_finished", "get_transfer_results")
+            if (m := model.method(h)) is not None
+        ]
+    )
+    deadlines = _collect(load_path, deadline_names)
+    found["deadline"] = Finding(
+        "deadline",
+        PASS if deadlines else FAIL,
+        "named in path" if deadlines else "none found",
+        deadlines[:3],
+    )
+    return [found[c.id] for c in CHECKS]
+
+
+def _is_pure_delegation(func: Func) -> bool:
+    """``return self.x.get_block_ids_with_load_errors()`` (plus guards): not itself a source."""
+    body = [s for s in _body(func) if not isinstance(s, ast.Assert)]
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    value = body[0].value
+    return (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr == BLOCK_METHOD
+    )

@@ -1,0 +1,130 @@
+"""End to end: ``kvfail audit --quick`` over the installed vLLM and over fixtures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvfail.audit import cli
+from kvfail.audit.source import find_module_file
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_vllm_source = pytest.mark.skipif(
+    find_module_file("vllm.distributed.kv_transfer.kv_connector.factory") is None,
+    reason="vLLM is not installed",
+)
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvfail.audit.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.vllm
+@needs_vllm_source
+def test_quick_json_over_installed_vllm() -> None:
+    # Its runtime is a benchmark figure (README), never a test assertion.
+    rc, out, err = run_cli("--quick", "--format", "json")
+    assert rc == 1, err  # upstream connectors violate MUST clauses
+    doc = json.loads(out)
+    rows = {r["name"]: r for r in doc["connectors"]}
+    assert len([r for r in rows.values() if r["origin"] == "vllm-registry"]) >= 17
+
+    hf3fs = {f["check"]: f for f in rows["HF3FSKVConnector"]["findings"]}
+    assert hf3fs["result_checked"]["status"] == "fail"
+    assert hf3fs["result_checked"]["clause"] == "C1"
+    assert hf3fs["result_checked"]["tier"] == "STATIC"
+    assert hf3fs["result_checked"]["evidence"][0]["path"].endswith("hf3fs/hf3fs_connector.py")
+    assert "C1:MUST" in rows["HF3FSKVConnector"]["violations"]
+
+    off = {f["check"]: f for f in rows["OffloadingConnector"]["findings"]}
+    assert off["no_assert"]["status"] == "fail"
+    assert off["no_assert"]["clause"] == "C13"
+    assert "#39732" in off["no_assert"]["resembles"]
+    texts = [e["text"] for e in off["no_assert"]["evidence"]]
+    assert "assert transfer_result.success" in texts
+    assert "C13:MUST" in rows["OffloadingConnector"]["violations"]
+
+    # Connectors that do report failures are not flagged for C1.
+    mooncake = {f["check"]: f for f in rows["MooncakeConnector"]["findings"]}
+    assert mooncake["reports"]["status"] == "pass"
+    assert "--quick" in err or "[1/" in err  # progress went to stderr, not stdout
+
+
+@pytest.mark.vllm
+@needs_vllm_source
+def test_connector_filter_markdown_and_fail_on(tmp_path: Path) -> None:
+    out = tmp_path / "m.md"
+    rc, _, err = run_cli(
+        "--quick", "--format", "markdown", "--connector", "HF3FSKVConnector", "-o", str(out)
+    )
+    assert rc == 1, err
+    text = out.read_text()
+    assert "`HF3FSKVConnector`" in text
+    assert "OffloadingConnector" not in text
+    rc, _, _ = run_cli("--quick", "--connector", "HF3FSKVConnector", "--fail-on", "never")
+    assert rc == 0
+
+
+def test_fixture_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    ok = "tests.audit.fixtures.mixin_good:MixinConnector"
+    bad = "tests.audit.fixtures.hardcoded_set:HardcodedSetConnector"
+    sys.path.insert(0, str(ROOT))
+    try:
+        parser = _parser()
+        assert cli.run(parser.parse_args(["--quick", "--connector", ok])) == 0
+        assert (
+            cli.run(parser.parse_args(["--quick", "--connector", ok, "--fail-on", "should"])) == 0
+        )
+        capsys.readouterr()
+        assert cli.run(parser.parse_args(["--quick", "--format", "json", "--connector", bad])) == 1
+        doc = json.loads(capsys.readouterr().out)
+        assert "C1:MUST" in doc["connectors"][0]["violations"]
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_dynamic_hook_unavailable_and_runner(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfail.audit.static import CheckSpec, Finding
+
+    spec = "tests.audit.fixtures.mixin_good:MixinConnector"
+    sys.path.insert(0, str(ROOT))
+    try:
+        parser = _parser()
+        assert cli.run(parser.parse_args(["--connector", spec])) == 0
+        assert "dynamic tier unavailable" in capsys.readouterr().err
+
+        dyn = CheckSpec("scn_stall", "stalled load", "C2", "MUST", "#50719")
+        calls: list[str] = []
+
+        def runner(target: object) -> list[Finding]:
+            calls.append(getattr(target, "name", ""))
+            return [Finding("scn_stall", "fail", "still waiting", tier="DYNAMIC", check_spec=dyn)]
+
+        args = parser.parse_args(["--format", "json", "--connector", spec])
+        assert cli.run(args, dynamic_runner=runner) == 1
+        doc = json.loads(capsys.readouterr().out)
+        assert calls == ["MixinConnector"]
+        cell = doc["connectors"][0]["findings"][-1]
+        assert (cell["tier"], cell["clause"], cell["status"]) == ("DYNAMIC", "C2", "fail")
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def _parser():  # type: ignore[no-untyped-def]
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cli.configure_parser(p)
+    p.set_defaults(no_progress=True)
+    return p
