@@ -1,0 +1,150 @@
+"""Self-test of the suite: it must FLAG each negative control for the right reason, pass
+the working toy, and never hide a skip.
+
+Why: a conformance suite is only worth its negative controls. Each control in
+``kvfail.conformance.negative`` breaks exactly one contract rule in the toy connector; we
+run the real suite (``conformance/test_scenarios.py``, via pytest's ``pytester``) against
+all of them in one in-process session and read its ``report.json``. In-process, so vLLM is
+imported once; everything the inner run needs is imported (and one engine run) before it,
+because ``pytester`` (used for the skip test) unloads modules the inner session imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+import kvfail.conformance.driver
+import kvfail.conformance.negative as negative
+import kvfail.conformance.plugin
+import kvfail.conformance.suite  # noqa: F401 - loaded before the inner session
+from kvfail.conformance.capabilities import Capabilities, derive_from_class
+from kvfail.harness import Engine, EngineSpec
+from kvfail.harness.toy import ToyConnector
+
+SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+CONTROLS = sorted(negative.EXPECTED_FLAGS)
+UNKNOWN = "no_such_module:NoSuchConnector"
+
+
+def _warm_up() -> None:
+    """Run one toy load so every lazily imported vLLM module is loaded before pytester."""
+    with Engine(EngineSpec(extra_config={"toy_mode": "complete"})) as engine:
+        engine.add_request("warm", kv_transfer_params={"do_remote_prefill": True})
+        assert engine.run_until_idle(max_steps=20, timeout_s=30.0).ok
+
+
+@pytest.fixture(scope="module")
+def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]], str]:
+    """One inner run of the suite against toy, every control and an unknown connector."""
+    _warm_up()
+    out = tmp_path_factory.mktemp("kvfail-report")
+    args = [str(SUITE), "-p", "no:cacheprovider", "--kvfail-report", str(out), "-q"]
+    for spec in ["toy", *(f"kvfail.conformance.negative:{c}" for c in CONTROLS), UNKNOWN]:
+        args += ["--connector", spec]
+    # pytester is function-scoped; one module-wide inner session runs through pytest.main.
+    ret = pytest.main(args)
+    records = json.loads((out / "report.json").read_text())
+    matrix = (out / "report.md").read_text()
+    return int(ret), records, matrix
+
+
+def _records(run: tuple[int, list[dict[str, Any]], str], connector: str) -> list[dict[str, Any]]:
+    return [r for r in run[1] if r["connector"] == connector]
+
+
+def test_report_has_required_fields(suite_run: Any) -> None:
+    _ret, records, matrix = suite_run
+    assert records
+    for r in records:
+        assert {
+            "connector",
+            "scenario",
+            "policy",
+            "outcome",
+            "reason",
+            "clauses",
+            "duration_s",
+        } <= r.keys()
+        assert r["outcome"] in ("passed", "failed", "skipped", "xfailed")
+        assert r["clauses"], r
+    assert "| scenario | clauses | fail | recompute |" in matrix
+
+
+def test_toy_passes_every_scenario_under_both_policies(suite_run: Any) -> None:
+    toy = _records(suite_run, "toy")
+    assert len({r["scenario"] for r in toy}) >= 8
+    assert {r["policy"] for r in toy} == {"fail", "recompute"}
+    bad = [
+        (r["scenario"], r["policy"], r["outcome"], r["reason"])
+        for r in toy
+        if r["outcome"] != "passed"
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize("control", CONTROLS)
+def test_negative_control_is_flagged_by_the_right_scenario(suite_run: Any, control: str) -> None:
+    scenario, clause = negative.EXPECTED_FLAGS[control]
+    recs = _records(suite_run, f"kvfail.conformance.negative:{control}")
+    flagged = [r for r in recs if r["scenario"] == scenario]
+    assert {r["policy"] for r in flagged} == {"fail", "recompute"}
+    for r in flagged:
+        assert r["outcome"] == "failed", r
+        assert clause in r["reason"], (clause, r["reason"])
+    # Broken in ONE way: the happy path and the request that never loads still pass.
+    for ok in ("test_successful_load", "test_local_request_untouched"):
+        outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
+        assert outcomes == {"passed"}, (ok, outcomes)
+
+
+def test_unknown_connector_is_a_named_skip_not_an_error(suite_run: Any) -> None:
+    recs = _records(suite_run, UNKNOWN)
+    assert recs and {r["outcome"] for r in recs} == {"skipped"}
+    assert all(r["reason"].startswith("driver unavailable: ") for r in recs)
+    assert all("no_such_module" in r["reason"] for r in recs)
+
+
+def test_capabilities_are_derived_from_the_class() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    class Bare(KVConnectorBase_V1):  # never instantiated: only its MRO is read
+        pass
+
+    toy = derive_from_class(ToyConnector)
+    assert toy["hma"][0] and toy["block_level_failures"][0] and toy["request_level_failures"][0]
+    bare = derive_from_class(Bare)
+    assert not (bare["hma"][0] or bare["block_level_failures"][0])
+    assert not bare["request_level_failures"][0]
+    caps = Capabilities.build(Bare, driver="unit", declared={"async_load": (True, "declared")})
+    assert caps.async_load and not caps.hma
+    assert caps.missing("hma") == "requires hma: Bare does not implement SupportsHMA"
+    with pytest.raises(ValueError, match="introspected"):
+        Capabilities.build(Bare, driver="liar", declared={"hma": (True, "trust me")})
+
+
+def test_unexplained_skip_fails_the_run(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(
+        test_skips="""
+import pytest
+
+def test_hidden(kvfail):
+    pytest.skip("flaky network")
+
+def test_named(kvfail):
+    kvfail.require("sync_load")
+"""
+    )
+    result = pytester.runpytest_inprocess(
+        "--connector", "toy", "--policy", "fail", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*unexplained skip*flaky network*"])
+    result.stdout.fnmatch_lines(["*requires sync_load: ToyConnector only advertises asynchronous*"])

@@ -1,0 +1,212 @@
+"""A typed model of what a connector supports, derived from the class where possible.
+
+Why: a conformance suite that gates tests by connector *name* lets a connector opt out of
+anything; gating by *capability* (SQLAlchemy's requirements, ADBC's feature model) makes
+each skip a statement about the connector that can be checked. Whatever can be read from
+the class itself is read from it (which hooks it overrides below ``KVConnectorBase_V1``,
+whether it implements ``SupportsHMA``); only what introspection cannot see (async vs sync
+loads, whether a real transport is behind it, the deadline it enforces) comes from the
+driver, which must say so explicitly. Every ``False`` carries the reason that is printed in
+the skip: ``requires hma: ToyConnector does not implement SupportsHMA``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+from kvfail.faults.points import FaultPoint
+
+__all__ = [
+    "CAPABILITY_NAMES",
+    "SKIP_PREFIXES",
+    "Capabilities",
+    "CapabilityMissing",
+    "derive_from_class",
+    "overrides_below_base",
+]
+
+#: Skip reasons the suite accepts; any other skip of a conformance test is an error.
+SKIP_PREFIXES: tuple[str, ...] = ("requires ", "driver unavailable: ")
+
+
+class CapabilityMissing(Exception):
+    """Raised by :meth:`Capabilities.require`; the plugin turns it into a named skip."""
+
+
+def overrides_below_base(cls: type, method: str, base: type) -> bool:
+    """True when a class in ``cls``'s MRO *before* ``base`` defines ``method`` itself.
+
+    Why not ``getattr``: every connector inherits vLLM's default, so only a definition in
+    the class's own ``__dict__`` (or a mixin's, like kvfail's reporter) counts.
+    """
+    for klass in cls.__mro__:
+        if klass is base:
+            return False
+        if method in klass.__dict__:
+            return True
+    return False
+
+
+def derive_from_class(cls: type) -> dict[str, tuple[bool, str]]:
+    """Introspect a connector class: capability -> (supported, why not / evidence)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        SupportsHMA,
+    )
+
+    from kvfail.reporter import FailureReporterMixin
+
+    name = cls.__name__
+    out: dict[str, tuple[bool, str]] = {}
+    if not issubclass(cls, KVConnectorBase_V1):
+        reason = f"{name} is not a KVConnectorBase_V1"
+        return {k: (False, reason) for k in ("block_level_failures", "request_level_failures")}
+    block = overrides_below_base(cls, "get_block_ids_with_load_errors", KVConnectorBase_V1)
+    out["block_level_failures"] = (
+        block,
+        f"{name} overrides get_block_ids_with_load_errors"
+        if block
+        else f"{name} does not override get_block_ids_with_load_errors",
+    )
+    request = overrides_below_base(cls, "get_transfer_results", KVConnectorBase_V1)
+    out["request_level_failures"] = (
+        request,
+        f"{name} overrides get_transfer_results"
+        if request
+        else f"{name} does not override get_transfer_results (failed_recving stays empty)",
+    )
+    hma = issubclass(cls, SupportsHMA)
+    out["hma"] = (
+        hma,
+        f"{name} implements SupportsHMA" if hma else f"{name} does not implement SupportsHMA",
+    )
+    mixin = issubclass(cls, FailureReporterMixin)
+    out["kvfail_reporter"] = (
+        mixin,
+        f"{name} uses kvfail.FailureReporterMixin"
+        if mixin
+        else f"{name} does not use kvfail.FailureReporterMixin",
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the suite may expect from one connector under one driver.
+
+    ``reasons`` holds, for every capability, the evidence (when True) or the explanation
+    (when False) printed in the skip message. ``faults`` are the named fault points the
+    driver can provoke; a scenario needing one the driver lacks is skipped naming it.
+    """
+
+    connector: str
+    driver: str
+    async_load: bool = False
+    sync_load: bool = False
+    request_level_failures: bool = False
+    block_level_failures: bool = False
+    hma: bool = False
+    kvfail_reporter: bool = False
+    has_deadline: bool = False
+    #: The connector's load deadline in seconds, when it has one (suite waits longer).
+    deadline_s: float | None = None
+    #: The driver can set up a remote prefill this connector loads from (a peer P).
+    remote_prefill: bool = False
+    #: The driver can build D with two KV-cache groups (HMA layouts).
+    two_groups: bool = False
+    real_transport: bool = False
+    tp2: bool = False
+    byte_verification: bool = False
+    faults: frozenset[FaultPoint] = frozenset()
+    reasons: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+
+    @classmethod
+    def build(
+        cls,
+        connector_cls: type,
+        *,
+        driver: str,
+        faults: Iterable[FaultPoint] = (),
+        declared: Mapping[str, tuple[bool, str]] | None = None,
+    ) -> Capabilities:
+        """Introspected capabilities of ``connector_cls`` plus what the driver declares.
+
+        A driver may only *add* capabilities that introspection cannot see; it cannot
+        override an introspected one (a driver claiming HMA for a class without
+        ``SupportsHMA`` is refused), so a skip can never be bought by the driver.
+        """
+        derived = derive_from_class(connector_cls)
+        declared = dict(declared or {})
+        clash = set(derived) & set(declared)
+        if clash:
+            raise ValueError(f"driver {driver!r} may not declare introspected {sorted(clash)}")
+        merged = {**declared, **derived}
+        known = {f.name for f in fields(cls)} - {"connector", "driver", "faults", "reasons"}
+        kwargs: dict[str, Any] = {}
+        reasons: dict[str, str] = {}
+        for key, (value, why) in merged.items():
+            if key not in known:
+                raise ValueError(f"unknown capability {key!r} from driver {driver!r}")
+            kwargs[key] = value
+            reasons[key] = why
+        if "deadline_s" in kwargs:  # declared as (seconds or None, why)
+            seconds = kwargs.pop("deadline_s")
+            kwargs["deadline_s"] = None if seconds in (None, False) else float(seconds)
+        for name in known - set(kwargs) - {"deadline_s"}:
+            reasons.setdefault(name, f"driver {driver!r} does not declare {name}")
+        return cls(
+            connector=connector_cls.__name__,
+            driver=driver,
+            faults=frozenset(faults),
+            reasons=reasons,
+            **kwargs,
+        )
+
+    def missing(self, name: str) -> str | None:
+        """None when supported, else the skip message naming the capability."""
+        if name not in CAPABILITY_NAMES:
+            raise KeyError(f"unknown capability {name!r}")
+        if getattr(self, name):
+            return None
+        return f"requires {name}: {self.reasons.get(name, 'not supported')}"
+
+    def require(self, *names: str) -> None:
+        """Raise :class:`CapabilityMissing` naming the first missing capability."""
+        for name in names:
+            why = self.missing(name)
+            if why is not None:
+                raise CapabilityMissing(why)
+
+    def require_fault(self, *candidates: FaultPoint) -> FaultPoint:
+        """The first of ``candidates`` the driver can provoke, or a skip naming them."""
+        for point in candidates:
+            if point in self.faults:
+                return point
+        wanted = ", ".join(p.value for p in candidates)
+        have = ", ".join(sorted(p.value for p in self.faults)) or "none"
+        raise CapabilityMissing(
+            f"requires fault {wanted}: driver {self.driver!r} advertises only [{have}]"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view for ``report.json``."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in CAPABILITY_NAMES}
+        out["deadline_s"] = self.deadline_s
+        out["faults"] = sorted(p.value for p in self.faults)
+        out["connector"], out["driver"] = self.connector, self.driver
+        out["reasons"] = dict(self.reasons)
+        return out
+
+
+#: The boolean capabilities a scenario may require.
+CAPABILITY_NAMES: tuple[str, ...] = tuple(
+    f.name
+    for f in fields(Capabilities)
+    if f.name not in ("connector", "driver", "deadline_s", "faults", "reasons")
+)

@@ -1,0 +1,124 @@
+"""The per-connector compliance matrix, as text for the terminal and as report files.
+
+Why: a connector author (and a reviewer comparing connectors) needs one table per
+connector saying, for each scenario and policy, passed / failed / skipped (with the
+missing capability) / xfailed (with the known finding), plus the clause each row tests.
+``report.json`` is the machine-readable form (one record per scenario x policy) and
+``report.md`` the rendered matrix, as ADBC's generated support tables.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["OUTCOMES", "Outcome", "Record", "render_durations", "render_matrix", "write_report"]
+
+Outcome = Literal["passed", "failed", "skipped", "xfailed"]
+OUTCOMES: tuple[Outcome, ...] = ("passed", "failed", "skipped", "xfailed")
+
+
+@dataclass
+class Record:
+    """One scenario under one policy for one connector."""
+
+    connector: str
+    scenario: str
+    policy: str
+    outcome: Outcome
+    reason: str
+    clauses: list[str]
+    duration_s: float
+    guards: list[str] = field(default_factory=list)
+    nodeid: str = ""
+
+
+def _cell(record: Record | None) -> str:
+    if record is None:
+        return "-"
+    return record.outcome
+
+
+def render_matrix(records: Iterable[Record], *, markdown: bool = False) -> str:
+    """One table per connector: scenario rows, policy columns, clauses and reasons."""
+    by_connector: dict[str, list[Record]] = {}
+    for r in records:
+        by_connector.setdefault(r.connector, []).append(r)
+    lines: list[str] = []
+    for connector, recs in by_connector.items():
+        policies = sorted({r.policy for r in recs})
+        scenarios = list(dict.fromkeys(r.scenario for r in recs))
+        index = {(r.scenario, r.policy): r for r in recs}
+        counts = {o: sum(r.outcome == o for r in recs) for o in OUTCOMES}
+        summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+        header = ["scenario", "clauses", *policies]
+        rows = []
+        notes: list[str] = []
+        for s in scenarios:
+            some = next(index[(s, p)] for p in policies if (s, p) in index)
+            rows.append([s, " ".join(some.clauses), *(_cell(index.get((s, p))) for p in policies)])
+            for p in policies:
+                r = index.get((s, p))
+                if r is not None and r.outcome != "passed" and r.reason:
+                    notes.append(f"{s}[{p}] {r.outcome}: {r.reason}")
+        if markdown:
+            lines.append(f"## {connector} ({summary})\n")
+            lines.append("| " + " | ".join(header) + " |")
+            lines.append("|" + "---|" * len(header))
+            lines += ["| " + " | ".join(row) + " |" for row in rows]
+            if notes:
+                lines.append("")
+                lines += [f"- {n}" for n in notes]
+            lines.append("")
+        else:
+            widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+            lines.append(f"kvfail conformance: {connector} ({summary})")
+            fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+            lines.append(fmt.format(*header))
+            lines += [fmt.format(*row) for row in rows]
+            lines += [f"  {n}" for n in notes]
+            lines.append("")
+    return "\n".join(lines)
+
+
+def render_durations(records: Iterable[Record]) -> str:
+    """Per-scenario durations, slowest first, summed per connector."""
+    recs = sorted(records, key=lambda r: -r.duration_s)
+    totals: dict[str, float] = {}
+    for r in recs:
+        totals[r.connector] = totals.get(r.connector, 0.0) + r.duration_s
+    lines = [f"  {r.duration_s:7.3f}s  {r.connector} {r.scenario}[{r.policy}]" for r in recs]
+    lines += [f"  {t:7.3f}s  total {c}" for c, t in totals.items()]
+    return "\n".join(lines)
+
+
+def write_report(
+    directory: str | Path,
+    records: Iterable[Record],
+    capabilities: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``report.json`` (records) and ``report.md`` (matrix); returns their paths."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = list(records)
+    json_path, md_path = out / "report.json", out / "report.md"
+    json_path.write_text(json.dumps([asdict(r) for r in recs], indent=2) + "\n")
+    md = ["# kvfail conformance report\n", render_matrix(recs, markdown=True)]
+    if capabilities:
+        md.append("## Capabilities\n")
+        for connector, caps in capabilities.items():
+            md.append(f"### {connector}\n")
+            md.append("| capability | value | why |")
+            md.append("|---|---|---|")
+            reasons = caps.get("reasons", {})
+            for key, value in caps.items():
+                if key in ("reasons", "connector", "driver"):
+                    continue
+                md.append(f"| {key} | {value} | {reasons.get(key, '')} |")
+            md.append("")
+    md_path.write_text("\n".join(md) + "\n")
+    (out / "capabilities.json").write_text(json.dumps(capabilities or {}, indent=2) + "\n")
+    return json_path, md_path

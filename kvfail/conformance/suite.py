@@ -1,0 +1,228 @@
+"""What a scenario test gets: the driver, the capabilities, the policy, bounded waits and
+the oracles, behind one object (the ``kvfail`` fixture).
+
+Why one object: every scenario must end with the same checks (liveness, policy outcome,
+no leaks, exactly once, no crash, no re-advertised hit), every wait must be bounded by
+the suite and not by the connector, and every engine must be closed even when the test
+fails. Putting that here keeps each scenario a short, readable story.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from kvfail.conformance.capabilities import Capabilities, CapabilityMissing
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.conformance.driver import Driver
+    from kvfail.harness.config import Policy
+    from kvfail.harness.engine import Engine, RunResult
+
+__all__ = [
+    "ACTIVE_BUDGET",
+    "ConformanceViolation",
+    "ScenarioContext",
+    "check_not_late",
+]
+
+#: Bound for anything that must happen "within a few steps" (an active fault, a success).
+ACTIVE_BUDGET: dict[str, Any] = {"max_steps": 60, "timeout_s": 15.0}
+#: Wall-clock bound for a run over a real transport (an active fault, a real pull).
+REAL_BUDGET_S = 20.0
+
+
+class ConformanceViolation(AssertionError):
+    """A scenario's oracles found violations; the message lists them, clause first."""
+
+    def __init__(self, scenario: str, violations: list[str]) -> None:
+        self.violations = list(violations)
+        super().__init__(f"{scenario}: " + "; ".join(violations))
+
+
+def check_not_late(engine: Engine, request_id: str, blocks: Iterable[int]) -> list[str]:
+    """C3: no failure for ``request_id`` reaches the scheduler after its finished pass.
+
+    ``blocks`` are the block ids its load used (read while it waited). A report naming
+    the id in ``failed_recving`` or any of those blocks in ``invalid_block_ids`` after the
+    step that carried ``request_id`` in ``finished_recving`` is late: the scheduler either
+    drops it (bad blocks cached as valid) or treats it as a sync failure.
+    """
+    mine = set(blocks)
+    reports = engine.record.scheduler_reports()
+    finished = [r.step for r in reports if request_id in r.finished_recving]
+    if not finished:
+        return []
+    first = min(finished)
+    out: list[str] = []
+    for r in reports:
+        if r.step <= first:
+            continue
+        late_blocks = sorted(mine & r.invalid_block_ids)
+        if request_id in r.failed_recving or late_blocks:
+            what = f"blocks {late_blocks}" if late_blocks else "failed_recving"
+            out.append(
+                f"C3 late: failure of {request_id} ({what}) reached the scheduler at step "
+                f"{r.step}, after finished_recving at step {first}"
+            )
+    return out
+
+
+@dataclass
+class ScenarioContext:
+    """The ``kvfail`` fixture: one connector under one policy for one scenario."""
+
+    driver: Driver
+    caps: Capabilities
+    policy: Policy
+    scenario: str
+    silent_wait_s: float = 10.0
+    node: pytest.Item | None = None
+    engines: list[Engine] = field(default_factory=list)
+    _seq: int = 0
+
+    # ------------------------------------------------------------ gating
+
+    def require(self, *names: str) -> None:
+        """Skip (naming the capability) unless every capability in ``names`` holds."""
+        try:
+            self.caps.require(*names)
+        except CapabilityMissing as exc:
+            pytest.skip(str(exc))
+
+    def require_any(self, *names: str) -> None:
+        """Skip unless at least one capability in ``names`` holds (naming all of them)."""
+        missing = [self.caps.missing(n) for n in names]
+        if all(missing):
+            pytest.skip("requires any of " + " | ".join(m for m in missing if m))
+
+    def require_fault(self, *candidates: FaultPoint) -> FaultPoint:
+        """The first advertised fault point of ``candidates``, else a skip naming them."""
+        try:
+            return self.caps.require_fault(*candidates)
+        except CapabilityMissing as exc:
+            pytest.skip(str(exc))
+
+    def expect_failure(self, reason: str) -> None:
+        """Record a known gap as a STRICT xfail: it is reported, and a pass is an error."""
+        if self.node is None:
+            raise RuntimeError("expect_failure needs the pytest node")
+        self.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+
+    # ------------------------------------------------------------ engines
+
+    def engine(
+        self, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool = False
+    ) -> Engine:
+        """A fresh D engine for this scenario, closed at teardown.
+
+        A connector whose module cannot be imported here (its transport library is not
+        installed) makes the driver unavailable, which is a named skip, not a failure.
+        """
+        try:
+            engine = self.driver.build_engine(
+                self.policy,
+                num_kv_cache_groups=num_kv_cache_groups,
+                tp_size=tp_size,
+                deadline=deadline,
+            )
+        except ImportError as exc:
+            pytest.skip(
+                f"driver unavailable: {self.caps.connector} cannot be built here "
+                f"({type(exc).__name__}: {exc})"
+            )
+        self.engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        self.engines.clear()
+
+    def rid(self, stem: str) -> str:
+        """A request id unique in this session: a real P must never see an id twice."""
+        self._seq += 1
+        return f"{stem}-{self.policy}-{self._seq}-{id(self) % 10_000}"
+
+    def add_loading(
+        self, engine: Engine, request_id: str, *, fault: FaultPoint | None = None, **kwargs: Any
+    ) -> list[int]:
+        """Add a remote-prefill request and step until its load is in flight.
+
+        ``fault`` is armed first, for drivers that must set it up before the request exists.
+        Returns the block ids its load uses (all groups, flattened), for :func:`check_not_late`.
+        """
+        if fault is not None:
+            self.driver.arm(engine, request_id, fault)
+        self.driver.add_remote_request(engine, request_id, **kwargs)
+        result = engine.run_until(
+            lambda e: request_id in e.waiting_for_remote(), max_steps=10, timeout_s=10.0
+        )
+        if not result.ok:
+            raise ConformanceViolation(
+                self.scenario,
+                [f"C12 setup: {request_id} never entered WAITING_FOR_REMOTE_KVS ({result})"],
+            )
+        groups = engine.scheduler.kv_cache_manager.get_block_ids(request_id)
+        return [b for g in groups for b in g]
+
+    def run(self, engine: Engine, *, timeout_s: float | None = None) -> RunResult:
+        """Step until idle, bounded by the suite (never by the connector)."""
+        budget = dict(ACTIVE_BUDGET)
+        if timeout_s is not None or self.driver.poll_s:
+            # Wall-clock bound: a deadline or a real transport progresses in real time.
+            budget = {"max_steps": 1_000_000, "timeout_s": timeout_s or REAL_BUDGET_S}
+        return engine.run_until_idle(
+            poll_s=self.driver.poll_s or (0.01 if timeout_s else 0.0), **budget
+        )
+
+    # ------------------------------------------------------------ oracles
+
+    def violations(
+        self,
+        engine: Engine,
+        request_ids: Iterable[str] | None = None,
+        *,
+        failed: bool | None,
+        policy_outcome: bool = True,
+    ) -> list[str]:
+        """Every harness oracle's findings, clause first (empty when all hold)."""
+        from kvfail.harness import oracles
+
+        ids = list(engine.requests) if request_ids is None else list(request_ids)
+        out = oracles.check_no_crash(engine)
+        out += oracles.check_liveness(engine)
+        out += oracles.check_no_leaks(engine)
+        out += oracles.check_exactly_once(engine)
+        out += oracles.check_no_readvertise_after_failure(engine)
+        if policy_outcome and engine.crashed is None:
+            for rid in ids:
+                out += oracles.check_policy_outcome(engine, rid, failed=failed)
+        return out
+
+    def check(
+        self,
+        engine: Engine,
+        request_ids: Iterable[str] | None = None,
+        *,
+        failed: bool | None,
+        extra: Iterable[str] = (),
+        policy_outcome: bool = True,
+    ) -> None:
+        """Run every oracle (plus ``extra`` findings); raise on any violation."""
+        out = self.violations(engine, request_ids, failed=failed, policy_outcome=policy_outcome)
+        self.assert_clean([*out, *extra])
+
+    def assert_clean(self, violations: Iterable[str]) -> None:
+        out = list(violations)
+        if out:
+            raise ConformanceViolation(self.scenario, _dedupe(out))
+
+
+def _dedupe(items: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return [i for i in items if not (i in seen or seen.add(i))]
