@@ -1,0 +1,521 @@
+"""A real Mooncake P/D pair: P in its own OS process, D in this one, both on 127.0.0.1.
+
+Why: the conformance suite must see what a *real* transport reports when the peer dies,
+hangs or is misaddressed, through vLLM's real scheduler. :class:`MooncakePair` starts P
+(:mod:`kvfail.peers.producer`) as a :class:`~kvfail.faults.PeerProcess`, builds D as a
+harness :class:`~kvfail.harness.Engine` here (so the oracles read D's real scheduler), and
+exposes the faults that are honest with Mooncake on TCP loopback:
+
+* ``kill_p`` / ``freeze_p`` / ``thaw_p``: process faults on P's whole process group;
+* :func:`refused_bootstrap` (a closed port: connection refused, the "bootstrap down" case),
+  :func:`unknown_engine` (P answers, but not for this engine id) and
+  :meth:`MooncakePair.bootstrap_proxy` (a :class:`~kvfail.faults.FaultProxy` in front of
+  P's bootstrap HTTP server: reset, blackhole, delay, refuse).
+
+What can be proxied, and what cannot. D reaches P three ways: (1) the bootstrap HTTP
+``GET /query`` at ``remote_bootstrap_addr``, which D takes from ``kv_transfer_params``, so
+it can go through a proxy; (2) the ZMQ side channel, whose ``tcp://host:port`` D learns
+*from the bootstrap answer* (P registered its own port), so a proxy would have to rewrite
+the JSON body: not done; (3) the data, which P *pushes* into D with its transfer engine to
+D's RPC port, which P learns from D's ZMQ message: also not proxied. So only the bootstrap
+leg is proxied; a dead or silent data path is produced with ``kill_p`` / ``freeze_p``.
+
+D's verification. D's forward hook runs when a request is first scheduled after its load
+(the step where a real model would read the pulled KV) and compares every pulled token
+position of every layer with :mod:`kvfail.peers.pattern`; :meth:`MooncakePair.verify`
+returns that result. It is taken then, because D's blocks are freed when the request ends.
+
+TP. ``tp_size=2`` builds two D worker connectors, but the harness runs both as TP rank 0
+of a world of one (``kvfail/harness/engine.py``), so each asks P (TP 1) for the whole
+request. Measured: P serves the first and pops the request; the second waits on P until
+``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` ("Timeout waiting for P side ready", 5.4 s) and D
+fails the request. So D TP=2 here tests reporting/aggregation of a one-rank failure, not
+a real TP layout. P is always TP 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfail.faults import FaultProxy, PeerProcess, free_port
+from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvfail.harness import Engine, RunResult, Worker
+
+__all__ = [
+    "MOONCAKE_ENV",
+    "DecodeRecord",
+    "MooncakePair",
+    "ProducerHandle",
+    "mooncake_available",
+    "refused_bootstrap",
+    "unknown_engine",
+]
+
+#: Environment every Mooncake engine process needs (P gets it plus its bootstrap port).
+MOONCAKE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "MC_LOG_LEVEL": "ERROR",
+}
+
+
+def mooncake_available() -> str | None:
+    """None when a real Mooncake worker can be built here, else the reason it cannot."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing native library (libibverbs)
+        return f"mooncake.engine not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _closed_port() -> int:
+    """A loopback port nobody listens on (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def refused_bootstrap(params: Mapping[str, Any], port: int | None = None) -> dict[str, Any]:
+    """``params`` with a bootstrap address where nothing listens (connection refused)."""
+    out = dict(params)
+    out["remote_bootstrap_addr"] = f"http://127.0.0.1:{port or _closed_port()}"
+    return out
+
+
+def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
+    """``params`` naming an engine id P's bootstrap server does not know."""
+    out = dict(params)
+    out["remote_engine_id"] = engine_id
+    return out
+
+
+# --------------------------------------------------------------------------- P handle
+
+
+class ProducerHandle:
+    """The P process and its line protocol (see :mod:`kvfail.peers.producer`)."""
+
+    def __init__(
+        self,
+        *,
+        connector: str = "MooncakeConnector",
+        connector_module: str | None = None,
+        engine_id: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        num_blocks: int = 64,
+    ) -> None:
+        self.bootstrap_port = free_port()
+        self.engine_id = engine_id or f"P-mooncake-{self.bootstrap_port}"
+        config = {
+            "connector": connector,
+            "connector_module": connector_module,
+            "engine_id": self.engine_id,
+            "extra_config": dict(extra_config or {}),
+            "num_blocks": num_blocks,
+        }
+        full_env = dict(MOONCAKE_ENV)
+        full_env.update(env or {})
+        full_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
+        self.started_at = time.monotonic()
+        self.process = PeerProcess(
+            [sys.executable, "-m", "kvfail.peers.producer", "--config", json.dumps(config)],
+            name=f"mooncake-P-{self.bootstrap_port}",
+            env=full_env,
+            stdin=True,
+        )
+        self.ready: dict[str, Any] | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def bootstrap_addr(self) -> str:
+        return f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        """Block until P printed its ready event (vLLM import: 10-60 s on a busy machine)."""
+        if self.ready is None:
+            line = self.process.wait_ready(timeout_s, line=PREFIX + '{"bootstrap_addr"')
+            assert line is not None
+            self.ready = json.loads(line.removeprefix(PREFIX))
+            self.ready["ready_s"] = round(time.monotonic() - self.started_at, 3)
+        return self.ready
+
+    def request(self, cmd: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Send one command and wait (bounded) for its reply; raises if P does not answer."""
+        with self._lock:
+            rid = next(self._ids)
+            self.process.write_stdin(json.dumps({**cmd, "id": rid}) + "\n")
+            # Replies are json.dumps(sort_keys=True): '"id": N,' is unique per reply.
+            line = self.process.wait_ready(timeout_s, line=f'"id": {rid},')
+        assert line is not None
+        reply: dict[str, Any] = json.loads(line[line.index(PREFIX) + len(PREFIX) :])
+        if not reply.get("ok"):
+            raise RuntimeError(f"P refused {cmd.get('cmd')}: {reply.get('error')}")
+        return reply
+
+    def prefill(
+        self, req_id: str, prompt_len: int, prompt_seed: str, transfer_id: str | None = None
+    ) -> dict[str, Any]:
+        """Run P's half of a request; returns the ``kv_transfer_params`` for D."""
+        reply = self.request(
+            {
+                "cmd": "prefill",
+                "req_id": req_id,
+                "prompt_len": prompt_len,
+                "prompt_seed": prompt_seed,
+                "transfer_id": transfer_id or f"xfer-{req_id}",
+            }
+        )
+        return dict(reply["kv_transfer_params"])
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return self.request({"cmd": "stats"}, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask P to quit cleanly; kill its group if it cannot (dead, frozen, stuck)."""
+        proc = self.process
+        if proc.alive and not proc.frozen:
+            with contextlib.suppress(Exception):
+                proc.write_stdin('{"cmd": "quit"}\n')
+                proc.wait(timeout_s)
+        proc.close()
+
+
+# --------------------------------------------------------------------------- D side
+
+
+@dataclass
+class DecodeRecord:
+    """What D observed for one request it added."""
+
+    req_id: str
+    prompt_seed: str
+    prompt_len: int
+    params: dict[str, Any]
+    added_at: float
+    #: Seconds from ``add_request`` to the step whose KV output first named the request
+    #: (``finished_recving`` or a failure attributed to it); None until then.
+    reported_s: float | None = None
+    failed: bool = False
+    #: Bytes check at the first step the request ran after its load; None: never ran.
+    verified: bool | None = None
+    #: Where the check failed: ``rank<r>:<layer>`` -> first bad token positions
+    #: (``rank<r>`` with no positions: the request was computed locally, nothing loaded).
+    mismatches: dict[str, list[int]] = field(default_factory=dict)
+    checked_ranks: set[int] = field(default_factory=set)
+
+
+def _decode_forward(pair: MooncakePair) -> Any:
+    def forward(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+        pair._check_loaded(engine, worker, so)
+
+    return forward
+
+
+class MooncakePair:
+    """P (subprocess) + D (this process), real ``MooncakeConnector`` on both sides.
+
+    ``connector``/``connector_module`` apply to both sides unless ``p_connector`` /
+    ``p_connector_module`` are given. ``abort_request_timeout_s`` sets
+    ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` for P and, if unset, for this process (D's
+    socket timeout is that + 60 s, hard-coded upstream). Always :meth:`close` (or use
+    ``with``): it closes every D engine and P's whole process group.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: str = "fail",
+        connector: str = "MooncakeConnector",
+        connector_module: str | None = None,
+        p_connector: str | None = None,
+        p_connector_module: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+        p_extra_config: Mapping[str, Any] | None = None,
+        tp_size: int = 1,
+        abort_request_timeout_s: int = 5,
+        ready_timeout_s: float = 240.0,
+        num_blocks: int = 64,
+    ) -> None:
+        reason = mooncake_available()
+        if reason is not None:
+            raise RuntimeError(reason)
+        self.connector = connector
+        self.connector_module = connector_module
+        self.extra_config = {**DEFAULT_EXTRA_CONFIG, **dict(extra_config or {})}
+        self.tp_size = tp_size
+        self.num_blocks = num_blocks
+        self.ready_timeout_s = ready_timeout_s
+        self._p_kwargs: dict[str, Any] = {
+            "connector": p_connector or connector,
+            "connector_module": p_connector_module if p_connector is not None else connector_module,
+            "extra_config": dict(p_extra_config or {}),
+            "env": {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s)},
+            "num_blocks": num_blocks,
+        }
+        for key, value in MOONCAKE_ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(abort_request_timeout_s))
+        self.records: dict[str, DecodeRecord] = {}
+        self.decoders: dict[str, Engine] = {}
+        self._proxies: list[FaultProxy] = []
+        self._seq = itertools.count()
+        self.p: ProducerHandle | None = None
+        try:
+            # P imports vLLM in its own process while D builds here: overlap the two.
+            self.p = ProducerHandle(**self._p_kwargs)
+            self.d: Engine = self.consumer(policy)
+            self.p.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ engines
+
+    def consumer(self, policy: str = "fail", *, name: str | None = None) -> Engine:
+        """The D engine called ``name`` (default: the policy's name), built on first use.
+
+        Several D engines can share one P. A fresh name gives a D that never talked to P
+        ("cold"): Mooncake queries the bootstrap server only for engine ids it has not seen.
+        """
+        key = name or policy
+        if key in self.decoders:
+            return self.decoders[key]
+        from kvfail.harness import Engine, EngineSpec
+        from kvfail.peers.cpu_shim import cpu_accelerator_index_shim
+
+        spec = EngineSpec(
+            role="consumer",
+            connector=self.connector,
+            connector_module=self.connector_module,
+            policy=policy,  # type: ignore[arg-type]
+            engine_id=f"D-mooncake-{key}-{os.getpid()}-{next(self._seq)}",
+            extra_config=self.extra_config,
+            tp_size=self.tp_size,
+            num_blocks=self.num_blocks,
+        )
+        with cpu_accelerator_index_shim():
+            engine = Engine(spec, forward=_decode_forward(self))
+        self.decoders[key] = engine
+        return engine
+
+    def _engine(self, consumer: str | None) -> Engine:
+        if consumer is None:
+            return self.d
+        if consumer not in self.decoders:
+            raise KeyError(f"no consumer {consumer!r}; build it with consumer()")
+        return self.decoders[consumer]
+
+    def restart_p(self) -> dict[str, Any]:
+        """Replace a killed (or any) P with a fresh process on a new bootstrap port."""
+        if self.p is not None:
+            self.p.close()
+        self.p = ProducerHandle(**self._p_kwargs)
+        return self.p.wait_ready(self.ready_timeout_s)
+
+    def _producer(self) -> ProducerHandle:
+        if self.p is None:
+            raise RuntimeError("no P process")
+        return self.p
+
+    # ------------------------------------------------------------------ requests
+
+    def prefill(self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None) -> dict:
+        """P's half only; returns the params D would get (apply a fault to them, then
+        :meth:`add`)."""
+        return self._producer().prefill(req_id, prompt_len, prompt_seed or req_id)
+
+    def add(
+        self,
+        req_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_len: int = 100,
+        prompt_seed: str | None = None,
+        max_tokens: int = 4,
+        consumer: str | None = None,
+    ) -> DecodeRecord:
+        """Add D's request with these ``kv_transfer_params`` (the prompt must match P's)."""
+        engine = self._engine(consumer)
+        seed = prompt_seed or req_id
+        record = DecodeRecord(req_id, seed, prompt_len, dict(params), time.monotonic())
+        self.records[req_id] = record
+        engine.add_request(
+            req_id,
+            prompt_len=prompt_len,
+            prompt_seed=seed,
+            max_tokens=max_tokens,
+            kv_transfer_params=dict(params),
+        )
+        return record
+
+    def prefill_and_add(
+        self,
+        req_id: str,
+        prompt_len: int = 100,
+        *,
+        prompt_seed: str | None = None,
+        max_tokens: int = 4,
+        consumer: str | None = None,
+    ) -> DecodeRecord:
+        """P prefills, then D adds the request with P's params: a normal P->D pull."""
+        params = self.prefill(req_id, prompt_len, prompt_seed)
+        return self.add(
+            req_id,
+            params,
+            prompt_len=prompt_len,
+            prompt_seed=prompt_seed,
+            max_tokens=max_tokens,
+            consumer=consumer,
+        )
+
+    def run(
+        self,
+        req_ids: Iterable[str] | None = None,
+        *,
+        consumer: str | None = None,
+        consumers: Iterable[str] | None = None,
+        timeout_s: float = 30.0,
+        poll_s: float = 0.005,
+    ) -> RunResult:
+        """Step D engines until these requests (default: all of theirs) are gone.
+
+        ``consumers`` steps several D engines round-robin, as concurrent engines would run:
+        Mooncake starts a pull only in D's worker step, so an engine not stepped has not
+        started its pull and its detection clock would be wrong. Bounded by ``timeout_s``;
+        never raises for a crash (``reason="crash"``). Stamps each request's detection
+        time (:attr:`DecodeRecord.reported_s`) and failure flag.
+        """
+        from kvfail.harness import RunResult
+
+        names = [consumer] if consumers is None else list(consumers)
+        engines = [self._engine(name) for name in names]
+        wanted = {rid for e in engines for rid in e.requests} if req_ids is None else set(req_ids)
+        seen = [len(e.record.kv_reports) for e in engines]
+        start = time.monotonic()
+        steps = 0
+        while True:
+            for i, engine in enumerate(engines):
+                seen[i] = self._observe(engine, seen[i])
+            if any(e.crashed is not None for e in engines):
+                return RunResult(False, "crash", steps, time.monotonic() - start)
+            if not any(wanted & set(e.scheduler.requests) for e in engines):
+                return RunResult(True, "predicate", steps, time.monotonic() - start)
+            if time.monotonic() - start >= timeout_s:
+                return RunResult(False, "timeout", steps, time.monotonic() - start)
+            for engine in engines:
+                engine.step()
+            steps += 1
+            if poll_s > 0:
+                time.sleep(poll_s)
+
+    def _observe(self, engine: Engine, seen: int) -> int:
+        """Stamp detection times from the scheduler reports after index ``seen``."""
+        now = time.monotonic()
+        reports = engine.record.kv_reports
+        for report in reports[seen:]:
+            if report.rank is not None:
+                continue
+            for rid in report.failed_requests | report.finished_recving:
+                rec = self.records.get(rid)
+                if rec is None:
+                    continue
+                if rec.reported_s is None:
+                    rec.reported_s = round(now - rec.added_at, 4)
+                if rid in report.failed_requests:
+                    rec.failed = True
+        return len(reports)
+
+    def verify(self, req_id: str) -> bool:
+        """True iff D's KV blocks held exactly P's pattern for every pulled token."""
+        rec = self.records.get(req_id)
+        return bool(rec is not None and rec.verified)
+
+    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+        from kvfail.peers.pattern import mismatched_positions
+
+        manager = engine.scheduler.kv_cache_manager
+        for req_id, n in so.num_scheduled_tokens.items():
+            rec = self.records.get(req_id)
+            if rec is None or worker.rank in rec.checked_ranks:
+                continue
+            rec.checked_ranks.add(worker.rank)
+            request = engine.scheduler.requests[req_id]
+            # First schedule of this request: a loaded request starts with computed tokens;
+            # one that starts from 0 is computed locally (no load, or recompute).
+            # schedule() already advanced num_computed_tokens by this step's tokens.
+            loaded = min(request.num_computed_tokens - n, rec.prompt_len)
+            if loaded == 0:
+                rec.mismatches[f"rank{worker.rank}"] = []
+                rec.verified = False
+                continue
+            block_ids = manager.get_block_ids(req_id)[0]
+            for layer, name in enumerate(engine.built.layer_names):
+                wrong = mismatched_positions(
+                    worker.kv_caches[name], layer, block_ids, 0, loaded, rec.prompt_seed
+                )
+                if wrong:
+                    rec.mismatches[f"rank{worker.rank}:{name}"] = wrong[:8]
+            rec.verified = not rec.mismatches
+
+    # ------------------------------------------------------------------ faults
+
+    def kill_p(self) -> int:
+        """SIGKILL P's process group (a crash: the kernel closes its sockets)."""
+        return self._producer().process.kill()
+
+    def freeze_p(self) -> None:
+        """SIGSTOP P's group: a silent peer whose sockets stay open."""
+        self._producer().process.freeze()
+
+    def thaw_p(self) -> None:
+        self._producer().process.thaw()
+
+    def bootstrap_proxy(self) -> FaultProxy:
+        """A started :class:`FaultProxy` in front of P's bootstrap server (closed by
+        :meth:`close`); use :meth:`via_proxy` on params to route D's query through it."""
+        proxy = FaultProxy(self._producer().bootstrap_port, name="mooncake-bootstrap").start()
+        self._proxies.append(proxy)
+        return proxy
+
+    @staticmethod
+    def via_proxy(params: Mapping[str, Any], proxy: FaultProxy) -> dict[str, Any]:
+        return refused_bootstrap(params, proxy.port)
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Close D engines, proxies and P's process group; idempotent, never raises."""
+        for engine in list(self.decoders.values()):
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.decoders.clear()
+        for proxy in self._proxies:
+            with contextlib.suppress(Exception):
+                proxy.close()
+        self._proxies.clear()
+        if self.p is not None:
+            with contextlib.suppress(Exception):
+                self.p.close()
+
+    def __enter__(self) -> MooncakePair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

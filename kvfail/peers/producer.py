@@ -1,0 +1,269 @@
+"""A real Mooncake PRODUCER (P) engine in its own OS process, driven over stdin/stdout.
+
+Why a process: a fault on P must be a real one (SIGKILL closes its sockets, SIGSTOP keeps
+them open and silent), and only a separate OS process gives that. P is the harness
+:class:`~kvfail.harness.Engine` (vLLM's real ``Scheduler`` + a real WORKER-role Mooncake
+connector on CPU/TCP), whose forward writes :mod:`kvfail.peers.pattern` into the request's
+KV blocks, so D can check every byte it received.
+
+Run: ``python -m kvfail.peers.producer --config '<json>'``. Config keys (all optional):
+``connector`` (default ``MooncakeConnector``), ``connector_module`` (None = registered in
+vLLM; e.g. ``connectors.mooncake``), ``engine_id``, ``extra_config`` (merged over
+``{"mooncake_protocol": "tcp", "num_workers": 2}``), ``num_blocks``. The bootstrap port
+comes from ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (set by the parent), the host is 127.0.0.1.
+
+Protocol: one JSON object per line. Commands on stdin, each with an optional ``id`` that
+the reply echoes:
+
+* ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len", "transfer_id"?}`` runs the P
+  request (``do_remote_decode``, ``max_tokens=1``) until it finishes and replies with the
+  ``kv_transfer_params`` D needs;
+* ``{"cmd": "stats"}``: counters and the engine's pending sends;
+* ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
+
+Replies and events go to the *original* stdout, each line prefixed with :data:`PREFIX`;
+the process's fd 1 is pointed at stderr before vLLM is imported, so library prints
+(Mooncake, vLLM's logger) can never corrupt the channel. Between commands P keeps stepping
+its engine, which is what serves D's pull and reports ``finished_sending``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvfail.harness import Engine, Worker
+
+__all__ = ["DEFAULT_EXTRA_CONFIG", "PREFIX", "main"]
+
+#: Every protocol line starts with this, so a reader can ignore anything else.
+PREFIX = "@@kvfail-p "
+DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers": 2}
+#: Bound on one prefill command (P's request finishes in one or two steps normally).
+PREFILL_TIMEOUT_S = 20.0
+_IDLE_SLEEP_S = 0.005
+
+
+class _Channel:
+    """The protocol's output side: the real stdout fd, taken before vLLM is imported."""
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        proto_fd = os.dup(1)
+        os.dup2(2, 1)  # anything else written to fd 1 now lands on stderr
+        self._out: IO[str] = os.fdopen(proto_fd, "w", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def send(self, obj: dict[str, Any]) -> None:
+        line = PREFIX + json.dumps(obj, sort_keys=True, default=str)
+        with self._lock:
+            self._out.write(line + "\n")
+            self._out.flush()
+
+
+def _read_commands(commands: queue.Queue[dict[str, Any] | None]) -> None:
+    """Stdin reader thread; EOF (the parent went away) is a quit."""
+    for raw in sys.stdin:
+        raw = raw.strip()
+        if not raw:
+            continue
+        try:
+            commands.put(json.loads(raw))
+        except json.JSONDecodeError as exc:
+            commands.put({"cmd": "_bad", "error": str(exc), "raw": raw[:200]})
+    commands.put(None)
+
+
+def _pattern_forward(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+    """P's "model": write the byte pattern for every token computed this step."""
+    from kvfail.peers.pattern import write_pattern
+
+    manager = engine.scheduler.kv_cache_manager
+    for req_id, n in so.num_scheduled_tokens.items():
+        request = engine.scheduler.requests[req_id]
+        seed = _seeds.get(req_id, req_id)
+        # schedule() already advanced num_computed_tokens by this step's tokens.
+        start = request.num_computed_tokens - n
+        end = min(start + n, request.num_prompt_tokens)
+        block_ids = manager.get_block_ids(req_id)[0]
+        for layer, name in enumerate(engine.built.layer_names):
+            write_pattern(worker.kv_caches[name], layer, block_ids, start, end, seed)
+
+
+_seeds: dict[str, str] = {}
+
+
+class _Producer:
+    def __init__(self, config: dict[str, Any], channel: _Channel) -> None:
+        from kvfail.harness import Engine, EngineSpec
+        from kvfail.peers.cpu_shim import cpu_accelerator_index_shim
+
+        self.channel = channel
+        extra = dict(DEFAULT_EXTRA_CONFIG)
+        extra.update(config.get("extra_config") or {})
+        self.engine_id: str = config.get("engine_id") or f"P-mooncake-{os.getpid()}"
+        self.bootstrap_port = int(os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
+        spec = EngineSpec(
+            role="producer",
+            connector=config.get("connector", "MooncakeConnector"),
+            connector_module=config.get("connector_module"),
+            engine_id=self.engine_id,
+            extra_config=extra,
+            num_blocks=int(config.get("num_blocks", 64)),
+        )
+        with cpu_accelerator_index_shim():
+            self.engine: Engine = Engine(spec, forward=_pattern_forward)
+        self.prefills = 0
+        self.failed_prefills = 0
+        self.finished_sending: list[str] = []
+        self._seen_reports = 0
+
+    def bootstrap_addr(self) -> str:
+        return f"http://127.0.0.1:{self.bootstrap_port}"
+
+    def step_if_busy(self) -> bool:
+        if self.engine.crashed is not None or self.engine.is_idle():
+            return False
+        self.engine.step()
+        reports = self.engine.record.kv_reports
+        for report in reports[self._seen_reports :]:
+            if report.rank is None:
+                self.finished_sending.extend(sorted(report.finished_sending))
+        self._seen_reports = len(reports)
+        return True
+
+    def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = str(cmd["req_id"])
+        seed = str(cmd.get("prompt_seed") or req_id)
+        transfer_id = str(cmd.get("transfer_id") or f"xfer-{req_id}")
+        _seeds[req_id] = seed
+        self.engine.add_request(
+            req_id,
+            prompt_len=int(cmd.get("prompt_len", 100)),
+            prompt_seed=seed,
+            max_tokens=1,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": transfer_id,
+            },
+        )
+        deadline = time.monotonic() + PREFILL_TIMEOUT_S
+        while not RequestStatus.is_finished(self.engine.requests[req_id].status):
+            if self.engine.crashed is not None:
+                self.failed_prefills += 1
+                return {"ok": False, "error": f"P engine crashed: {self.engine.crashed.message}"}
+            if time.monotonic() >= deadline:
+                self.failed_prefills += 1
+                return {
+                    "ok": False,
+                    "error": f"prefill of {req_id} not done in {PREFILL_TIMEOUT_S}s",
+                }
+            self.step_if_busy()
+        status = self.engine.requests[req_id].status
+        if status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            self.failed_prefills += 1
+            return {"ok": False, "error": f"P request ended {status.name}"}
+        self.prefills += 1
+        return {
+            "ok": True,
+            "req_id": req_id,
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_bootstrap_addr": self.bootstrap_addr(),
+                "transfer_id": transfer_id,
+            },
+        }
+
+    def stats(self) -> dict[str, Any]:
+        sched = self.engine.scheduler
+        return {
+            "ok": True,
+            "engine_id": self.engine_id,
+            "steps": self.engine.record.steps,
+            "prefills": self.prefills,
+            "failed_prefills": self.failed_prefills,
+            "finished_sending": list(self.finished_sending),
+            "pending_requests": sorted(sched.requests),
+            "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
+        }
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        name = cmd.get("cmd")
+        try:
+            if name == "prefill":
+                return self.prefill(cmd)
+            if name == "stats":
+                return self.stats()
+            if name == "ping":
+                return {"ok": True}
+            if name == "quit":
+                return None
+            return {"ok": False, "error": f"unknown command {name!r}: {cmd}"}
+        except Exception as exc:  # a bad command must not kill P: reply instead
+            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point; never returns (``os._exit``: native transports may crash at exit)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--config", default="{}", help="JSON object (see module docstring)")
+    args = parser.parse_args(argv)
+    channel = _Channel()
+    rc = 0
+    try:
+        config = json.loads(args.config)
+        started = time.monotonic()
+        producer = _Producer(config, channel)
+        channel.send(
+            {
+                "event": "ready",
+                "engine_id": producer.engine_id,
+                "bootstrap_addr": producer.bootstrap_addr(),
+                "pid": os.getpid(),
+                "startup_s": round(time.monotonic() - started, 3),
+            }
+        )
+        commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=_read_commands, args=(commands,), daemon=True).start()
+        while True:
+            try:
+                cmd = commands.get_nowait()
+            except queue.Empty:
+                if not producer.step_if_busy():
+                    time.sleep(_IDLE_SLEEP_S)
+                continue
+            reply = None if cmd is None else producer.handle(cmd)
+            if reply is None:
+                break
+            if "id" in cmd:
+                reply["id"] = cmd["id"]
+            channel.send(reply)
+        producer.engine.close()
+        channel.send({"event": "bye"})
+    except BaseException as exc:
+        rc = 1
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        channel.send({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    main()

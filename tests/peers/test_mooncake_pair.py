@@ -1,0 +1,241 @@
+"""A real Mooncake P/D pair (upstream ``MooncakeConnector``, TCP loopback) through the harness.
+
+Why: the fault scenarios of the conformance suite are only worth something if the bytes
+really travel P -> D through vLLM's real connector, and if the fast faults really reach
+D's real scheduler as failures. One P process is shared by every scenario that leaves it
+usable; the cold kill runs last and covers both policies with two requests prefilled
+before the kill. Detection times are printed (``-s``) and attached to the records.
+
+Measured on a 2-core machine: P and D start in parallel (~10-40 s, imports), each fast
+scenario then takes well under 1 s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.peers.mooncake import mooncake_available
+
+_REASON = mooncake_available()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from kvfail.harness import oracles  # noqa: E402
+from kvfail.peers.mooncake import (  # noqa: E402
+    MooncakePair,
+    refused_bootstrap,
+    unknown_engine,
+)
+
+pytestmark = pytest.mark.vllm
+
+#: Every fast fault is reported by upstream in < ~1 s; this is the bound, not the budget.
+FAST_REPORT_S = 5.0
+DETECTION: dict[str, float | None] = {}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[MooncakePair]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = MooncakePair(policy="fail", abort_request_timeout_s=5)
+    p.consumer("recompute")
+    try:
+        yield p
+    finally:
+        p.close()
+        print("\nMooncake detection times (s):", DETECTION)
+
+
+def _violations(pair: MooncakePair, consumer: str, req_id: str, failed: bool) -> list[str]:
+    return oracles.check_all(pair.decoders[consumer], [req_id], failed=failed)
+
+
+def _finish(pair: MooncakePair, consumer: str, req_id: str, timeout_s: float = 20.0) -> Any:
+    run = pair.run([req_id], consumer=consumer, timeout_s=timeout_s)
+    assert run.ok, (run, pair.records[req_id], pair.p.process.output_tail() if pair.p else "")
+    return run
+
+
+def test_happy_path_bytes_arrive_exactly(pair: MooncakePair) -> None:
+    rec = pair.prefill_and_add("happy-0", prompt_len=100, consumer="fail")
+    _finish(pair, "fail", "happy-0")
+    assert pair.verify("happy-0"), rec.mismatches
+    assert not rec.failed
+    assert rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    DETECTION["happy (finished_recving)"] = rec.reported_s
+    assert _violations(pair, "fail", "happy-0", failed=False) == []
+    assert pair.p is not None
+    stats = pair.p.stats()
+    # P frees its blocks once D's pull is done (finished_sending), bounded wait.
+    deadline = time.monotonic() + 10.0
+    while "happy-0" not in stats["finished_sending"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+        stats = pair.p.stats()
+    assert "happy-0" in stats["finished_sending"], stats
+    assert stats["pending_requests"] == [], stats
+
+
+def test_happy_path_recompute_policy_also_loads(pair: MooncakePair) -> None:
+    pair.prefill_and_add("happy-r", prompt_len=70, consumer="recompute")
+    _finish(pair, "recompute", "happy-r")
+    assert pair.verify("happy-r"), pair.records["happy-r"].mismatches
+    assert _violations(pair, "recompute", "happy-r", failed=False) == []
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_wrong_bootstrap_address_is_reported_by_a_cold_d(pair: MooncakePair, policy: str) -> None:
+    """A D that never talked to P must query the (wrong, refused) bootstrap address."""
+    rid = f"refused-{policy}"
+    consumer = pair.consumer(policy, name=f"cold-refused-{policy}")
+    params = refused_bootstrap(pair.prefill(rid, 100))
+    rec = pair.add(rid, params, prompt_len=100, consumer=f"cold-refused-{policy}")
+    _finish(pair, f"cold-refused-{policy}", rid)
+    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    DETECTION[f"refused bootstrap, cold ({policy})"] = rec.reported_s
+    assert oracles.check_all(consumer, [rid], failed=True) == []
+    assert not pair.verify(rid)
+    if policy == "recompute":
+        # Recompute ran the whole prompt locally: first scheduled with 0 computed tokens.
+        assert rec.mismatches == {"rank0": []}, rec
+
+
+def test_bootstrap_through_a_pass_through_proxy_pulls_correct_bytes(pair: MooncakePair) -> None:
+    proxy = pair.bootstrap_proxy()
+    consumer = pair.consumer("fail", name="cold-proxy-pass")
+    params = MooncakePair.via_proxy(pair.prefill("proxy-pass", 100), proxy)
+    rec = pair.add("proxy-pass", params, prompt_len=100, consumer="cold-proxy-pass")
+    _finish(pair, "cold-proxy-pass", "proxy-pass")
+    assert proxy.connections_accepted >= 1
+    assert not rec.failed and pair.verify("proxy-pass"), rec
+    assert oracles.check_all(consumer, failed=False) == []
+
+
+def test_bootstrap_reset_by_proxy_is_reported(pair: MooncakePair) -> None:
+    proxy = pair.bootstrap_proxy()
+    proxy.reset()
+    consumer = pair.consumer("fail", name="cold-proxy-reset")
+    params = MooncakePair.via_proxy(pair.prefill("proxy-reset", 100), proxy)
+    rec = pair.add("proxy-reset", params, prompt_len=100, consumer="cold-proxy-reset")
+    _finish(pair, "cold-proxy-reset", "proxy-reset")
+    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S, rec
+    DETECTION["bootstrap RST by proxy, cold (fail)"] = rec.reported_s
+    assert oracles.check_all(consumer, ["proxy-reset"], failed=True) == []
+
+
+def test_warm_d_ignores_the_bootstrap_address(pair: MooncakePair) -> None:
+    """Observed upstream behaviour, pinned so a change is noticed: once D knows P's engine
+    id it reuses the cached side-channel address and never re-queries the bootstrap
+    server, so a wrong (refused) bootstrap address still yields a good pull."""
+    consumer = pair.consumer("fail", name="warm")
+    pair.prefill_and_add("warm-0", prompt_len=40, consumer="warm")
+    _finish(pair, "warm", "warm-0")
+    params = refused_bootstrap(pair.prefill("warm-1", 100))
+    rec = pair.add("warm-1", params, prompt_len=100, consumer="warm")
+    _finish(pair, "warm", "warm-1")
+    assert not rec.failed and pair.verify("warm-1"), rec
+    assert oracles.check_all(consumer, failed=False) == []
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_unknown_engine_id_is_reported(pair: MooncakePair, policy: str) -> None:
+    rid = f"unknown-{policy}"
+    params = unknown_engine(pair.prefill(rid, 100))
+    rec = pair.add(rid, params, prompt_len=100, consumer=policy)
+    _finish(pair, policy, rid)
+    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    DETECTION[f"unknown engine id ({policy})"] = rec.reported_s
+    assert _violations(pair, policy, rid, failed=True) == []
+
+
+def test_silent_bootstrap_is_reported_after_the_connector_timeout(
+    pair: MooncakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bootstrap server that accepts and never answers (proxy blackhole). Upstream's
+    httpx query waits ``VLLM_MOONCAKE_CONNECTOR_TIMEOUT`` (default 30 s) per try, 3 tries;
+    lowered to 1 s for D here (read at use time), so the report comes in ~3 s."""
+    monkeypatch.setenv("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", "1")
+    proxy = pair.bootstrap_proxy()
+    proxy.blackhole()
+    consumer = pair.consumer("fail", name="cold-proxy-blackhole")
+    params = MooncakePair.via_proxy(pair.prefill("proxy-blackhole", 100), proxy)
+    rec = pair.add("proxy-blackhole", params, prompt_len=100, consumer="cold-proxy-blackhole")
+    _finish(pair, "cold-proxy-blackhole", "proxy-blackhole", timeout_s=15)
+    assert rec.failed and rec.reported_s is not None and rec.reported_s < 10, rec
+    DETECTION["bootstrap blackhole, connector timeout 1 s, cold (fail)"] = rec.reported_s
+    assert oracles.check_all(consumer, ["proxy-blackhole"], failed=True) == []
+
+
+def test_zz_kill_p_cold_is_reported_under_both_policies(pair: MooncakePair) -> None:
+    """Runs last (by name): it kills the shared P. Two fresh D engines that never talked
+    to this P keep it "cold": D queries P's bootstrap server, which is gone (refused)."""
+    for policy in ("fail", "recompute"):
+        pair.consumer(policy, name=f"cold-{policy}")
+    params = {policy: pair.prefill(f"kill-{policy}", 100) for policy in ("fail", "recompute")}
+    pair.kill_p()
+    for policy, p in params.items():
+        pair.add(f"kill-{policy}", p, prompt_len=100, consumer=f"cold-{policy}")
+    run = pair.run(consumers=["cold-fail", "cold-recompute"], timeout_s=20)
+    assert run.ok, run
+    for policy in params:
+        rid = f"kill-{policy}"
+        rec = pair.records[rid]
+        assert rec.failed and rec.reported_s is not None, rec
+        assert rec.reported_s < FAST_REPORT_S, rec
+        DETECTION[f"kill P cold ({policy})"] = rec.reported_s
+        assert _violations(pair, f"cold-{policy}", rid, failed=True) == []
+
+
+# --------------------------------------------------------------------------- slow
+
+WARM_REPORT_S = 90.0  # upstream D socket timeout: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s
+
+
+@pytest.fixture(scope="module")
+def slow_pair() -> Iterator[MooncakePair]:
+    p = MooncakePair(policy="fail", abort_request_timeout_s=5)
+    try:
+        yield p
+    finally:
+        p.close()
+        print("\nMooncake detection times (s):", DETECTION)
+
+
+def _warm(pair: MooncakePair, consumer: str) -> None:
+    pair.consumer(consumer.split("-")[-1], name=consumer)
+    pair.prefill_and_add(f"{consumer}-warmup", prompt_len=40, consumer=consumer)
+    _finish(pair, consumer, f"{consumer}-warmup")
+    assert pair.verify(f"{consumer}-warmup")
+
+
+@pytest.mark.slow
+def test_freeze_then_kill_p_warm_is_reported_after_the_socket_timeout(
+    slow_pair: MooncakePair,
+) -> None:
+    """Silent P (SIGSTOP) after a good pull: upstream D cannot tell it from a slow P and
+    reports only when its ZMQ receive times out (abort timeout + 60 s). Both policies."""
+    pair = slow_pair
+    names = {policy: f"warm-freeze-{policy}" for policy in ("fail", "recompute")}
+    for name in names.values():
+        _warm(pair, name)
+    params = {policy: pair.prefill(f"{name}-x", 100) for policy, name in names.items()}
+    pair.freeze_p()
+    try:
+        for policy, name in names.items():
+            pair.add(f"{name}-x", params[policy], prompt_len=100, consumer=name)
+        run = pair.run(consumers=names.values(), timeout_s=WARM_REPORT_S + 10)
+        assert run.ok, run
+        for policy, name in names.items():
+            rec = pair.records[f"{name}-x"]
+            assert rec.failed and rec.reported_s is not None, rec
+            DETECTION[f"freeze P, warm ({policy})"] = rec.reported_s
+            consumer = pair.decoders[name]
+            assert oracles.check_all(consumer, [f"{name}-x"], failed=True) == []
+    finally:
+        pair.thaw_p()
