@@ -1,0 +1,74 @@
+"""``KvfailMooncakeConnector``: upstream's MooncakeConnector with kvfail's failure reporting.
+
+Load it into vLLM with::
+
+    KVTransferConfig(kv_connector="KvfailMooncakeConnector",
+                     kv_connector_module_path="connectors.mooncake", ...)
+
+Everything upstream does is kept (bootstrap, side channel, P-push transfers, HMA); the
+scheduler half forwards unusable pulls to the worker (:mod:`connectors.mooncake.scheduler`)
+and the worker half reports every D-side outcome through
+:class:`kvfail.FailureReporterMixin` (:mod:`connectors.mooncake.worker`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+    MooncakeConnector,
+)
+
+from connectors.mooncake.scheduler import KvfailMooncakeScheduler
+from connectors.mooncake.stats import KvfailMooncakeStats
+from connectors.mooncake.worker import KvfailMooncakeWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class KvfailMooncakeConnector(MooncakeConnector):
+    """Upstream's connector, built with our scheduler and worker halves."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        # Upstream's __init__ names its own worker class, and building that one starts a
+        # TransferEngine and threads, so it cannot be built and then replaced. We run the
+        # base initialiser and set the same three attributes with our classes.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        assert transfer_config is not None and transfer_config.engine_id is not None
+        self.engine_id: str = transfer_config.engine_id
+        self.connector_scheduler: KvfailMooncakeScheduler | None = None
+        self.connector_worker: KvfailMooncakeWorker | None = None  # type: ignore[assignment]
+        if role == KVConnectorRole.SCHEDULER:
+            assert kv_cache_config is not None, "kv_cache_config is required for SCHEDULER role"
+            self.connector_scheduler = KvfailMooncakeScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvfailMooncakeWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+
+    def shutdown(self) -> None:
+        """Upstream leaves this to ``__del__``; stop the worker's threads when asked."""
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """Rebuild stats holding upstream's metrics and kvfail's counters."""
+        return KvfailMooncakeStats(data=dict(data) if data else {})
