@@ -39,11 +39,10 @@ import itertools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Collection, Coroutine, Iterator
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
@@ -61,6 +60,7 @@ from vllm.logger import init_logger
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage
+from kvfail.cpu_shim import cpu_accelerator_index_shim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,26 +127,6 @@ class _ReplyDecoder:
         return response
 
 
-@contextlib.contextmanager
-def _device_index_without_accelerator() -> Iterator[None]:
-    """Let upstream's ``__init__`` run on CPU-only torch.
-
-    Upstream calls ``torch.accelerator.current_device_index()``, which raises when no
-    accelerator exists, then ``current_platform.set_device`` (a no-op on CPU). Only when
-    torch reports no accelerator do we answer 0, and only for the duration of the call.
-    """
-    accel = getattr(torch, "accelerator", None)
-    if accel is None or accel.current_accelerator() is not None:
-        yield
-        return
-    original = accel.current_device_index
-    accel.current_device_index = lambda: 0
-    try:
-        yield
-    finally:
-        accel.current_device_index = original
-
-
 class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     """Upstream's ``MooncakeConnectorWorker`` reporting through kvfail's mixin.
 
@@ -161,7 +141,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
-        with _device_index_without_accelerator():
+        with cpu_accelerator_index_shim():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._mc_closed = False
         assert vllm_config.kv_transfer_config is not None

@@ -297,8 +297,8 @@ class MooncakePair:
         key = name or policy
         if key in self.decoders:
             return self.decoders[key]
+        from kvfail.cpu_shim import cpu_accelerator_index_shim
         from kvfail.harness import Engine, EngineSpec
-        from kvfail.peers.cpu_shim import cpu_accelerator_index_shim
 
         spec = EngineSpec(
             role="consumer",

@@ -1,11 +1,13 @@
 """The one shim a real Mooncake worker connector needs on CPU-only torch.
 
-Why: ``MooncakeConnectorWorker.__init__`` calls ``torch.accelerator.current_device_index()``,
-which raises on CPU torch ("Cannot access accelerator device when none is available"),
+Why: upstream's ``MooncakeConnectorWorker.__init__`` calls
+``torch.accelerator.current_device_index()``, which raises on CPU torch ("Cannot access
+accelerator device when none is available"),
 while ``current_platform.set_device`` right after it is a no-op on CPU. We do not patch
 vLLM's files: this context manager makes that one torch call return 0 *only while a
 connector is being constructed*, and restores it on exit. On a machine with an accelerator
-it does nothing. See ``shared/reference/workers-on-cpu.md`` ("the one patch").
+it does nothing. Used by ``connectors.mooncake`` and by the peers that run upstream's
+connector; importing this module imports no torch.
 """
 
 from __future__ import annotations
