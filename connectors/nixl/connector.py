@@ -1,0 +1,265 @@
+"""Upstream's NIXL pull connector with its D-side failure handling routed through kvfail.
+
+Upstream (``vllm.distributed.kv_transfer.kv_connector.v1.nixl``) already detects most
+failures; what it lacks is one place that decides what the scheduler is told. Its
+bookkeeping is spread over ``_recv_failures`` (a set), ``_failed_recv_reqs`` (a queue fed
+by the handshake thread) and ``_invalid_block_ids`` (a queue of block sets), it has no
+deadline for a transfer stuck in ``PROC`` (a silent peer holds D's blocks forever), and
+it picks block- vs request-level reporting by "has a non-full-attention layer" rather than
+by group count, so a failed load with several full-attention KV-cache groups reports
+group-0 block ids and crashes the engine (seen on 0.32.0; its HMA TODO). The tracker
+routes by group count. Here every D-side failure becomes one
+:meth:`FailureReporterMixin.load_failed` call, and the tracker decides delivery:
+
+* where a failure is *detected* we learn its stage from ``_log_failure``, the structured
+  log line upstream emits exactly once per failure (and that vLLM's tests match on);
+* ``_handle_failed_transfer`` keeps upstream's side effects (NIXL counters, marking the
+  remote engine for cleanup, retaining a handle whose release failed) and backs the stage
+  up for the failure paths that log nothing (invalid remote engine, expired turn-2 read);
+* ``get_transfer_results`` lets upstream poll handles and post-process successes, then
+  settles each finished load in the tracker and returns the tracker's report; upstream's
+  own failed set and invalid-block queue are drained and discarded;
+* a load older than ``kvfail_deadline_s`` is failed by the tracker's watchdog, and
+  :meth:`KvfailNixlWorker.kvfail_fence` releases (cancels) its NIXL handles before the
+  blocks are handed back; if a release fails the request stays held (C11).
+
+Upstream's failed set ``_recv_failures`` is still filled, on purpose: it is what makes
+upstream skip KV post-processing for a failed request (vLLM #40364; post-processing a
+request whose handshake failed would look up an unknown engine). It is never reported.
+
+Stage map: ``handshake_failed`` -> HANDSHAKE; ``transfer_setup_failed`` -> TRANSFER_SETUP;
+``transfer_failed`` (state ERR) and ``transfer_exception`` -> TRANSFER; read refused for an
+invalidated peer -> PEER_LOST; other unlogged refusals (expired turn-2 read) ->
+TRANSFER_SETUP; deadline -> WATCHDOG; ``notification_failed`` -> not a load failure.
+
+Nothing here copies upstream code or patches vLLM. The overridden methods are upstream's
+private ones (tied to vLLM 0.32.0's NIXL internals), and each calls upstream's version.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from connectors.nixl.stats import KvfailNixlStats
+from kvfail.reporter import FailureReporterMixin
+from kvfail.stages import Stage
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+        ReqMeta,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("kvfail.nixl")
+
+#: Extra-config key for the D-side deadline of one load, in seconds, from the step the
+#: worker first sees it to the step it can be reported. ``null`` or <= 0 disables it.
+DEADLINE_KEY: Final = "kvfail_deadline_s"
+#: Default deadline. Upstream has none for a transfer stuck in ``PROC``; 30 s matches
+#: upstream's P-side ``kv_lease_duration`` default, after which P frees the blocks anyway,
+#: so a load still unfinished at that point cannot complete correctly.
+DEFAULT_DEADLINE_S: Final = 30.0
+#: How often a fence whose handle release failed is retried (each drain after this).
+FENCE_RETRY_S: Final = 0.1
+
+#: Upstream ``_log_failure`` types that fail the request, and where they are detected.
+#: ``notification_failed`` is absent on purpose: D already holds its bytes when telling P
+#: fails, so failing D would throw away a good load; upstream counts it
+#: (``num_failed_notifications``, in the merged stats) and P frees by lease expiry.
+#: ``handshake_setup_failed`` is engine-level (no request id); each waiting request gets
+#: its own ``handshake_failed``. ``transfer_release_failed`` is handled by retention.
+FAILURE_STAGES: Final[dict[str, Stage]] = {
+    "handshake_failed": Stage.HANDSHAKE,
+    "transfer_setup_failed": Stage.TRANSFER_SETUP,
+    "transfer_failed": Stage.TRANSFER,
+    "transfer_exception": Stage.TRANSFER,
+}
+
+
+def _deadline_from(vllm_config: VllmConfig) -> float | None:
+    kv_config = vllm_config.kv_transfer_config
+    raw = (
+        DEFAULT_DEADLINE_S
+        if kv_config is None
+        else kv_config.get_from_extra_config(DEADLINE_KEY, DEFAULT_DEADLINE_S)
+    )
+    if raw is None:
+        return None
+    value = float(raw)
+    return value if value > 0 else None
+
+
+class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
+    """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.init_failure_reporter(
+            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
+            name=f"KvfailNixlConnector[{engine_id}:tp{self.tp_rank}]",
+            default_deadline_s=_deadline_from(vllm_config),
+            fence_retry_s=FENCE_RETRY_S,
+        )
+
+    # ------------------------------------------------------------------ loads start
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """Track every load that writes blocks before upstream starts it.
+
+        A load without local blocks (full local prefix hit, aborted cleanup) is left to
+        upstream: it only notifies P, and its KV is already local, so it must never be
+        reported failed.
+        """
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if any(meta.local_block_ids):
+                self.track_load(req_id, meta.local_block_ids)
+        super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
+        """Refuse to post a READ for a load the watchdog already fenced and delivered.
+
+        A handshake that completes after the deadline still queues the request in
+        ``_ready_requests``; by then the scheduler may have reused its blocks.
+        """
+        if any(meta.local_block_ids) and req_id not in self._recving_metadata:
+            logger.warning("kvfail: not starting a read for fenced load req_id=%r", req_id)
+            return
+        super()._read_blocks_for_req(req_id, meta)
+
+    # ------------------------------------------------------------------ failures
+
+    def _log_failure(
+        self,
+        failure_type: str,
+        req_id: str | None,
+        msg: str = "",
+        error: BaseException | None = None,
+        meta: ReqMeta | None = None,
+        **extra_context: Any,
+    ) -> None:
+        """Upstream's single failure log line; we record the stage where it is known."""
+        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
+        stage = FAILURE_STAGES.get(failure_type)
+        if stage is None or req_id is None:
+            return
+        reason = failure_type if error is None else f"{failure_type}: {error!r}"
+        # settle=False: upstream may still hold handles; settling happens when upstream
+        # reports the request done (no outstanding handles).
+        self.load_failed(req_id, stage, reason, settle=False)
+
+    def _handle_failed_transfer(
+        self,
+        req_id: str,
+        handle: Any,
+        failed_req_ids: set[str] | None = None,
+        record_failed_transfer: bool = True,
+    ) -> bool:
+        """Upstream's side effects, plus a stage for the paths that log no failure."""
+        tracker = self.failure_reporter
+        if tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None:
+            meta = self._recving_metadata.get(req_id)
+            lost = (
+                meta is not None
+                and meta.remote is not None
+                and (meta.remote.engine_id in self._invalid_remote_engines)
+            )
+            stage = Stage.PEER_LOST if lost else Stage.TRANSFER_SETUP
+            reason = "remote engine invalidated" if lost else "read not started"
+            self.load_failed(req_id, stage, reason, settle=False)
+        return super()._handle_failed_transfer(
+            req_id, handle, failed_req_ids, record_failed_transfer
+        )
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        """Cancel an overdue load: release every handle it still owns.
+
+        NIXL cancels an active transfer on release, or refuses (raises) if it cannot; a
+        refused handle is kept, so upstream keeps polling it and we retry, and the
+        blocks stay held. Only when nothing can write into them is the load forgotten.
+        """
+        # Until it is forgotten, upstream must treat it as failed (no post-processing).
+        self._recv_failures.add(req_id)
+        handles = self._recving_transfers.get(req_id, [])
+        kept = [h for h in handles if not self._try_release_xfer_handle(req_id, h)]
+        if kept:
+            self._recving_transfers[req_id] = kept
+            return False
+        self._recving_transfers.pop(req_id, None)
+        self._recving_metadata.pop(req_id, None)
+        self._pending_recv_notifs.pop(req_id, None)
+        self._recv_failures.discard(req_id)
+        return True
+
+    # ------------------------------------------------------------------ per step
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Upstream polls and post-processes; the tracker decides what is reported."""
+        # Loads without local blocks (a full local hit the scheduler still awaits) are
+        # upstream's to complete and never fail: their KV is already local.
+        no_blocks = {r for r, m in self._recving_metadata.items() if not any(m.local_block_ids)}
+        upstream = super().get_transfer_results()
+        # Upstream's invalid-block queue is superseded by the tracker; drain it so it
+        # does not grow.
+        NixlPullConnectorWorker.get_block_ids_with_load_errors(self)
+        passthrough = upstream.finished_recving & no_blocks
+        for req_id in upstream.finished_recving - passthrough:
+            # No outstanding handles: the load is settled, failed or not (sticky). An id
+            # the tracker no longer knows is counted and dropped, never passed on (C7).
+            self.load_succeeded(req_id)
+        return self.transfer_results(upstream.finished_sending, finished_recving=passthrough)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return FailureReporterMixin.get_block_ids_with_load_errors(self)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
+        return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
+
+
+class KvfailNixlConnector(NixlPullConnector):
+    """``NixlPullConnector`` with :class:`KvfailNixlWorker` as its worker.
+
+    Load with ``kv_connector="KvfailNixlConnector"``,
+    ``kv_connector_module_path="connectors.nixl"``. Extra config ``kvfail_deadline_s``
+    sets the D-side deadline (default :data:`DEFAULT_DEADLINE_S`).
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        # NixlPullConnector.__init__ would build upstream's worker, i.e. a second NIXL
+        # agent; build the base and pick the two halves ourselves.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvfailNixlWorker(vllm_config, self.engine_id, kv_cache_config)
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KvfailNixlStats(data=data) if data is not None else KvfailNixlStats()

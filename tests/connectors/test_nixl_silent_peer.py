@@ -1,0 +1,260 @@
+"""A real silent peer: P is SIGSTOPped after the handshake, D's READ sits in ``PROC``.
+
+Why: upstream's D has no deadline for a transfer stuck in ``PROC``; it holds the request
+and its blocks until P really dies (``workers-on-cpu.md``, fault (b)). Here D runs
+KvfailNixlConnector with ``kvfail_deadline_s=5``: the watchdog must fail the load, and the
+fence must release (cancel) the real NIXL handle before the blocks are handed back. If
+NIXL refuses to cancel, the request must stay held until P is killed, then be reported.
+
+Two engine processes (P and D, each ending with ``os._exit`` because of the nixl teardown
+segfault), real nixl/UCX over 127.0.0.1, no test doubles. D is paused between the handshake
+and the READ without stepping it: the handshake runs in upstream's background thread, and
+the READ is only posted by the next ``start_load_kv``. ~40-90 s (two vLLM imports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+pytest.importorskip("nixl", reason="nixl is not installed")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Long enough that the handshake (0.1 s idle, seconds under load) ends well before it.
+DEADLINE_S = 5.0
+MARGIN_S = 1.5
+P_ENGINE = "P-silent"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spec(role: str, engine_id: str) -> Any:
+    import kvfail.harness as h
+
+    return h.EngineSpec(
+        role=role,
+        connector="KvfailNixlConnector",
+        connector_module="connectors.nixl",
+        engine_id=engine_id,
+        extra_config={"kvfail_deadline_s": DEADLINE_S},
+    )
+
+
+def _emit(tag: str, payload: object) -> None:
+    print(f"{tag} {json.dumps(payload)}", flush=True)
+
+
+# --------------------------------------------------------------------------- children
+
+
+def _p_main() -> None:
+    """Prefill one request, publish its transfer params, then keep serving (bounded)."""
+    try:
+        import kvfail.harness as h
+
+        engine = h.Engine(_spec("producer", P_ENGINE))
+        conn = engine.workers[0].connector
+        engine.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, 0): conn.get_handshake_metadata()}
+        )
+        engine.add_request(
+            "P-req",
+            prompt_seed="shared",
+            max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        engine.run_until(lambda e: bool(e.record.outputs_for("P-req")), timeout_s=30, poll_s=0.01)
+        params = next(o.kv_transfer_params for o in engine.record.outputs_for("P-req"))
+        _emit("PARAMS", params)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            engine.step(force=True)
+            time.sleep(0.02)
+    except BaseException as exc:
+        _emit("ERROR", repr(exc))
+    os._exit(0)
+
+
+def _wait_line(stream: IO[str], timeout_s: float) -> str:
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline().strip() if ready else ""
+
+
+def _d_main(params_json: str) -> None:
+    result: dict[str, Any] = {}
+    try:
+        from vllm.v1.request import RequestStatus
+
+        import kvfail.harness as h
+
+        engine = h.Engine(_spec("consumer", "D-silent"))
+        worker = engine.workers[0].connector.connector_worker
+        engine.add_request(
+            "D-req", prompt_seed="shared", kv_transfer_params=json.loads(params_json)
+        )
+        tracked_at = time.monotonic()
+        engine.step()  # schedules the load; upstream starts the handshake in a thread
+        end = time.monotonic() + 30
+        while P_ENGINE not in worker._remote_agents and time.monotonic() < end:
+            time.sleep(0.01)
+        result["handshaked"] = P_ENGINE in worker._remote_agents
+        result["handshake_s"] = time.monotonic() - tracked_at
+        result["read_posted_before_pause"] = bool(worker._recving_transfers.get("D-req"))
+        _emit("HANDSHAKED", result["handshaked"])
+        result["go"] = _wait_line(sys.stdin, 30)
+
+        handles_seen = [0]
+
+        def settled(e: Any) -> bool:
+            # The READ posted to the stopped P must be outstanding (PROC) until fenced.
+            handles = len(worker._recving_transfers.get("D-req", []))
+            handles_seen[0] = max(handles_seen[0], handles)
+            return e.status("D-req") not in (
+                RequestStatus.WAITING_FOR_REMOTE_KVS,
+                RequestStatus.WAITING,
+            )
+
+        start = time.monotonic()
+        run = engine.run_until(settled, max_steps=10**6, timeout_s=8, poll_s=0.02)
+        result["phase1"] = {
+            "ok": run.ok,
+            "elapsed": time.monotonic() - start,
+            "since_track": time.monotonic() - tracked_at,
+        }
+        result["max_handles"] = handles_seen[0]
+        result["handles_after_phase1"] = len(worker._recving_transfers.get("D-req", []))
+        if not run.ok:  # NIXL refused to cancel: held; now kill P for real
+            _emit("HELD", True)
+            _wait_line(sys.stdin, 30)
+            start = time.monotonic()
+            run = engine.run_until(settled, max_steps=10**6, timeout_s=15, poll_s=0.02)
+            result["phase2"] = {"ok": run.ok, "elapsed": time.monotonic() - start}
+        reports = engine.record.scheduler_reports()
+        result["status"] = str(engine.status("D-req"))
+        result["finished"] = sum("D-req" in r.finished_recving for r in reports)
+        result["failed"] = sum("D-req" in r.failed_requests for r in reports)
+        result["stats"] = worker.failure_stats().as_dict()
+        result["blocks_untouched"] = all(
+            int(t.abs().sum()) == 0 for t in engine.workers[0].kv_caches.values()
+        )
+        engine.close()
+    except BaseException as exc:
+        import traceback
+
+        result["error"] = repr(exc) + traceback.format_exc()[-3000:]
+    _emit("RESULT", result)
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- test
+
+
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        UCX_TLS="tcp,self",
+        UCX_NET_DEVICES="lo",
+        NIXL_LOG_LEVEL="WARN",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()),
+    )
+
+
+def _expect(proc: subprocess.Popen[str], tag: str, timeout_s: float) -> Any:
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        line = _wait_line(proc.stdout, end - time.monotonic())
+        if line.startswith(tag + " "):
+            return json.loads(line.removeprefix(tag + " "))
+        if line.startswith("ERROR ") or (not line and proc.poll() is not None):
+            raise AssertionError(f"child failed waiting for {tag}: {line}")
+    raise AssertionError(f"timed out waiting for {tag}")
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_a_stopped_peer_is_fenced_and_reported_by_the_watchdog() -> None:
+    p = _spawn("P")
+    d: subprocess.Popen[str] | None = None
+    try:
+        params = _expect(p, "PARAMS", 240)
+        d = _spawn("D", json.dumps(params))
+        assert d.stdin is not None
+        assert _expect(d, "HANDSHAKED", 240) is True
+        os.kill(p.pid, signal.SIGSTOP)
+        d.stdin.write("GO\n")
+        d.stdin.flush()
+        assert d.stdout is not None
+        line = _wait_line(d.stdout, 30)
+        if line.startswith("HELD"):
+            p.kill()  # the peer really dies: the held transfer must now fail
+            d.stdin.write("KILLED\n")
+            d.stdin.flush()
+            line = _wait_line(d.stdout, 40)
+        assert line.startswith("RESULT "), line
+        result = json.loads(line.removeprefix("RESULT "))
+    finally:
+        _kill(p)
+        if d is not None:
+            _kill(d)
+    assert "error" not in result, result["error"]
+    if result["handshake_s"] > DEADLINE_S - 1:
+        pytest.skip(f"handshake took {result['handshake_s']:.1f}s: too slow to pause before it")
+    assert result["handshaked"] and not result["read_posted_before_pause"], result
+    assert result["status"] == "FINISHED_ERROR", result
+    assert result["finished"] == 1 and result["failed"] == 1, result
+    assert result["max_handles"] >= 1, result  # a real READ was stuck in PROC
+    assert result["stats"]["stage.watchdog"] == 1, result
+    assert result["blocks_untouched"], result
+    if "phase2" in result:  # NIXL could not cancel: held until P died (C11)
+        assert result["stats"]["fence_deferred"] >= 1, result
+    else:
+        # The deadline runs from the load's start, a little before GO.
+        assert DEADLINE_S <= result["phase1"]["since_track"] <= DEADLINE_S + MARGIN_S, result
+        assert result["handles_after_phase1"] == 0, result  # released (cancelled) by the fence
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "P":
+        _p_main()
+    else:
+        _d_main(sys.argv[2])
