@@ -23,6 +23,10 @@ What we change, and why:
   while picking P workers (``HANDSHAKE``), P finishing without naming a request
   (``PEER``), a silent P (the mixin's deadline, ``WATCHDOG``; upstream waits 540 s).
 * Ids P names that D did not ask that P worker for are dropped (C7).
+* A dead P is noticed by a liveness probe (``Stage.PEER_LOST``, ~0.2-0.4 s), not only by
+  the deadline: upstream's ZMQ DEALER reconnects to a dead P silently and waits 540 s.
+  See :meth:`KvfailMooncakeWorker._mc_probe_peer` for why the probe never fails a P that
+  is alive but slow.
 
 The stage of a failure is known from where it is detected. Upstream funnels all of them
 through ``_handle_failed_recv(pull_metas, req_ids, reason)``; we tell them apart with a
@@ -36,12 +40,15 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
+import socket
+import struct
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -72,6 +79,22 @@ logger = init_logger(__name__)
 #: bootstrap included, before the watchdog fails it. Upstream's only bound on a silent P is
 #: the DEALER's receive timeout, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s.
 DEFAULT_DEADLINE_S: Final = 30.0
+
+#: Default for ``kv_connector_extra_config["kvfail_probe_interval_s"]``: how often each P
+#: worker that D is pulling from is probed for liveness; None/0 disables the probe.
+DEFAULT_PROBE_INTERVAL_S: Final = 0.2
+
+#: Consecutive refused probes that declare a P worker dead. One refusal on a loopback or
+#: LAN address already means "nothing listens"; the second guards against acting on a
+#: single odd answer, and costs one interval.
+PROBE_REFUSALS: Final = 2
+
+#: Bound on one probe's TCP connect. A connect that neither completes nor is refused in
+#: this time (SYN dropped: a full accept queue, e.g. of a stopped P) proves nothing.
+PROBE_CONNECT_TIMEOUT_S: Final = 1.0
+
+#: ``struct linger`` {on, 0 s}: close() sends RST instead of FIN.
+_RST_ON_CLOSE: Final = struct.pack("ii", 1, 0)
 
 #: How long ``get_transfer_results`` waits for the sender loop to hand over finished sends
 #: before trying again at the next step (upstream waits without a bound).
@@ -136,6 +159,8 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
       or ``0`` disables it (upstream's 540 s socket timeout is then the only bound).
     * ``kvfail_fence_grace_s`` (default 0): after the deadline, keep the request's blocks
       this much longer before reporting (see :meth:`kvfail_fence`).
+    * ``kvfail_probe_interval_s`` (default 0.2): liveness probe period for P workers with
+      pulls in flight (see :meth:`_mc_probe_peer`); ``None`` or ``0`` disables it.
     """
 
     def __init__(
@@ -148,6 +173,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         deadline = _seconds(extra, "kvfail_deadline_s", DEFAULT_DEADLINE_S)
         self._mc_grace_s = _seconds(extra, "kvfail_fence_grace_s", 0.0) or 0.0
+        self._mc_probe_s = _seconds(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"{type(self).__name__}[{engine_id}]",
@@ -163,6 +189,13 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         #: Peers spawned by the receive_kv call in progress (loop thread only).
         self._mc_spawning: list[tuple[int, str]] | None = None
         self._mc_sending_fut: Any = None
+        #: P worker address -> its pull tasks in flight, with what each must still report
+        #: (receiver loop thread only, so no lock).
+        self._mc_inflight: defaultdict[
+            str, dict[asyncio.Task[Any], tuple[_PeerPull, dict[str, PullReqMeta]]]
+        ] = defaultdict(dict)
+        #: P worker address -> its running probe task (receiver loop thread only).
+        self._mc_probes: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ starting pulls
 
@@ -278,6 +311,12 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                 self.load_succeeded(req_id, peer=peer)
         if not live:
             return
+        if self._mc_probe_s:
+            self._mc_inflight[worker_addr][task] = (state, live)
+            if worker_addr not in self._mc_probes:
+                self._mc_probes[worker_addr] = asyncio.create_task(
+                    self._mc_probe_peer(worker_addr, self._mc_probe_s)
+                )
         try:
             await super().receive_kv_from_single_worker(worker_addr, live)
         except asyncio.CancelledError:
@@ -301,6 +340,11 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                     state, live, Stage.PEER, "P finished without reporting a transfer result"
                 )
         finally:
+            inflight = self._mc_inflight.get(worker_addr)
+            if inflight is not None:
+                inflight.pop(task, None)
+                if not inflight:
+                    del self._mc_inflight[worker_addr]
             with self._mc_lock:
                 for req_id in live:
                     tasks = self._mc_tasks.get(req_id)
@@ -308,6 +352,59 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                         tasks.discard(task)
                         if not tasks:
                             del self._mc_tasks[req_id]
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
+        """Probe one P worker's side channel while D has pulls in flight to it.
+
+        Why a TCP connect to the side-channel port: it is the socket D's pull talks to,
+        and its listener lives exactly as long as P's worker. ZMQ hides a dead peer (the
+        DEALER reconnects and queues forever), and D cannot use the TransferEngine's
+        ``send_probe``: Mooncake is P-push, so D never learns P's transfer-engine session.
+
+        Why no false positives: only ``ECONNREFUSED`` counts, :data:`PROBE_REFUSALS`
+        times in a row, and the kernel refuses a connect only when nothing listens on the
+        port, i.e. P's process (or its socket) is gone. A P that is slow, busy or even
+        SIGSTOPped keeps its listening socket, so the kernel completes the handshake (or,
+        with a full accept queue, drops the SYN: a timeout, which counts as nothing).
+        Silence is left to the deadline. The probe closes with RST (no TIME_WAIT pile-up)
+        and runs on the receiver loop, one task per P worker address, only while that
+        address has pulls in flight: bounded cost.
+        """
+        me = asyncio.current_task()
+        try:
+            endpoint = _tcp_endpoint(worker_addr)
+            if endpoint is None:
+                return  # not a TCP address we can probe (ipc://, malformed): deadline only
+            refusals = 0
+            while self._mc_inflight.get(worker_addr):
+                verdict = await _connect_probe(*endpoint, PROBE_CONNECT_TIMEOUT_S)
+                refusals = refusals + 1 if verdict == "refused" else 0
+                if refusals >= PROBE_REFUSALS:
+                    self._mc_peer_lost(
+                        worker_addr,
+                        f"P worker {worker_addr} is gone: its side channel refused "
+                        f"{refusals} connects in a row",
+                    )
+                    return
+                await asyncio.sleep(interval_s)
+        finally:
+            if self._mc_probes.get(worker_addr) is me:
+                del self._mc_probes[worker_addr]
+
+    def _mc_peer_lost(self, worker_addr: str, reason: str) -> None:
+        """Fail what every pull task to this P worker still owes, then stop the tasks.
+
+        Runs on the receiver loop, like the tasks, so no reply can be processed between
+        the report and the cancel; each request gets its one mixin call here, and the
+        cancelled task sees it already reported.
+        """
+        for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
+            tracked = self.failure_reporter.is_tracked
+            state.reported.update(r for r in pulls if not tracked(r))
+            self._mc_fail_unreported(state, pulls, Stage.PEER_LOST, reason)
+            task.cancel()
 
     # ------------------------------------------------------------------ outcomes
 
@@ -468,19 +565,64 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             return
         self._mc_closed = True
         if not self.is_kv_producer and self.receiver_loop.is_running():
-            with self._mc_lock:
-                tasks = {t for ts in self._mc_tasks.values() for t in ts}
-            if tasks:
-                fut = asyncio.run_coroutine_threadsafe(_cancel_and_wait(tasks), self.receiver_loop)
-                with contextlib.suppress(Exception):
-                    fut.result(timeout=SHUTDOWN_TIMEOUT_S)
+            fut = asyncio.run_coroutine_threadsafe(self._mc_stop_tasks(), self.receiver_loop)
+            with contextlib.suppress(Exception):
+                fut.result(timeout=SHUTDOWN_TIMEOUT_S)
         super().shutdown()
+
+    async def _mc_stop_tasks(self) -> None:
+        """Cancel pull and probe tasks; on the loop, which owns the probe registry."""
+        with self._mc_lock:
+            tasks = {t for ts in self._mc_tasks.values() for t in ts}
+        tasks.update(self._mc_probes.values())
+        if tasks:
+            await _cancel_and_wait(tasks)
 
 
 async def _cancel_and_wait(tasks: Collection[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://host:port`` ZMQ address, else None."""
+    try:
+        parts = urlsplit(worker_addr)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme != "tcp" or not parts.hostname or not port:
+        return None
+    return parts.hostname, port
+
+
+async def _connect_probe(host: str, port: int, timeout_s: float) -> str:
+    """One TCP connect: ``"alive"``, ``"refused"`` (nothing listens) or ``"unknown"``."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s
+        )
+    except (OSError, TimeoutError):
+        return "unknown"
+    if not infos:
+        return "unknown"
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setblocking(False)
+        await asyncio.wait_for(loop.sock_connect(sock, address), timeout_s)
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, TimeoutError):
+        return "unknown"
+    finally:
+        with contextlib.suppress(OSError):
+            # RST on close: no TIME_WAIT per probe on D.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
+        sock.close()
+    return "alive"
 
 
 def _seconds(extra: Any, key: str, default: float) -> float | None:

@@ -1,0 +1,144 @@
+"""The liveness probe of ``KvfailMooncakeWorker`` against a real P process.
+
+Why real processes: the probe's whole claim rests on what the kernel does for a process
+that is gone (its listening socket is closed: connects are refused) versus one that is
+only stopped (its socket stays: connects complete). Only a real P, killed or SIGSTOPped
+with real signals, tests that. P runs upstream's ``MooncakeConnector`` in its own process
+(:class:`kvfail.peers.mooncake.MooncakePair`); D runs ours on the real Scheduler.
+
+One P is shared: the no-false-positive test runs first, the kill test last. Timing
+asserts are only the contract bound (a dead P is failed within 1 s) with a wide margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.peers.mooncake import mooncake_available
+
+_REASON = mooncake_available()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from connectors.mooncake import KvfailMooncakeWorker  # noqa: E402
+from connectors.mooncake.worker import _connect_probe, _seconds, _tcp_endpoint  # noqa: E402
+from kvfail import Stage  # noqa: E402
+from kvfail.harness import oracles  # noqa: E402
+from kvfail.peers.mooncake import MooncakePair  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+#: The contract: a dead P is failed within 1 s; the margin covers a busy 2-core machine.
+PEER_LOST_BOUND_S = 5.0
+#: Far above anything measured here, so only the probe can fail a load in these tests.
+DEADLINE_S = 60.0
+#: How long P stays stopped in the no-false-positive test: many probe intervals, well
+#: under the deadline and under P's own expiry (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=5).
+STOP_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[MooncakePair]:
+    p = MooncakePair(
+        policy="fail",
+        connector="KvfailMooncakeConnector",
+        connector_module="connectors.mooncake",
+        p_connector="MooncakeConnector",
+        extra_config={"kvfail_deadline_s": DEADLINE_S, "kvfail_probe_interval_s": 0.1},
+        abort_request_timeout_s=5,
+    )
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _worker(pair: MooncakePair, consumer: str) -> KvfailMooncakeWorker:
+    worker = pair.decoders[consumer].workers[0].connector.connector_worker  # type: ignore[attr-defined]
+    assert isinstance(worker, KvfailMooncakeWorker)
+    return worker
+
+
+def _warm(pair: MooncakePair, consumer: str) -> None:
+    """One good pull, so D has cached P's side-channel address (the "warm" case)."""
+    pair.consumer("fail", name=consumer)
+    pair.prefill_and_add(f"{consumer}-warmup", prompt_len=40, consumer=consumer)
+    run = pair.run([f"{consumer}-warmup"], consumer=consumer, timeout_s=30)
+    assert run.ok and pair.verify(f"{consumer}-warmup"), run
+
+
+def test_probe_verdicts_on_loopback() -> None:
+    """The kernel's two answers the probe relies on, and addresses it must not probe."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert asyncio.run(_connect_probe("127.0.0.1", port, 2.0)) == "alive"
+    assert asyncio.run(_connect_probe("127.0.0.1", port, 2.0)) == "refused"
+    assert _tcp_endpoint(f"tcp://127.0.0.1:{port}") == ("127.0.0.1", port)
+    assert _tcp_endpoint("tcp://127.0.0.1:notaport") is None
+    assert _tcp_endpoint("ipc:///tmp/x") is None
+
+
+def test_probe_interval_config() -> None:
+    key = "kvfail_probe_interval_s"
+    assert _seconds({}, key, 0.2) == 0.2
+    assert not _seconds({key: 0}, key, 0.2)  # 0 and None switch the probe off
+    assert _seconds({key: None}, key, 0.2) is None
+    for bad in (-1, "0.2", True):
+        with pytest.raises(ValueError):
+            _seconds({key: bad}, key, 0.2)
+
+
+def test_stopped_then_resumed_p_is_not_failed_by_the_probe(pair: MooncakePair) -> None:
+    """SIGSTOP keeps P's listening socket: the probe sees it alive, the pull completes."""
+    _warm(pair, "stop")
+    worker = _worker(pair, "stop")
+    params = pair.prefill("stop-x", 100)
+    pair.freeze_p()
+    try:
+        rec = pair.add("stop-x", params, prompt_len=100, consumer="stop")
+        run = pair.run(["stop-x"], consumer="stop", timeout_s=STOP_S)
+        assert not run.ok and run.reason == "timeout", run  # still waiting on P
+        assert worker._mc_probes, "no probe was running while P was stopped"
+        assert rec.reported_s is None and not rec.failed, rec
+    finally:
+        pair.thaw_p()
+    run = pair.run(["stop-x"], consumer="stop", timeout_s=30)
+    assert run.ok and not rec.failed and pair.verify("stop-x"), (run, rec)
+    assert worker.failure_stats()["loads_failed"] == 0
+    assert oracles.check_all(pair.decoders["stop"], failed=False) == []
+
+
+def test_zz_killed_p_fails_in_flight_and_new_pulls_with_peer_lost(pair: MooncakePair) -> None:
+    """Runs last (it kills the shared P). Two warm D engines: one with a pull in flight
+    when P dies (P was stopped, so the pull is surely pending), one that starts its pull
+    after P died (its DEALER would reconnect to the dead port for 540 s upstream)."""
+    _warm(pair, "midpull")
+    _warm(pair, "after")
+    params = {name: pair.prefill(f"{name}-x", 100) for name in ("midpull", "after")}
+    pair.freeze_p()
+    pair.add("midpull-x", params["midpull"], prompt_len=100, consumer="midpull")
+    run = pair.run(["midpull-x"], consumer="midpull", timeout_s=0.5)
+    assert run.reason == "timeout" and not pair.records["midpull-x"].failed, run
+    killed_at = time.monotonic()
+    pair.kill_p()
+    pair.add("after-x", params["after"], prompt_len=100, consumer="after")
+    run = pair.run(consumers=["midpull", "after"], timeout_s=30)
+    assert run.ok, run
+    for name in ("midpull", "after"):
+        rec = pair.records[f"{name}-x"]
+        assert rec.failed and rec.reported_s is not None, rec
+        since_kill = rec.added_at + rec.reported_s - killed_at
+        assert since_kill < PEER_LOST_BOUND_S, (name, since_kill)
+        stats = _worker(pair, name).failure_stats()
+        assert stats.failed_by_stage[Stage.PEER_LOST] == 1, stats
+        assert stats["loads_failed"] == 1, stats
+        assert oracles.check_all(pair.decoders[name], [f"{name}-x"], failed=True) == []
