@@ -105,6 +105,15 @@ def collect(
             "unavailable: no conformance runner is registered (kvfail.audit.cli."
             "DYNAMIC_RUNNER / run(..., dynamic_runner=...)); static tier only"
         )
+    prepare = getattr(dynamic_runner, "prepare", None)
+    if prepare is not None and not quick:
+        installed = [t for t in targets if t.installed]
+        progress.step(
+            0,
+            len(targets),
+            f"running the conformance suite (dynamic tier) over {len(installed)} connectors...",
+        )
+        prepare(installed)
     rows: list[Row] = []
     n = len(targets)
     for i, target in enumerate(targets, start=1):
@@ -124,6 +133,10 @@ def collect(
 def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -> int:
     """Run the audit for parsed ``args``; returns the process exit status."""
     runner = dynamic_runner if dynamic_runner is not None else DYNAMIC_RUNNER
+    if runner is None and not args.quick:
+        from kvfail.audit.dynamic import ConformanceRunner
+
+        runner = ConformanceRunner()
     progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
     try:
         audit = collect(args.connector, quick=args.quick, dynamic_runner=runner, progress=progress)

@@ -84,6 +84,37 @@ def exit_status(audit: Audit, fail_on: str) -> int:
     return 0
 
 
+#: Table and Markdown fold every DYNAMIC scenario into this one column (JSON keeps them
+#: all): twenty scenario columns make a matrix nobody can read on a terminal.
+DYNAMIC_COLUMN = CheckSpec(
+    "dynamic", "conformance scenarios run through the connector's driver", "C1-C13", "MUST", "-"
+)
+
+
+def _shown_columns(audit: Audit) -> list[CheckSpec]:
+    static = [c for c in audit.columns if not c.id.startswith("dyn:")]
+    if len(static) == len(audit.columns):
+        return static
+    return [*static, DYNAMIC_COLUMN]
+
+
+def _dynamic_cell(row: Row, width: int = 0) -> str:
+    dyn = [f for f in row.findings if f.tier == "DYNAMIC"]
+    ran = [f for f in dyn if f.status in (PASS, FAIL)]
+    if not ran:
+        return "-"
+    bad = sum(f.status == FAIL for f in ran)
+    text = f"FAIL {bad}/{len(ran)}" if bad else f"ok {len(ran)}/{len(ran)}"
+    return text[: width - 1] + "~" if width and len(text) > width else text
+
+
+def _row_cells(row: Row, columns: list[CheckSpec], width: int = 0) -> list[str]:
+    return [
+        _dynamic_cell(row, width) if c is DYNAMIC_COLUMN else _cell(_lookup(row, c.id), width)
+        for c in columns
+    ]
+
+
 def _header(c: CheckSpec) -> str:
     star = "*" if c.heuristic else ""
     return f"{c.clause}:{SHORT.get(c.id, c.id)}{star}"
@@ -117,8 +148,13 @@ def _legend(audit: Audit) -> list[str]:
     ]
     lines += [
         f"  {c.clause} {c.level:<6} {c.id}: {c.title}" + (" (heuristic)" if c.heuristic else "")
-        for c in audit.columns
+        for c in _shown_columns(audit)
     ]
+    if DYNAMIC_COLUMN in _shown_columns(audit):
+        lines.append(
+            "  dynamic = scenarios passed / run by `pytest conformance/` on the connector's "
+            "transport driver (xfail counts as FAIL); each failure is listed below."
+        )
     if audit.dynamic_note:
         lines.append(f"Dynamic tier: {audit.dynamic_note}")
     return lines
@@ -145,11 +181,9 @@ def _violation_lines(audit: Audit) -> list[str]:
 
 def render_table(audit: Audit, width: int = 13) -> str:
     """Fixed-width terminal matrix, then the legend and each violation with evidence."""
-    head = ["connector", *(_header(c) for c in audit.columns)]
-    body = [
-        [row.target.name, *(_cell(_lookup(row, c.id), width) for c in audit.columns)]
-        for row in audit.rows
-    ]
+    columns = _shown_columns(audit)
+    head = ["connector", *(_header(c) for c in columns)]
+    body = [[row.target.name, *_row_cells(row, columns, width)] for row in audit.rows]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
@@ -169,7 +203,8 @@ def render_table(audit: Audit, width: int = 13) -> str:
 
 def render_markdown(audit: Audit) -> str:
     """GitHub-flavoured Markdown: the matrix, the legend, violations with evidence."""
-    head = ["connector", *(_header(c) for c in audit.columns)]
+    columns = _shown_columns(audit)
+    head = ["connector", *(_header(c) for c in columns)]
     lines = [
         f"# kvfail audit ({vllm_version() or 'vLLM not installed'})",
         "",
@@ -177,7 +212,7 @@ def render_markdown(audit: Audit) -> str:
         "|" + "---|" * len(head),
     ]
     for row in audit.rows:
-        cells = [f"`{row.target.name}`", *(_cell(_lookup(row, c.id)) for c in audit.columns)]
+        cells = [f"`{row.target.name}`", *_row_cells(row, columns)]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines += ["", *(f"{x}  " for x in _legend(audit))]
     viol = _violation_lines(audit)
