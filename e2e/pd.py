@@ -1,0 +1,154 @@
+"""A P/D deployment for the tests: one P, one D per failure policy, one proxy per D.
+
+Why one P shared by both Ds: a P serves any number of Ds, and every server start costs minutes
+on a 2-core machine; starting all three at once overlaps their (import-bound) startups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from e2e.client import Outcome, complete, complete_all, prompts
+from e2e.proxy import Backend, PDProxy
+from e2e.servers import ServerSpec, VllmServer, metric, start_server
+
+Policy = Literal["fail", "recompute"]
+POLICIES: tuple[Policy, ...] = ("fail", "recompute")
+
+#: Metric names worth recording before/after each fault (D side).
+WATCHED = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+           "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications",
+           "vllm:nixl_num_kv_expired_reqs", "vllm:request_success_total",
+           "vllm:prompt_tokens_by_source_total")
+
+
+@dataclass
+class Deployment:
+    connector: Literal["nixl", "mooncake"]
+    model: str
+    log_dir: Path
+    deadline_s: float
+    p: VllmServer
+    d: dict[Policy, VllmServer]
+    proxies: dict[Policy, PDProxy] = field(default_factory=dict)
+    p_engine_id: str | None = None
+
+    def backend(self, policy: Policy) -> Backend:
+        return Backend(self.p.url, self.d[policy].url, self.connector, self.p_engine_id,
+                       self.p.bootstrap_addr)
+
+    def swap_p(self, p: VllmServer) -> None:
+        """Point every proxy at a new (restarted) P; reap the old one (killed or not)."""
+        old, self.p = self.p, p
+        old.close()
+        for policy, proxy in self.proxies.items():
+            proxy.backend = self.backend(policy)
+
+    def servers(self) -> list[VllmServer]:
+        return [self.p, *self.d.values()]
+
+    def close(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.close()
+        for s in self.servers():
+            s.close()
+
+
+def p_spec(connector: Literal["nixl", "mooncake"], engine_id: str | None) -> ServerSpec:
+    return ServerSpec("P", connector, "kv_producer", engine_id=engine_id)
+
+
+def start_deployment(connector: Literal["nixl", "mooncake"], model: str, log_dir: Path,
+                     deadline_s: float, policies: tuple[Policy, ...] = POLICIES) -> Deployment:
+    """Start P and the Ds concurrently and wait for all (bounded by `START_TIMEOUT_S` each)."""
+    # Mooncake's P returns no kv_transfer_params: the router must know P's engine id.
+    p_engine = f"P-{connector}-e2e" if connector == "mooncake" else None
+    p = start_server(p_spec(connector, p_engine), model, log_dir)
+    ds = {pol: start_server(ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol,
+                                       deadline_s=deadline_s), model, log_dir)
+          for pol in policies}
+    dep = Deployment(connector, model, log_dir, deadline_s, p, ds, p_engine_id=p_engine)
+    try:
+        for s in dep.servers():
+            s.wait_ready()
+        for pol in policies:
+            dep.proxies[pol] = PDProxy(dep.backend(pol))
+            warm_up(dep.proxies[pol], model)
+    except BaseException:
+        dep.close()
+        raise
+    return dep
+
+
+def warm_up(proxy: PDProxy, model: str, tries: int = 6) -> int:
+    """One P/D request at a time until one succeeds; returns the number of tries it took.
+
+    Why: D's first load from a P includes the NIXL handshake (zmq, 5 s receive timeout), and
+    kvfail's deadline counts it. On a loaded 2-core machine the cold handshake was measured
+    at more than 5 s: the first requests failed (handshake_setup_failed / watchdog) while
+    later ones, over the established connection, took ~0.1 s. Tests assume a warm D.
+    """
+    ps = prompts(tries, length=140, seed=99)
+    for i, p in enumerate(ps):
+        if asyncio.run(complete(proxy.url, model, p, i)).ok:
+            return i + 1
+    raise RuntimeError(f"no P/D request through {proxy.url} succeeded in {tries} tries")
+
+
+def watched_metrics(server: VllmServer) -> dict[str, float]:
+    m = server.metrics()
+    return {k: v for k, v in m.items()
+            if k.split("{")[0].removesuffix("_total") in {w.removesuffix("_total") for w in WATCHED}
+            or "kvfail" in k}
+
+
+def local_reference(server: VllmServer, prompts: list[list[int]]) -> list[list[int] | None]:
+    """Greedy outputs of D computing the prompt itself (no KV transfer)."""
+    outs = asyncio.run(complete_all(server.url, server.model, prompts))
+    return [o.token_ids if o.ok else None for o in outs]
+
+
+def through_proxy(proxy: PDProxy, model: str, prompts: list[list[int]],
+                  first_idx: int = 0) -> list[Outcome]:
+    return asyncio.run(complete_all(proxy.url, model, prompts, first_idx))
+
+
+def wait_idle(server: VllmServer, baseline_usage: float, timeout_s: float) -> dict[str, float]:
+    """Poll D's /metrics until nothing waits or runs and KV usage is back to its baseline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        waiting = metric(m, "vllm:num_requests_waiting")
+        running = metric(m, "vllm:num_requests_running")
+        usage = metric(m, "vllm:kv_cache_usage_perc")
+        if waiting == 0 and running == 0 and usage <= baseline_usage + 1e-9:
+            return {"waiting": waiting, "running": running, "kv_usage": usage}
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"D not idle after {timeout_s}s: waiting={waiting} running={running} "
+                f"kv_usage={usage} (baseline {baseline_usage})")
+        time.sleep(0.5)
+
+
+async def held_run(proxy: PDProxy, model: str, prompts: list[list[int]], first_idx: int,
+                   n_held: int, fault: Any,
+                   timeout_s: float = 300.0) -> tuple[list[Outcome], float]:
+    """Send all prompts with the proxy's gate closed; once `n_held` prefills are done and
+    waiting, run `fault()` (kill or freeze P), then open the gate. Returns the outcomes and
+    the monotonic time at which the decodes were released."""
+    proxy.hold()
+    tasks = [asyncio.create_task(complete(proxy.url, model, p, first_idx + i))
+             for i, p in enumerate(prompts)]
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(None, proxy.wait_held, n_held, 240.0)
+        await loop.run_in_executor(None, fault)
+    finally:
+        released = time.monotonic()
+        proxy.release()
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    return list(outs), released

@@ -1,0 +1,283 @@
+"""End to end on CPU: real P and D ``vllm serve`` processes, our proxy, the openai client,
+and P killed, frozen and restarted mid-run.
+
+The tests share one deployment per connector and run in file order: determinism, freeze,
+kill, restart (a killed P cannot be reused, and each server start costs minutes).
+Assertions per policy:
+* ``fail``: a request whose KV was in flight gets an error (5xx or ``finish_reason=error``),
+  never a 200 with wrong tokens; D ends idle with KV usage back at baseline;
+* ``recompute``: every such request completes with the tokens of a fault-free run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.client import Outcome, prompts
+from e2e.conftest import SUMMARY
+from e2e.pd import (
+    POLICIES,
+    Deployment,
+    Policy,
+    held_run,
+    local_reference,
+    p_spec,
+    start_deployment,
+    through_proxy,
+    wait_idle,
+    watched_metrics,
+)
+from e2e.servers import listeners_of, metric, missing_serve_modules, start_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+DEADLINE_S = 5.0
+#: Slack over the deadline for a silent P: the watchdog fires in the step after the deadline,
+#: and the engine, the API server and the proxy each add a hop on 2 busy cores.
+DETECT_SLACK_S = 10.0
+N_PROMPTS = 6  # per D, per fault
+N_HELD = 3  # fault injected once this many decodes wait at the proxy's gate
+
+CONNECTORS = {"nixl": "nixl._api", "mooncake": "mooncake.engine"}
+
+
+def _skip_reason(connector: str) -> str | None:
+    if connector == "mooncake" and os.environ.get("KVFAIL_E2E_MOONCAKE") != "1":
+        return ("Mooncake P/D under vllm serve is not green yet (set KVFAIL_E2E_MOONCAKE=1 "
+                "to run): all three servers start and the warm-up P/D request transfers "
+                "(D: external_kv_transfer 140 tokens), but in the next 6 concurrent P/D "
+                "requests D's tokens equalled its local output with 0 new external_kv_transfer "
+                "tokens, i.e. D computed the prompts itself; not yet diagnosed")
+    missing = missing_serve_modules()
+    if missing:
+        return f"vllm serve cannot import {missing}: run scripts/setup.sh (requirements/serve.txt)"
+    try:
+        found = importlib.util.find_spec(CONNECTORS[connector]) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"{CONNECTORS[connector]} not importable: the {connector} worker cannot start"
+    return None
+
+
+@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+def dep(request: pytest.FixtureRequest, model_dir: str, e2e_dir: Path,
+        summary: dict[str, Any]) -> Iterator[Deployment]:
+    connector: str = request.param
+    reason = _skip_reason(connector)
+    if reason:
+        pytest.skip(reason)
+    t0 = time.monotonic()
+    d = start_deployment(connector, model_dir, e2e_dir / connector, DEADLINE_S)  # type: ignore[arg-type]
+    summary.setdefault(connector, {})["startup_s"] = round(time.monotonic() - t0, 1)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def refs(dep: Deployment) -> dict[str, Any]:
+    """Fault-free greedy outputs, by prompt index, computed locally on D; shared by tests."""
+    return {}
+
+
+def _record(summary: dict[str, Any], dep: Deployment, key: str, value: Any) -> None:
+    summary.setdefault(dep.connector, {})[key] = value
+
+
+def _brief(outs: list[Outcome], t_release: float | None = None) -> list[dict[str, Any]]:
+    return [{"i": o.prompt_idx, "status": o.status, "finish": o.finish_reason,
+             "after_release_s": None if t_release is None else round(o.done_at - t_release, 2),
+             "err": (o.error or "")[:120]} for o in outs]
+
+
+def _prompt_set(tag: int) -> list[list[int]]:
+    return prompts(N_PROMPTS, seed=1000 + tag)
+
+
+def _check_no_wrong_tokens(outs: list[Outcome], ref: list[list[int] | None]) -> None:
+    for o in outs:
+        if o.status == 200 and o.token_ids is not None:
+            assert o.token_ids == ref[o.prompt_idx], (
+                f"200 with wrong tokens for prompt {o.prompt_idx}: {o.token_ids} != "
+                f"{ref[o.prompt_idx]}")
+
+
+def test_listeners_loopback_only(dep: Deployment) -> None:
+    """Every TCP listener of every server process group is on 127.0.0.1 (or ::1)."""
+    bad = {}
+    for s in dep.servers():
+        socks = listeners_of(set(s.proc.group_members()))
+        wild = [a for a in socks if a[0] not in ("127.0.0.1", "::1")]
+        if wild:
+            bad[s.spec.name] = wild
+    if bad:
+        _record(SUMMARY, dep, "non_loopback_listeners", bad)
+    if bad and dep.connector == "mooncake":
+        # vLLM 0.32.0 starts Mooncake P's bootstrap server on "0.0.0.0" (hard-coded in
+        # MooncakeConnectorWorker), and the Mooncake transfer engine binds all addresses.
+        pytest.xfail(f"Mooncake listens beyond loopback (upstream, not configurable): {bad}")
+    assert not bad, f"listeners not on loopback: {bad}"
+
+
+def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, Any],
+                                               summary: dict[str, Any]) -> None:
+    """P/D through the proxy gives the same greedy tokens as D computing alone, and repeats
+    agree: the precondition for judging outputs after a fault."""
+    ps = _prompt_set(0)
+    for policy in POLICIES:
+        d = dep.d[policy]
+        before = metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
+                        source="external_kv_transfer")
+        a = local_reference(d, ps)
+        b = local_reference(d, ps)
+        assert all(x is not None for x in a), a
+        assert a == b, "D's greedy output is not deterministic"
+        outs = through_proxy(dep.proxies[policy], d.model, ps)
+        assert all(o.ok for o in outs), _brief(outs)
+        assert [o.token_ids for o in outs] == a, "P/D output differs from D's local output"
+        after = metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
+                       source="external_kv_transfer")
+        assert after - before >= len(ps) * 128, "no KV came from P: the transfer did not run"
+        refs[policy] = a
+    _record(summary, dep, "determinism", "ok: local x2 == P/D for both Ds")
+
+
+def _fault_run(dep: Deployment, tag: int, fault: Any) -> dict[Policy, tuple[list[Outcome],
+                                                                         float, list]]:
+    """Run the held scenario on both Ds at once (one fault hits both)."""
+    ps = _prompt_set(tag)
+    refs = {pol: local_reference(dep.d[pol], ps) for pol in POLICIES}
+    for pol in POLICIES:
+        assert all(r is not None for r in refs[pol])
+
+    # Each proxy waits until it holds N_HELD decodes, then waits at the barrier; the
+    # barrier's action injects the fault once, and both gates open after it.
+    barrier = threading.Barrier(len(POLICIES), action=fault, timeout=300)
+
+    async def both() -> list[tuple[list[Outcome], float]]:
+        return list(await asyncio.gather(*(
+            held_run(dep.proxies[pol], dep.d[pol].model, ps, 0, N_HELD, barrier.wait)
+            for pol in POLICIES)))
+
+    results = asyncio.run(both())
+    return {pol: (outs, rel, refs[pol]) for pol, (outs, rel) in zip(POLICIES, results,
+                                                                     strict=True)}
+
+
+def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Outcome], float,
+                                                                        list]],
+                            name: str, summary: dict[str, Any], silent: bool) -> None:
+    report: dict[str, Any] = {}
+    for pol, (outs, released, ref) in results.items():
+        _check_no_wrong_tokens(outs, ref)
+        held = [o for o in outs if o.done_at >= released]  # decodes released after the fault
+        report[pol] = _brief(outs, released)
+        if pol == "fail":
+            assert any(o.failed for o in outs), f"{name}/fail: nothing failed: {report[pol]}"
+            for o in outs:
+                assert o.ok or o.failed, f"{name}/fail: neither ok nor an error: {o}"
+        else:
+            assert all(o.ok for o in held), f"{name}/recompute: {report[pol]}"
+        if silent and pol == "fail":
+            failed_after = [o.done_at - released for o in outs if o.failed]
+            worst = max(failed_after)
+            report["detect_s"] = [round(x, 2) for x in failed_after]
+            assert worst <= DEADLINE_S + DETECT_SLACK_S, (
+                f"silent P noticed after {worst:.1f}s (deadline {DEADLINE_S}s)")
+    _record(summary, dep, name, report)
+
+
+def test_freeze_p_mid_run(dep: Deployment, refs: dict[str, Any], summary: dict[str, Any]) -> None:
+    """SIGSTOP P while decodes are between prefill and KV pull: D's deadline must fail (or,
+    under recompute, recompute) them; after SIGCONT P/D works again."""
+    base = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
+    usage0 = {pol: metric(base[pol], "vllm:kv_cache_usage_perc") for pol in POLICIES}
+    try:
+        results = _fault_run(dep, 1, dep.p.proc.freeze)
+    finally:
+        if dep.p.proc.alive:
+            dep.p.proc.thaw()
+    _assert_policy_outcomes(dep, results, "freeze", summary, silent=True)
+    idle = {pol: wait_idle(dep.d[pol], usage0[pol], 60.0) for pol in POLICIES}
+    after = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
+    _record(summary, dep, "freeze_metrics", {"before": base, "after": after, "idle": idle})
+    ps = _prompt_set(2)[:2]
+    for pol in POLICIES:
+        ref = local_reference(dep.d[pol], ps)
+        outs = through_proxy(dep.proxies[pol], dep.model, ps)
+        assert [o.token_ids for o in outs] == ref, f"after thaw: {_brief(outs)}"
+
+
+def test_kill_p_mid_run(dep: Deployment, summary: dict[str, Any]) -> None:
+    """SIGKILL P's process group with decodes waiting for its KV; requests not yet prefilled
+    fail at the proxy (P refused); D stays healthy and idle, and keeps serving."""
+    base = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
+    usage0 = {pol: metric(base[pol], "vllm:kv_cache_usage_perc") for pol in POLICIES}
+    results = _fault_run(dep, 3, dep.p.proc.kill)
+    _assert_policy_outcomes(dep, results, "kill", summary, silent=False)
+    idle = {pol: wait_idle(dep.d[pol], usage0[pol], 60.0) for pol in POLICIES}
+    after = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
+    _record(summary, dep, "kill_metrics", {"before": base, "after": after, "idle": idle})
+    # Unaffected: D's own requests (no KV transfer) still complete while P is gone.
+    ps = _prompt_set(4)[:2]
+    for pol in POLICIES:
+        assert all(r is not None for r in local_reference(dep.d[pol], ps))
+    # And through the proxy with P dead: an error from the proxy, never a hang.
+    outs = through_proxy(dep.proxies["fail"], dep.model, ps)
+    assert all(o.status == 502 for o in outs), _brief(outs)
+
+
+def test_restart_p(dep: Deployment, summary: dict[str, Any]) -> None:
+    """A new P (new ports; same engine id for Mooncake) and both Ds serve P/D again."""
+    assert not dep.p.proc.alive, "test_kill_p_mid_run must run first"
+    t0 = time.monotonic()
+    p = start_server(p_spec(dep.connector, dep.p_engine_id), dep.model, dep.log_dir)
+    try:
+        p.wait_ready()
+    except BaseException:
+        p.close()
+        raise
+    dep.swap_p(p)
+    _record(summary, dep, "restart_s", round(time.monotonic() - t0, 1))
+    ps = _prompt_set(5)[:3]
+    for pol in POLICIES:
+        ref = local_reference(dep.d[pol], ps)
+        outs = through_proxy(dep.proxies[pol], dep.model, ps)
+        assert all(o.ok for o in outs), _brief(outs)
+        assert [o.token_ids for o in outs] == ref
+
+
+def test_failure_counters_by_stage(dep: Deployment, summary: dict[str, Any]) -> None:
+    """kvfail's per-stage counters (``stage.<name>``) on D: in /metrics, or at least in the
+    ``KV Transfer metrics`` log line of vLLM's stats logger."""
+    log = dep.d["fail"].log_text()
+    kv_lines = [ln for ln in log.splitlines() if "KV Transfer metrics" in ln]
+    staged = [ln for ln in kv_lines if "kvfail stage." in ln or "'stage." in ln]
+    failed = log.count("kvfail: load failed")
+    _record(summary, dep, "kvfail_log_lines", {"kv_transfer_lines": len(kv_lines),
+                                              "with_stage": staged[-3:],
+                                              "load_failed_lines": failed})
+    prom = {k: v for k, v in dep.d["fail"].metrics().items() if "kvfail" in k}
+    _record(summary, dep, "kvfail_prometheus", prom)
+    assert failed > 0, "the fault tests should have failed loads on D"
+    if not prom:
+        pytest.xfail(
+            "kvfail's stage counters are not in /metrics: the connector inherits upstream's "
+            "build_prom_metrics (NixlPromMetrics for NIXL, None for Mooncake), which ignores "
+            "kvfail.* keys. "
+            + ("" if staged else
+               "Nor in the INFO log: vLLM's LoggingStatLogger logs connector stats at DEBUG "
+               "for an interval with no prompt/generation throughput, which is exactly the "
+               "interval of a load failed under `fail`.")
+        )
