@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from kvfail.stats import FailureStats
+from kvfail.stages import Stage
+from kvfail.stats import EVENT_COUNTERS, FailureStats
 
 PREFIX = "kvfail."
 
@@ -45,3 +49,79 @@ class KVFailStats(KVConnectorStats):
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.data)
+
+
+class KvfailPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvfail_loads_failed_total{stage=...}`` and friends on vLLM's ``/metrics``.
+
+    vLLM feeds each connector's aggregated stats dict to ``observe``; we read only the
+    ``kvfail.`` keys, so this composes with any upstream stats class (see
+    :func:`with_kvfail_metrics`). Counters only: every kvfail figure is a count.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        failed = self._counter_cls(
+            name="vllm:kvfail_loads_failed",
+            documentation="KV loads that failed, once per request, by the stage that "
+            "detected the failure (kvfail).",
+            labelnames=[*labelnames, "stage"],
+        )
+        events = self._counter_cls(
+            name="vllm:kvfail_events",
+            documentation="kvfail load events: tracked, succeeded, watchdog fired, and "
+            "reports refused as unknown, late or duplicate (never passed to the scheduler).",
+            labelnames=[*labelnames, "event"],
+        )
+        self._failed = {
+            (idx, stage.value): failed.labels(*values, stage.value)
+            for idx, values in per_engine_labelvalues.items()
+            for stage in Stage
+        }
+        self._events = {
+            (idx, name): events.labels(*values, name)
+            for idx, values in per_engine_labelvalues.items()
+            for name in EVENT_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not key.startswith(PREFIX) or not value:
+                continue
+            name = key.removeprefix(PREFIX)
+            if name.startswith("stage."):
+                metric = self._failed.get((engine_idx, name.removeprefix("stage.")))
+            else:
+                metric = self._events.get((engine_idx, name))
+            if metric is not None:
+                metric.inc(value)
+
+
+class _BothPromMetrics(KVConnectorPromMetrics):
+    """Upstream's metrics and ours, observed from the same stats dict."""
+
+    def __init__(self, parts: list[KVConnectorPromMetrics]) -> None:
+        self.parts = parts
+        self.per_engine_labelvalues = parts[0].per_engine_labelvalues
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for part in self.parts:
+            part.observe(transfer_stats_data, engine_idx)
+
+
+def with_kvfail_metrics(
+    upstream: KVConnectorPromMetrics | None,
+    vllm_config: Any,
+    metric_types: dict[type[Any], type[Any]],
+    labelnames: list[str],
+    per_engine_labelvalues: dict[int, list[object]],
+) -> KVConnectorPromMetrics:
+    """What a connector's ``build_prom_metrics`` returns: upstream's metrics plus ours."""
+    ours = KvfailPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    return ours if upstream is None else _BothPromMetrics([upstream, ours])
