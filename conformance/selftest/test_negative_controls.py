@@ -1,12 +1,19 @@
 """Self-test of the suite: it must FLAG each negative control for the right reason, pass
-the working toy, and never hide a skip.
+the working connector, and never hide a skip.
 
 Why: a conformance suite is only worth its negative controls. Each control in
-``kvfail.conformance.negative`` breaks exactly one contract rule in the toy connector; we
-run the real suite (``conformance/test_scenarios.py``, via pytest's ``pytester``) against
-all of them in one in-process session and read its ``report.json``. In-process, so vLLM is
-imported once; everything the inner run needs is imported (and one engine run) before it,
-because ``pytester`` (used for the skip test) unloads modules the inner session imported.
+``kvfail.conformance.negative`` breaks exactly one contract rule, in the toy connector
+(fast; tests the oracles) and in the REAL ``KvfailMooncakeConnector`` (its worker broken
+in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
+We run the real suite (``conformance/test_scenarios.py``) against them in in-process
+sessions and read its ``report.json``. In-process, so vLLM is imported once; everything
+the inner run needs is imported (and one engine run) before it, because ``pytester``
+(used for the skip test) unloads modules the inner session imported.
+
+The real-connector session runs only the scenarios the controls are built to break, plus
+the two they must still pass, under ``recompute`` (where the scheduler would silently run
+on whatever the blocks hold, so only the connector's report, or the byte check, can save
+it); ``mooncake`` itself runs the full suite elsewhere (``--connector mooncake``).
 """
 
 from __future__ import annotations
@@ -30,7 +37,14 @@ from kvfail.harness.toy import ToyConnector
 SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 CONTROLS = sorted(negative.EXPECTED_FLAGS)
+REAL_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL)
 UNKNOWN = "no_such_module:NoSuchConnector"
+#: What a real control must still pass (broken in ONE way), next to what it must fail.
+REAL_SCENARIOS = (
+    "test_local_request_untouched",
+    "test_successful_load",
+    "test_failed_load_one_group",
+)
 
 
 def _warm_up() -> None:
@@ -53,6 +67,25 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[
     records = json.loads((out / "report.json").read_text())
     matrix = (out / "report.md").read_text()
     return int(ret), records, matrix
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]], str]:
+    """One inner run against ``mooncake`` and every real-connector control (real P)."""
+    from kvfail.peers.mooncake import mooncake_available
+
+    why = mooncake_available()
+    if why is not None or not REAL_CONTROLS:
+        pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
+    _warm_up()
+    out = tmp_path_factory.mktemp("kvfail-real-report")
+    args = [str(SUITE), "-p", "no:cacheprovider", "--kvfail-report", str(out), "-q"]
+    args += ["--policy", "recompute", "-k", " or ".join(REAL_SCENARIOS)]
+    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in REAL_CONTROLS)]:
+        args += ["--connector", spec]
+    ret = pytest.main(args)
+    records = json.loads((out / "report.json").read_text())
+    return int(ret), records, (out / "report.md").read_text()
 
 
 def _records(run: tuple[int, list[dict[str, Any]], str], connector: str) -> list[dict[str, Any]]:
@@ -81,12 +114,18 @@ def test_toy_passes_every_scenario_under_both_policies(suite_run: Any) -> None:
     toy = _records(suite_run, "toy")
     assert len({r["scenario"] for r in toy}) >= 8
     assert {r["policy"] for r in toy} == {"fail", "recompute"}
+    # The toy passes everything it can serve; the rest (real-process faults, params) are
+    # skips naming the fault or capability the toy driver lacks.
     bad = [
         (r["scenario"], r["policy"], r["outcome"], r["reason"])
         for r in toy
-        if r["outcome"] != "passed"
+        if not (
+            r["outcome"] == "passed"
+            or (r["outcome"] == "skipped" and r["reason"].startswith("requires "))
+        )
     ]
     assert bad == []
+    assert sum(r["outcome"] == "passed" for r in toy) >= 16
 
 
 @pytest.mark.parametrize("control", CONTROLS)
@@ -102,6 +141,42 @@ def test_negative_control_is_flagged_by_the_right_scenario(suite_run: Any, contr
     for ok in ("test_successful_load", "test_local_request_untouched"):
         outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
         assert outcomes == {"passed"}, (ok, outcomes)
+
+
+def test_real_mooncake_passes_what_the_controls_break(real_run: Any) -> None:
+    recs = _records(real_run, "mooncake")
+    assert {r["scenario"] for r in recs} == set(REAL_SCENARIOS)
+    assert [
+        (r["scenario"], r["outcome"], r["reason"]) for r in recs if r["outcome"] != "passed"
+    ] == []
+
+
+@pytest.mark.parametrize("control", REAL_CONTROLS)
+def test_real_negative_control_is_flagged_by_the_right_scenario(
+    real_run: Any, control: str
+) -> None:
+    """The control resolves to the real Mooncake driver (not the generic one), fails the
+    scenario it was built to break for the clause it breaks, and passes the others."""
+    scenario, clause = negative.EXPECTED_FLAGS_REAL[control]
+    recs = _records(real_run, f"kvfail.conformance.negative:{control}")
+    assert {r["scenario"] for r in recs} == set(REAL_SCENARIOS), recs
+    flagged = [r for r in recs if r["scenario"] == scenario]
+    assert [r["outcome"] for r in flagged] == ["failed"], flagged
+    assert clause in flagged[0]["reason"], (clause, flagged[0]["reason"])
+    for ok in set(REAL_SCENARIOS) - {scenario}:
+        outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
+        assert outcomes == {"passed"}, (ok, outcomes)
+
+
+def test_real_controls_resolve_to_the_mooncake_driver() -> None:
+    from kvfail.conformance.driver import MooncakeDriver, resolve
+
+    if not REAL_CONTROLS:
+        pytest.skip("connectors.mooncake is not importable here")
+    for control in REAL_CONTROLS:
+        driver = resolve(f"kvfail.conformance.negative:{control}")
+        assert isinstance(driver, MooncakeDriver), (control, type(driver).__name__)
+        assert driver.kvfail_connector, control
 
 
 def test_unknown_connector_is_a_named_skip_not_an_error(suite_run: Any) -> None:
@@ -148,3 +223,27 @@ def test_named(kvfail):
     result.assert_outcomes(failed=1, skipped=1)
     result.stdout.fnmatch_lines(["*unexplained skip*flaky network*"])
     result.stdout.fnmatch_lines(["*requires sync_load: ToyConnector only advertises asynchronous*"])
+
+
+_ONE_SCENARIO = """
+def test_which(kvfail):
+    kvfail.note("connector", kvfail.driver.name)
+"""
+
+
+def test_ini_kvfail_connectors_is_the_default_list(pytester: pytest.Pytester) -> None:
+    """``kvfail_connectors`` in the ini file gives the connectors when no ``--connector``
+    is given (the project's default run); an explicit ``--connector`` replaces the list."""
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makeini(
+        "[pytest]\nkvfail_connectors = toy kvfail.conformance.negative:SwallowsFailure\n"
+    )
+    pytester.makepyfile(test_which=_ONE_SCENARIO)
+    default = pytester.runpytest_inprocess("--policy", "fail", "-p", "no:cacheprovider", "-v")
+    default.assert_outcomes(passed=2)
+    default.stdout.fnmatch_lines(["*test_which?toy-fail?*", "*test_which?*SwallowsFailure-fail?*"])
+    explicit = pytester.runpytest_inprocess(
+        "--connector", "toy", "--policy", "fail", "-p", "no:cacheprovider", "-v"
+    )
+    explicit.assert_outcomes(passed=1)
+    assert "SwallowsFailure" not in explicit.stdout.str()

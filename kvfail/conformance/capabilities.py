@@ -120,6 +120,8 @@ class Capabilities:
     real_transport: bool = False
     tp2: bool = False
     byte_verification: bool = False
+    #: The driver can hand D broken ``kv_transfer_params`` (missing / unusable fields).
+    malformed_params: bool = False
     faults: frozenset[FaultPoint] = frozenset()
     reasons: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -54,6 +55,11 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
+
+#: One P process per P configuration, shared by the Mooncake drivers of a session (e.g.
+#: ``mooncake`` and the real negative controls, which all pull from kvfail's P): each P
+#: costs a vLLM import. The driver that started it owns it (closes it in ``stop``).
+_SHARED_P: dict[str, Any] = {}
 
 Declared = dict[str, tuple[Any, str]]
 
@@ -158,6 +164,31 @@ class Driver(ABC):
         """
         raise NotImplementedError(f"driver {self.name!r} cannot verify bytes")
 
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        """After any load: why D ran ``request_id`` on KV that is not P's, else None.
+
+        Unlike :meth:`verify_bytes`, a request that was recomputed locally is fine: this is
+        the oracle for a failure reported as success (the HF3FS pattern), which under
+        ``recompute`` no policy-outcome check can see. Default: cannot tell (None).
+        """
+        return None
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        """Seconds from adding ``request_id`` to its first report, when the driver timed it."""
+        return None
+
+    def observe(self, engine: Engine) -> None:  # noqa: B027 - optional hook
+        """Called after every step the suite takes on ``engine`` (timestamps reports)."""
+
+    def add_malformed_request(
+        self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
+    ) -> str:
+        """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
+        raise NotImplementedError(f"driver {self.name!r} cannot build malformed params")
+
+    def after_scenario(self) -> None:  # noqa: B027 - optional hook
+        """Called after every scenario's engines are closed: repair shared peers."""
+
 
 # ------------------------------------------------------------------------ toy
 
@@ -216,6 +247,7 @@ class ToyDriver(Driver):
             "real_transport": (False, f"{cls} is an in-memory test double, not a transport"),
             "tp2": (True, "harness simulates TP=2; the toy's reporting is rank-independent"),
             "byte_verification": (True, "D's blocks are compared with P's seeded pattern"),
+            "malformed_params": (False, f"{cls}'s in-memory transport has no params to break"),
         }
 
     def engine_spec(
@@ -353,6 +385,7 @@ class GenericDriver(Driver):
             "real_transport": (False, why),
             "tp2": (False, why),
             "byte_verification": (False, why),
+            "malformed_params": (False, why),
         }
 
     def engine_spec(
@@ -405,22 +438,34 @@ class MooncakeDriver(Driver):
     """A real Mooncake P/D pair (``kvfail.peers.mooncake.MooncakePair``): P in its own OS
     process, each scenario's D a fresh ("cold") harness engine in this process.
 
-    Faults are the ones that are honest on TCP loopback without restarting P (a P restart
-    costs a vLLM import): a refused bootstrap address and an unknown engine id (active,
-    applied to P's ``kv_transfer_params`` before D adds the request), a blackholed
-    bootstrap proxy (silent), and the driver-side abort / empty-pull faults. D's bytes are
-    checked against P's pattern by the pair's forward hook.
+    Every fault is real, on TCP loopback, and provoked before D adds the request (a pull
+    starts in D's first step, 0.15 s later, so nothing could be injected afterwards):
 
-    ``connector``/``connector_module`` pick the connector on both sides: kvfail's
-    (``connectors.mooncake``, ``--connector mooncake``) or upstream's
-    (``--connector vllm:MooncakeConnector``).
+    * process faults on P: SIGKILL after P prefilled (``kill_before_pull``; D cold, or
+      warm when the scenario pulled once first), SIGSTOP (``freeze_peer``, a silent P);
+    * protocol faults answered by the real P process (``peer_error_response``,
+      ``peer_err_reqs``, ``peer_finish_without_result``: see ``kvfail.peers.producer``);
+    * network/params faults: a refused bootstrap address, an unknown engine id, a
+      blackholed bootstrap proxy, malformed ``kv_transfer_params``;
+    * driver-side abort and empty pulls.
+
+    P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
+    replaced (:meth:`after_scenario`, the new P's import overlapping the next D build).
+    D's bytes are checked against P's pattern by the pair's forward hook.
+
+    ``connector``/``connector_module`` pick D's connector: kvfail's (``connectors.mooncake``,
+    ``--connector mooncake``), upstream's (``--connector vllm:MooncakeConnector``) or any
+    ``MooncakeConnector`` subclass (``module:Class``, e.g. the negative controls). P runs
+    ``p_connector``/``p_connector_module`` (default: the same as D).
     """
 
     poll_s = 0.005
-    #: ``kvfail_deadline_s`` for kvfail's connector in the silent-peer scenario.
+    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
     SCENARIO_DEADLINE_S = 3.0
     #: Upstream D's socket timeout: P's abort timeout (set to 5 s here) + 60 s, hard-coded.
     UPSTREAM_DEADLINE_S = 65.0
+    #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
+    MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
 
     def __init__(
         self,
@@ -428,14 +473,19 @@ class MooncakeDriver(Driver):
         *,
         connector: str = "KvfailMooncakeConnector",
         connector_module: str | None = "connectors.mooncake",
+        p_connector: str | None = None,
+        p_connector_module: str | None = None,
     ) -> None:
         self.name = name
         self._connector = connector
         self._module = connector_module
+        self._p_connector = p_connector
+        self._p_module = p_connector_module
         self._why: str | None = None
         self._pair: Any = None
         self._names: dict[int, str] = {}
-        self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
+        self._seen: dict[int, int] = {}
+        self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
         self._proxy: Any = None
         self._seq = 0
         self.connector_cls = object
@@ -456,7 +506,10 @@ class MooncakeDriver(Driver):
 
     @property
     def kvfail_connector(self) -> bool:
-        return self._module is not None
+        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
+        bases = _mooncake_bases()
+        kvfail_cls = None if bases is None else bases[1]
+        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
 
     def unavailable(self) -> str | None:
         return self._why
@@ -466,25 +519,64 @@ class MooncakeDriver(Driver):
             return
         from kvfail.peers.mooncake import MooncakePair
 
+        if self._p_connector is not None:
+            p_side = [self._p_connector, self._p_module]
+        else:  # P runs D's connector (as MooncakePair decides)
+            p_side = [self._connector, self._module]
+        key = json.dumps(p_side)
+        shared = _SHARED_P.get(key)
+        if shared is not None and not shared.process.alive:
+            shared = None
         self._pair = MooncakePair(
             policy="fail",
             connector=self._connector,
             connector_module=self._module,
+            p_connector=self._p_connector,
+            p_connector_module=self._p_module,
             abort_request_timeout_s=5,
             ready_timeout_s=180.0,
+            producer=shared,
         )
+        if shared is None:
+            _SHARED_P[key] = self._pair.p
 
     def stop(self) -> None:
-        if self._proxy is not None:
-            self._proxy = None  # closed by the pair
+        self._proxy = None  # closed by the pair
         if self._pair is not None:
             self._pair.close()
             self._pair = None
+
+    def after_scenario(self) -> None:
+        """Thaw a frozen P; replace a dead one without waiting for its import."""
+        pair = self._pair
+        if pair is None or pair.p is None:
+            return
+        proc = pair.p.process
+        if proc.alive and proc.frozen:
+            pair.thaw_p()
+        if not proc.alive:
+            self._proxy = None
+            pair.restart_p(wait=False)
+
+    def _live_pair(self) -> Any:
+        """The pair, with a live P (a P shared with another driver may have been killed
+        by that driver's scenario: this driver then starts its own)."""
+        self.start()
+        pair = self._pair
+        if pair.p is None or not pair.p.process.alive:
+            self._proxy = None
+            pair.restart_p(wait=False)
+        return pair
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
         return frozenset(
             {
+                FaultPoint.PEER_ERROR_RESPONSE,
+                FaultPoint.PEER_ERR_REQS,
+                FaultPoint.PEER_FINISH_WITHOUT_RESULT,
+                FaultPoint.KILL_BEFORE_PULL,
+                FaultPoint.FREEZE_PEER,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.NET_BLACKHOLE,
@@ -494,7 +586,8 @@ class MooncakeDriver(Driver):
         )
 
     def declared(self) -> Declared:
-        deadline = self.SCENARIO_DEADLINE_S if self.kvfail_connector else self.UPSTREAM_DEADLINE_S
+        kvfail = self.kvfail_connector
+        deadline = self.SCENARIO_DEADLINE_S if kvfail else self.UPSTREAM_DEADLINE_S
         return {
             "async_load": (True, "Mooncake pulls asynchronously"),
             "sync_load": (False, "Mooncake only advertises asynchronous loads"),
@@ -503,7 +596,7 @@ class MooncakeDriver(Driver):
             "has_deadline": (
                 True,
                 f"kvfail_deadline_s={deadline:g}"
-                if self.kvfail_connector
+                if kvfail
                 else f"D socket timeout {deadline:g} s (abort timeout 5 s + 60 s upstream)",
             ),
             "deadline_s": (deadline, "driver"),
@@ -514,6 +607,10 @@ class MooncakeDriver(Driver):
                 "on P: not a real TP layout",
             ),
             "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
+            "malformed_params": (
+                True,
+                "P's real params, one field broken: " + ", ".join(self.MALFORMED),
+            ),
         }
 
     def engine_spec(
@@ -543,11 +640,35 @@ class MooncakeDriver(Driver):
         finally:
             pair.extra_config = base
         self._names[id(engine)] = name
+        self._seen[id(engine)] = 0
         return engine
 
+    def observe(self, engine: Engine) -> None:
+        if self._pair is not None and id(engine) in self._seen:
+            self._seen[id(engine)] = self._pair.observe(engine, self._seen[id(engine)])
+
     def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """Faults that live in P's ``kv_transfer_params`` must be set before D adds it."""
+        """Every fault is set up while the request is added (see the class docstring)."""
         self._fault_at_add[(id(engine), request_id)] = point
+
+    @staticmethod
+    def malformed(params: dict[str, Any], kind: str) -> dict[str, Any]:
+        """P's real ``kv_transfer_params`` with one field broken."""
+        out = dict(params)
+        if kind == "missing_transfer_id":
+            out.pop("transfer_id", None)
+        elif kind == "bad_bootstrap_addr":
+            out["remote_bootstrap_addr"] = "127.0.0.1:not-a-port"
+        else:
+            raise ValueError(f"unknown malformation {kind!r}")
+        return out
+
+    def add_malformed_request(
+        self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
+    ) -> str:
+        """Add a request whose params P produced but one field is broken (``MALFORMED``)."""
+        self._fault_at_add[(id(engine), request_id)] = kind
+        return self.add_remote_request(engine, request_id, prompt_len=prompt_len)
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
@@ -555,10 +676,12 @@ class MooncakeDriver(Driver):
         from kvfail.faults import ProxyMode
         from kvfail.peers.mooncake import refused_bootstrap, unknown_engine
 
-        pair = self._pair
+        pair = self._live_pair()
         params = pair.prefill(request_id, prompt_len)
         point = self._fault_at_add.pop((id(engine), request_id), None)
-        if point is FaultPoint.REFUSE:
+        if isinstance(point, str) and not isinstance(point, FaultPoint):
+            params = self.malformed(params, point)
+        elif point is FaultPoint.REFUSE:
             params = refused_bootstrap(params)
         elif point is FaultPoint.UNKNOWN_ENGINE:
             params = unknown_engine(params)
@@ -567,6 +690,16 @@ class MooncakeDriver(Driver):
                 self._proxy = pair.bootstrap_proxy()
             self._proxy.set_mode(ProxyMode.BLACKHOLE)
             params = pair.via_proxy(params, self._proxy)
+        elif point is FaultPoint.PEER_ERROR_RESPONSE:
+            pair.inject(request_id, "error_response")
+        elif point is FaultPoint.PEER_ERR_REQS:
+            pair.inject(request_id, "err_reqs")
+        elif point is FaultPoint.PEER_FINISH_WITHOUT_RESULT:
+            pair.inject(request_id, "finish_without_result")
+        elif point is FaultPoint.KILL_BEFORE_PULL:
+            pair.kill_p()
+        elif point is FaultPoint.FREEZE_PEER:
+            pair.freeze_p()
         pair.add(
             request_id,
             params,
@@ -599,6 +732,20 @@ class MooncakeDriver(Driver):
         if rec is None or rec.verified is None:
             return f"{request_id} never ran after its load: no bytes were checked"
         return None if rec.verified else f"mismatched token positions {rec.mismatches}"
+
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair.records.get(request_id)
+        if rec is None:
+            return None
+        # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
+        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        if not wrong:
+            return None
+        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        rec = self._pair.records.get(request_id)
+        return None if rec is None else rec.reported_s
 
 
 # ------------------------------------------------------------------------ resolve
@@ -634,7 +781,36 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
 
     if issubclass(cls, ToyConnector):
         return ToyDriver(name, cls)
+    mooncake = _mooncake_bases()
+    if mooncake is not None and issubclass(cls, mooncake[0]):
+        upstream, kvfail_cls = mooncake
+        # P runs the unbroken connector nearest above D's: a D-side control tests D only.
+        p_cls = kvfail_cls if kvfail_cls is not None and issubclass(cls, kvfail_cls) else upstream
+        if registry_name is not None:
+            return MooncakeDriver(name, connector=registry_name, connector_module=None)
+        return MooncakeDriver(
+            name,
+            connector=cls.__name__,
+            connector_module=cls.__module__,
+            p_connector=p_cls.__name__,
+            p_connector_module=None if p_cls is upstream else p_cls.__module__,
+        )
     return GenericDriver(name, cls, registry_name)
+
+
+def _mooncake_bases() -> tuple[type, type | None] | None:
+    """(upstream ``MooncakeConnector``, kvfail's connector or None), None without Mooncake."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+            MooncakeConnector,
+        )
+    except Exception:
+        return None
+    try:
+        from connectors.mooncake import KvfailMooncakeConnector
+    except Exception:
+        return MooncakeConnector, None
+    return MooncakeConnector, KvfailMooncakeConnector
 
 
 def resolve(spec: str) -> Driver:

@@ -34,6 +34,8 @@ class Record:
     duration_s: float
     guards: list[str] = field(default_factory=list)
     nodeid: str = ""
+    #: Measurements the scenario noted (e.g. ``detected_s``: add -> first report).
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _cell(record: Record | None) -> str:
@@ -90,7 +92,11 @@ def render_durations(records: Iterable[Record]) -> str:
     totals: dict[str, float] = {}
     for r in recs:
         totals[r.connector] = totals.get(r.connector, 0.0) + r.duration_s
-    lines = [f"  {r.duration_s:7.3f}s  {r.connector} {r.scenario}[{r.policy}]" for r in recs]
+    lines = [
+        f"  {r.duration_s:7.3f}s  {r.connector} {r.scenario}[{r.policy}]"
+        + "".join(f"  {k}={v}" for k, v in r.details.items())
+        for r in recs
+    ]
     lines += [f"  {t:7.3f}s  total {c}" for c, t in totals.items()]
     return "\n".join(lines)
 

@@ -184,6 +184,10 @@ class ProducerHandle:
         )
         return dict(reply["kv_transfer_params"])
 
+    def inject(self, req_id: str, fault: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Arm a protocol fault for D's next pull naming ``req_id`` (see the producer)."""
+        return self.request({"cmd": "inject", "req_id": req_id, "fault": fault}, timeout_s)
+
     def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.request({"cmd": "stats"}, timeout_s)
 
@@ -252,6 +256,7 @@ class MooncakePair:
         abort_request_timeout_s: int = 5,
         ready_timeout_s: float = 240.0,
         num_blocks: int = 64,
+        producer: ProducerHandle | None = None,
     ) -> None:
         reason = mooncake_available()
         if reason is not None:
@@ -277,9 +282,12 @@ class MooncakePair:
         self._proxies: list[FaultProxy] = []
         self._seq = itertools.count()
         self.p: ProducerHandle | None = None
+        #: Whether :meth:`close` closes P (False for a ``producer`` shared with other pairs;
+        #: a P this pair starts itself, e.g. by :meth:`restart_p`, is always its own).
+        self.owns_p = producer is None
         try:
             # P imports vLLM in its own process while D builds here: overlap the two.
-            self.p = ProducerHandle(**self._p_kwargs)
+            self.p = producer if producer is not None else ProducerHandle(**self._p_kwargs)
             self.d: Engine = self.consumer(policy)
             self.p.wait_ready(ready_timeout_s)
         except BaseException:
@@ -322,17 +330,38 @@ class MooncakePair:
             raise KeyError(f"no consumer {consumer!r}; build it with consumer()")
         return self.decoders[consumer]
 
-    def restart_p(self) -> dict[str, Any]:
-        """Replace a killed (or any) P with a fresh process on a new bootstrap port."""
-        if self.p is not None:
+    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
+        """Replace a killed (or any) P with a fresh process on a new bootstrap port.
+
+        ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
+        next call that needs P waits for it to be ready (:meth:`_producer`).
+        """
+        if self.p is not None and self.owns_p:
             self.p.close()
         self.p = ProducerHandle(**self._p_kwargs)
-        return self.p.wait_ready(self.ready_timeout_s)
+        self.owns_p = True
+        return self.p.wait_ready(self.ready_timeout_s) if wait else None
+
+    @property
+    def p_kwargs(self) -> dict[str, Any]:
+        """What P is started with (a key for sharing one P between pairs)."""
+        return dict(self._p_kwargs)
+
+    @property
+    def p_usable(self) -> bool:
+        """P's process is alive and not stopped (it may still be importing vLLM)."""
+        return self.p is not None and self.p.process.alive and not self.p.process.frozen
 
     def _producer(self) -> ProducerHandle:
         if self.p is None:
             raise RuntimeError("no P process")
+        if self.p.ready is None and self.p.process.alive:
+            self.p.wait_ready(self.ready_timeout_s)
         return self.p
+
+    def inject(self, req_id: str, fault: str) -> None:
+        """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``)."""
+        self._producer().inject(req_id, fault)
 
     # ------------------------------------------------------------------ requests
 
@@ -425,6 +454,12 @@ class MooncakePair:
             if poll_s > 0:
                 time.sleep(poll_s)
 
+    def observe(self, engine: Engine, seen: int) -> int:
+        """Stamp detection times from ``engine``'s scheduler reports after index ``seen``;
+        returns the new index. Call after every step of a D engine stepped elsewhere
+        (the conformance suite steps its own engines)."""
+        return self._observe(engine, seen)
+
     def _observe(self, engine: Engine, seen: int) -> int:
         """Stamp detection times from the scheduler reports after index ``seen``."""
         now = time.monotonic()
@@ -510,7 +545,7 @@ class MooncakePair:
             with contextlib.suppress(Exception):
                 proxy.close()
         self._proxies.clear()
-        if self.p is not None:
+        if self.p is not None and self.owns_p:
             with contextlib.suppress(Exception):
                 self.p.close()
 

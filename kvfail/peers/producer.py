@@ -18,6 +18,10 @@ the reply echoes:
 * ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len", "transfer_id"?}`` runs the P
   request (``do_remote_decode``, ``max_tokens=1``) until it finishes and replies with the
   ``kv_transfer_params`` D needs;
+* ``{"cmd": "inject", "fault", "req_id"}``: P answers D's next pull naming ``req_id``
+  wrongly on purpose (:data:`INJECTABLE`): ``error_response`` (an ERROR reply),
+  ``err_reqs`` (FINISH with ``err_reqs=[req_id]``) or ``finish_without_result`` (FINISH
+  naming no request). One-shot; P moves no data for that pull;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
 * ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
 
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
 
     from kvfail.harness import Engine, Worker
 
-__all__ = ["DEFAULT_EXTRA_CONFIG", "PREFIX", "main"]
+__all__ = ["DEFAULT_EXTRA_CONFIG", "INJECTABLE", "PREFIX", "main"]
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-p "
@@ -51,6 +55,63 @@ DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers
 #: Bound on one prefill command (P's request finishes in one or two steps normally).
 PREFILL_TIMEOUT_S = 20.0
 _IDLE_SLEEP_S = 0.005
+#: Protocol faults P can answer a pull with (``inject`` command).
+INJECTABLE = ("error_response", "err_reqs", "finish_without_result")
+
+
+class _FaultInjectingSender:
+    """Mixed in front of P's real Mooncake worker class (upstream's, or a subclass).
+
+    Why a mixin and not a scripted fake P: D must see the fault from the real P process,
+    through its real ZMQ side channel, after a real bootstrap, so only the reply itself is
+    wrong. ``send_kv_to_decode`` is upstream's per-pull handler on P's sender loop; when a
+    pull names an armed request it answers with the armed fault instead (and moves no
+    data), otherwise it defers to the real one. The rest of P, including expiring the
+    unpulled request after ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, is untouched.
+    """
+
+    kvfail_armed: dict[str, str]
+
+    async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+            MooncakeXferResponse,
+            MooncakeXferResponseStatus,
+        )
+
+        armed = getattr(self, "kvfail_armed", {})
+        hit = [r for r in meta.req_blocks if r in armed]
+        if not hit:
+            await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
+            return
+        fault = armed.pop(hit[0])
+        for rid in hit[1:]:
+            armed.pop(rid, None)
+        if fault == "error_response":
+            response = MooncakeXferResponse(
+                status=MooncakeXferResponseStatus.ERROR, err_msg=f"kvfail injected {fault}"
+            )
+        elif fault == "err_reqs":
+            response = MooncakeXferResponse(
+                status=MooncakeXferResponseStatus.FINISH,
+                err_reqs=list(meta.req_blocks),
+                err_msg=f"kvfail injected {fault}",
+            )
+        else:  # finish_without_result
+            response = MooncakeXferResponse(status=MooncakeXferResponseStatus.FINISH)
+        await sock.send_multipart((identity, self._encoder.encode(response)))  # type: ignore[attr-defined]
+
+
+def _make_injecting(worker: Any) -> None:
+    """Re-class one built Mooncake worker so it can inject faults (see above).
+
+    The connector builds its worker itself (and building one starts a TransferEngine),
+    so the built object is given a subclass of its own class; nothing is copied.
+    """
+    cls = type(worker)
+    if isinstance(worker, _FaultInjectingSender):
+        return
+    worker.__class__ = type(f"FaultInjecting{cls.__name__}", (_FaultInjectingSender, cls), {})
+    worker.kvfail_armed = {}
 
 
 class _Channel:
@@ -122,6 +183,14 @@ class _Producer:
         )
         with cpu_accelerator_index_shim():
             self.engine: Engine = Engine(spec, forward=_pattern_forward)
+        self.senders = [
+            w.connector.connector_worker
+            for w in self.engine.workers
+            if getattr(w.connector, "connector_worker", None) is not None
+        ]
+        for sender in self.senders:
+            _make_injecting(sender)
+        self.injected = 0
         self.prefills = 0
         self.failed_prefills = 0
         self.finished_sending: list[str] = []
@@ -188,6 +257,18 @@ class _Producer:
             },
         }
 
+    def inject(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        fault = str(cmd.get("fault"))
+        if fault not in INJECTABLE:
+            return {"ok": False, "error": f"unknown fault {fault!r}; one of {INJECTABLE}"}
+        if not self.senders:
+            return {"ok": False, "error": "P has no Mooncake worker to inject into"}
+        req_id = str(cmd["req_id"])
+        for sender in self.senders:
+            sender.kvfail_armed[req_id] = fault
+        self.injected += 1
+        return {"ok": True, "fault": fault, "req_id": req_id}
+
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
         return {
@@ -195,6 +276,7 @@ class _Producer:
             "engine_id": self.engine_id,
             "steps": self.engine.record.steps,
             "prefills": self.prefills,
+            "injected": self.injected,
             "failed_prefills": self.failed_prefills,
             "finished_sending": list(self.finished_sending),
             "pending_requests": sorted(sched.requests),
@@ -207,6 +289,8 @@ class _Producer:
         try:
             if name == "prefill":
                 return self.prefill(cmd)
+            if name == "inject":
+                return self.inject(cmd)
             if name == "stats":
                 return self.stats()
             if name == "ping":

@@ -172,6 +172,30 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     assert oracles.check_all(consumer, ["proxy-blackhole"], failed=True) == []
 
 
+@pytest.mark.parametrize("fault", ["error_response", "err_reqs"])
+def test_p_answers_one_pull_with_an_injected_fault(pair: MooncakePair, fault: str) -> None:
+    """The real P process answers D's pull of one request with the armed protocol fault
+    (an ERROR reply, or FINISH with the request in ``err_reqs``); upstream D reports it as
+    a failed load. The fault is one-shot and per request: the next pull is served."""
+    rid = f"inject-{fault}"
+    params = pair.prefill(rid, 100)
+    pair.inject(rid, fault)
+    rec = pair.add(rid, params, prompt_len=100, consumer="fail")
+    _finish(pair, "fail", rid)
+    assert rec.failed, rec
+    DETECTION[f"P injects {fault} (fail)"] = rec.reported_s
+    assert _violations(pair, "fail", rid, failed=True) == []
+    after = f"after-{fault}"
+    pair.prefill_and_add(after, 100, consumer="fail")
+    _finish(pair, "fail", after)
+    assert not pair.records[after].failed and pair.verify(after), pair.records[after]
+
+
+def test_p_refuses_an_unknown_fault(pair: MooncakePair) -> None:
+    with pytest.raises(RuntimeError, match="unknown fault"):
+        pair.inject("never-added", "no_such_fault")
+
+
 def test_zz_kill_p_cold_is_reported_under_both_policies(pair: MooncakePair) -> None:
     """Runs last (by name): it kills the shared P. Two fresh D engines that never talked
     to this P keep it "cold": D queries P's bootstrap server, which is gone (refused)."""
