@@ -125,3 +125,23 @@ def with_kvfail_metrics(
     """What a connector's ``build_prom_metrics`` returns: upstream's metrics plus ours."""
     ours = KvfailPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
     return ours if upstream is None else _BothPromMetrics([upstream, ours])
+
+
+class KvfailMetricsConnector:
+    """Mix in front of an upstream connector class: its ``build_prom_metrics`` then
+    returns upstream's metrics plus kvfail's, so no connector repeats this wiring."""
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        upstream = super().build_prom_metrics(  # type: ignore[misc]
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return with_kvfail_metrics(
+            upstream, vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

@@ -27,14 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.mooncake.worker import KvfailMooncakeWorker
-from kvfail.vllm_stats import with_kvfail_metrics
+from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class KvfailMooncakeConnector(MooncakeConnector):
+class KvfailMooncakeConnector(KvfailMetricsConnector, MooncakeConnector):
     """Upstream's connector, built with our scheduler and worker halves."""
 
     def __init__(
@@ -73,19 +73,3 @@ class KvfailMooncakeConnector(MooncakeConnector):
     ) -> KVConnectorStats | None:
         """Rebuild stats holding upstream's metrics and kvfail's counters."""
         return KvfailMooncakeStats(data=dict(data) if data else {})
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[type[Any], type[Any]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        """Upstream's Prometheus metrics plus kvfail's ``vllm:kvfail_*`` counters."""
-        upstream = super().build_prom_metrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
-        return with_kvfail_metrics(
-            upstream, vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )

@@ -60,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
-from kvfail.vllm_stats import with_kvfail_metrics
+from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -238,7 +238,7 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
 
 
-class KvfailNixlConnector(NixlPullConnector):
+class KvfailNixlConnector(KvfailMetricsConnector, NixlPullConnector):
     """``NixlPullConnector`` with :class:`KvfailNixlWorker` as its worker.
 
     Load with ``kv_connector="KvfailNixlConnector"``,
@@ -264,19 +264,3 @@ class KvfailNixlConnector(NixlPullConnector):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KvfailNixlStats(data=data) if data is not None else KvfailNixlStats()
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict[type[Any], type[Any]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> Any:
-        """Upstream's Prometheus metrics plus kvfail's ``vllm:kvfail_*`` counters."""
-        upstream = super().build_prom_metrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
-        return with_kvfail_metrics(
-            upstream, vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
