@@ -801,12 +801,22 @@ class MooncakeDriver(Driver):
 
 # ------------------------------------------------------------------------ resolve
 
+def _nixl(name: str, **kwargs: Any) -> Driver:
+    from kvfail.conformance.nixl_driver import NixlDriver
+
+    return NixlDriver(name, **kwargs)
+
+
 BUILTIN: dict[str, Callable[[str], Driver]] = {
     "toy": lambda name: ToyDriver(name),
     "mooncake": lambda name: MooncakeDriver(name),
     # Upstream's connector, same real pair (not the generic driver): its deadline is real.
     "vllm:MooncakeConnector": lambda name: MooncakeDriver(
         name, connector="MooncakeConnector", connector_module=None
+    ),
+    "nixl": lambda name: _nixl(name),
+    "vllm:NixlConnector": lambda name: _nixl(
+        name, connector="NixlConnector", connector_module=None
     ),
 }
 
@@ -846,6 +856,11 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
             p_connector=p_cls.__name__,
             p_connector_module=None if p_cls is upstream else p_cls.__module__,
         )
+    from kvfail.conformance.nixl_driver import NixlDriver, nixl_bases
+
+    nixl = nixl_bases()
+    if nixl is not None and issubclass(cls, nixl[0]):
+        return NixlDriver.for_class(name, cls, registry_name)
     return GenericDriver(name, cls, registry_name)
 
 

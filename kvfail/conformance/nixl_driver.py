@@ -1,0 +1,321 @@
+"""The conformance driver for NIXL: a real P process, each scenario's D a fresh engine here.
+
+Why its own driver: how to give D a remote prefill, and how to break it, is NIXL-specific.
+:class:`NixlDriver` adapts :class:`kvfail.peers.nixl.NixlPair` (P in its own OS process,
+real ``Scheduler`` + NIXL pull connector, UCX TCP on 127.0.0.1) to the suite's
+:class:`~kvfail.conformance.driver.Driver` API and advertises only the fault points that
+are real with NIXL here:
+
+* ``kill_before_pull``: SIGKILL P after D's handshake, before its READ (warm D: right
+  away; cold D: D is stepped once and the driver waits for the handshake): the READ post
+  raises ``nixlRemoteDisconnectError`` at once;
+* ``freeze_peer``: SIGSTOP P after the handshake: the READ stays in ``PROC``. Upstream's D
+  has no deadline for it (``has_deadline`` False: the silent scenarios are strict xfails,
+  bounded by the suite's wait); kvfail's connector reports at ``kvfail_deadline_s``;
+* ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
+  silently, the handshake fails at its 5 s ``RCVTIMEO``;
+* ``unknown_engine``: P's real params naming another engine id;
+* ``abort_while_waiting`` and ``notify_only_empty_blocks`` (driver-side).
+
+Not advertised, on purpose: ``net_blackhole`` (the handshake would time out at 5 s, which
+is not the silent case the scenario means), protocol faults answered by P (NIXL's P does
+not answer a READ: one-sided RDMA semantics), TP=2 and two groups (the harness runs TP
+ranks as rank 0 of a world of one), malformed params (the suite's malformations name
+Mooncake fields).
+
+D runs in this process, so this process creates nixl agents and would segfault at exit:
+the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the process with
+``os._exit(<pytest's exit status>)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Declared, Driver
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine
+
+__all__ = ["NixlDriver", "nixl_bases"]
+
+
+def nixl_bases() -> tuple[type, type | None] | None:
+    """(upstream ``NixlConnector``, kvfail's connector or None); None without NIXL/vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+    except Exception:
+        return None
+    try:
+        from connectors.nixl import KvfailNixlConnector
+    except Exception:
+        return NixlConnector, None
+    return NixlConnector, KvfailNixlConnector
+
+
+class NixlDriver(Driver):
+    """A real NIXL P/D pair (see the module docstring).
+
+    ``connector``/``connector_module`` pick D's connector: kvfail's (``connectors.nixl``,
+    ``--connector nixl``), upstream's (``--connector vllm:NixlConnector``) or any
+    ``NixlConnector`` subclass (``module:Class``). P always runs upstream's
+    ``NixlConnector``: a D-side scenario must not depend on kvfail's P.
+    """
+
+    poll_s = 0.005
+    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
+    SCENARIO_DEADLINE_S = 3.0
+    #: Why upstream has no deadline (the strict xfail's reason).
+    NO_DEADLINE = (
+        "stuck in PROC: no D-side deadline (upstream NIXL times out only the handshake, "
+        "zmq RCVTIMEO 5 s; a READ to a silent P is never abandoned)"
+    )
+
+    def __init__(
+        self,
+        name: str = "nixl",
+        *,
+        connector: str = "KvfailNixlConnector",
+        connector_module: str | None = "connectors.nixl",
+    ) -> None:
+        self.name = name
+        self._connector = connector
+        self._module = connector_module
+        self._why: str | None = None
+        self._pair: Any = None
+        self._names: dict[int, str] = {}
+        self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
+        self._kill_on_provoke: set[tuple[int, str]] = set()
+        self._seq = 0
+        self.connector_cls: type = object
+        try:
+            if connector_module is None:
+                from vllm.distributed.kv_transfer.kv_connector.factory import (
+                    KVConnectorFactory,
+                )
+
+                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
+            else:
+                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
+            from kvfail.peers.nixl import nixl_available
+
+            self._why = nixl_available()
+        except Exception as exc:  # any import failure makes the driver unavailable
+            self._why = f"{connector} / kvfail.peers.nixl: {type(exc).__name__}: {exc}"
+
+    @classmethod
+    def for_class(cls, name: str, connector_cls: type, registry_name: str | None) -> NixlDriver:
+        """The driver for a ``NixlConnector`` subclass resolved by ``--connector``."""
+        if registry_name is not None:
+            return cls(name, connector=registry_name, connector_module=None)
+        return cls(
+            name, connector=connector_cls.__name__, connector_module=connector_cls.__module__
+        )
+
+    @property
+    def kvfail_connector(self) -> bool:
+        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
+        bases = nixl_bases()
+        kvfail_cls = None if bases is None else bases[1]
+        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
+
+    def unavailable(self) -> str | None:
+        return self._why
+
+    def start(self) -> None:
+        if self._pair is not None:
+            return
+        from kvfail.peers.nixl import NixlPair
+
+        self._pair = NixlPair(
+            connector=self._connector,
+            connector_module=self._module,
+            ready_timeout_s=180.0,
+            build_default_consumer=False,
+        )
+        self._warm_p()
+
+    def _warm_p(self) -> None:
+        """One throwaway pull through a throwaway D, so P's first-handshake costs (zmq
+        listener, UCX endpoints; seconds on a loaded machine, against a 5 s handshake
+        timeout) are not charged to the first scenario. A failure here is not fatal: the
+        scenarios report what the pair really does."""
+        pair = self._pair
+        engine = pair.consumer("fail", name="driver-warmup")
+        try:
+            pair.prefill_and_add("driver-warmup", 40, consumer=engine)
+            pair.run(["driver-warmup"], consumer=engine, timeout_s=30.0)
+        except Exception:
+            pass
+        finally:
+            engine.close()
+            pair.decoders.pop("driver-warmup", None)
+
+    def stop(self) -> None:
+        if self._pair is not None:
+            self._pair.close()
+            self._pair = None
+
+    def after_scenario(self) -> None:
+        """Thaw a frozen P; replace a dead one without waiting for its import."""
+        pair = self._pair
+        if pair is None or pair.p is None:
+            return
+        proc = pair.p.process
+        self._kill_on_provoke.clear()
+        if proc.alive and proc.frozen:
+            pair.thaw_p()
+        if not proc.alive:
+            pair.restart_p(wait=False)
+
+    @property
+    def faults(self) -> frozenset[FaultPoint]:
+        return frozenset(
+            {
+                FaultPoint.KILL_BEFORE_PULL,
+                FaultPoint.FREEZE_PEER,
+                FaultPoint.REFUSE,
+                FaultPoint.UNKNOWN_ENGINE,
+                FaultPoint.ABORT_WHILE_WAITING,
+                FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
+            }
+        )
+
+    def declared(self) -> Declared:
+        kvfail = self.kvfail_connector
+        deadline = self.SCENARIO_DEADLINE_S if kvfail else None
+        return {
+            "async_load": (True, "NIXL pulls asynchronously (READ, polled each step)"),
+            "sync_load": (False, "NIXL only advertises asynchronous loads"),
+            "remote_prefill": (True, "a real P process prefills; D READs its blocks"),
+            "two_groups": (False, "NixlPair builds one-group D engines only"),
+            "has_deadline": (
+                kvfail,
+                f"kvfail_deadline_s={self.SCENARIO_DEADLINE_S:g}" if kvfail else self.NO_DEADLINE,
+            ),
+            "deadline_s": (deadline, "driver"),
+            "real_transport": (True, "nixl agent, UCX over TCP loopback, DRAM"),
+            "tp2": (
+                False,
+                "the harness runs both D ranks as TP rank 0 of a world of one: not a real "
+                "NIXL TP layout",
+            ),
+            "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
+            "malformed_params": (
+                False,
+                "the suite's malformations (transfer_id, bootstrap addr) are Mooncake fields; "
+                "NIXL's bad params are unknown_engine / refuse",
+            ),
+        }
+
+    def engine_spec(
+        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
+    ) -> EngineSpec:
+        raise NotImplementedError("NixlDriver builds engines through NixlPair")
+
+    def build_engine(
+        self,
+        policy: Policy,
+        *,
+        num_kv_cache_groups: int = 1,
+        tp_size: int = 1,
+        deadline: bool = False,
+    ) -> Engine:
+        if num_kv_cache_groups != 1 or tp_size != 1:
+            raise NotImplementedError("NixlPair builds one-group TP=1 D engines only")
+        self.start()
+        pair = self._pair
+        self._seq += 1
+        name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
+        extra = (
+            {"kvfail_deadline_s": self.SCENARIO_DEADLINE_S}
+            if deadline and self.kvfail_connector
+            else {}
+        )
+        engine: Engine = pair.consumer(policy, name=name, extra_config=extra)
+        self._names[id(engine)] = name
+        return engine
+
+    def observe(self, engine: Engine) -> None:
+        if self._pair is not None:
+            self._pair.observe(engine)
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
+        """Every fault is set up while the request is added (see the module docstring)."""
+        self._fault_at_add[(id(engine), request_id)] = point
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        from kvfail.peers.nixl import unknown_engine, wrong_port
+
+        pair = self._pair
+        params = pair.prefill(request_id, prompt_len)
+        point = self._fault_at_add.pop((id(engine), request_id), None)
+        if point is FaultPoint.REFUSE:
+            params = wrong_port(params)
+        elif point is FaultPoint.UNKNOWN_ENGINE:
+            params = unknown_engine(params)
+        warm = pair.handshaked(engine)
+        pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
+        if point is FaultPoint.KILL_BEFORE_PULL and warm:
+            # A warm D posts its READ in the step that schedules the request, and a READ
+            # to a dead P fails in that same step: the request would never be seen
+            # waiting. So P is stopped now (the READ goes out to it, nothing answers)
+            # and killed by provoke(), before it ever served the pull.
+            pair.freeze_p()
+            self._kill_on_provoke.add((id(engine), request_id))
+        elif point is FaultPoint.KILL_BEFORE_PULL:
+            pair.fault_after_handshake(request_id, "kill", consumer=engine)
+        elif point is FaultPoint.FREEZE_PEER:
+            pair.fault_after_handshake(request_id, "freeze", consumer=engine)
+        return request_id
+
+    def settle(
+        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
+    ) -> None:
+        """Nothing to do: a real pull completes on its own."""
+
+    def provoke(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Iterable[int] | None = None,
+        block_index: int | None = None,
+    ) -> None:
+        if point is FaultPoint.ABORT_WHILE_WAITING:
+            engine.abort(request_id)
+        elif (id(engine), request_id) in self._kill_on_provoke:
+            self._kill_on_provoke.discard((id(engine), request_id))
+            self._pair.kill_p()
+            rec = self._pair.records.get(request_id)
+            if rec is not None:  # the detection clock starts at the kill
+                rec.injected_at = time.monotonic()
+                rec.steps_at_injection = engine.record.steps
+        # The others were armed before or while the request was added (see arm()).
+
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair.records.get(request_id)
+        if rec is None or rec.verified is None:
+            return f"{request_id} never ran after its load: no bytes were checked"
+        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
+
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair.records.get(request_id)
+        if rec is None:
+            return None
+        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        if not wrong:
+            return None
+        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        rec = self._pair.records.get(request_id)
+        return None if rec is None else rec.reported_s

@@ -1,0 +1,207 @@
+"""A real NIXL P/D pair (UCX over TCP loopback, DRAM) through the harness, both D connectors.
+
+Why: the conformance suite's NIXL scenarios are only worth something if the bytes really
+travel P -> D through vLLM's real NIXL pull connector, and if each fault reaches D's real
+scheduler the way ``workers-on-cpu.md`` measured it. One P process (upstream's
+``NixlConnector``) serves three D engines in this process: upstream ``NixlConnector``
+under ``fail`` and ``recompute``, and ``KvfailNixlConnector`` with a 3 s deadline. The
+freeze test thaws P again, so only the kill test (near the end) and the restart (slow)
+need a new P.
+
+This process creates nixl agents, so it would segfault at exit: the pair installs
+``kvfail.peers.nixl.install_exit_guard`` (``os._exit`` with pytest's exit status).
+
+Measured on a 2-core machine: P and D start in parallel (~15-40 s, imports); each fault
+then takes well under 1 s, except the refused handshake (5 s, zmq ``RCVTIMEO``) and the
+freeze (the 6 s cap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.peers.nixl import nixl_available
+
+_REASON = nixl_available()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from kvfail.harness import oracles  # noqa: E402
+from kvfail.peers.nixl import (  # noqa: E402
+    HANDSHAKE_TIMEOUT_S,
+    NixlPair,
+    install_exit_guard,
+    unknown_engine,
+    wrong_port,
+)
+
+pytestmark = pytest.mark.vllm
+
+#: kvfail's deadline in the freeze test (short, so the test is fast).
+DEADLINE_S = 3.0
+#: The contract bound on a deadline report: deadline + a generous margin.
+MARGIN_S = 3.0
+#: How long upstream is watched while P is frozen (the suite's default silent wait).
+SILENT_CAP_S = 6.0
+#: Every active fault is reported in ~10-100 ms; this is the bound, not the budget.
+FAST_REPORT_S = 5.0
+UP_FAIL, UP_RECOMPUTE, KVFAIL = "up-fail", "up-recompute", "kvfail-fail"
+DETECTION: dict[str, float | None] = {}
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest) -> Iterator[NixlPair]:
+    install_exit_guard(request.config)
+    p = NixlPair(build_default_consumer=False)
+    try:
+        p.consumer("fail", name=UP_FAIL)
+        p.consumer("recompute", name=UP_RECOMPUTE)
+        p.consumer(
+            "fail",
+            name=KVFAIL,
+            connector="KvfailNixlConnector",
+            connector_module="connectors.nixl",
+            extra_config={"kvfail_deadline_s": DEADLINE_S},
+        )
+        yield p
+    finally:
+        p.close()
+        print("\nNIXL detection times (s):", DETECTION)
+
+
+def _finish(pair: NixlPair, consumer: str, req_id: str, timeout_s: float = 20.0) -> None:
+    run = pair.run([req_id], consumer=consumer, timeout_s=timeout_s)
+    tail = pair.p.process.output_tail() if pair.p else ""
+    assert run.ok, (run, pair.records[req_id], tail)
+
+
+def _violations(pair: NixlPair, consumer: str, req_id: str, failed: bool) -> list[str]:
+    return oracles.check_all(pair.decoders[consumer], [req_id], failed=failed)
+
+
+def _status(pair: NixlPair, consumer: str, req_id: str) -> str:
+    status = pair.decoders[consumer].status(req_id)
+    return "None" if status is None else status.name
+
+
+@pytest.mark.parametrize("consumer", [UP_FAIL, KVFAIL])
+def test_happy_path_bytes_arrive_exactly(pair: NixlPair, consumer: str) -> None:
+    rid = f"happy-{consumer}"
+    rec = pair.prefill_and_add(rid, prompt_len=100, consumer=consumer)
+    _finish(pair, consumer, rid)
+    assert pair.verify(rid), rec.mismatches
+    assert not rec.failed and _status(pair, consumer, rid) == "FINISHED_LENGTH_CAPPED"
+    assert rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    DETECTION[f"happy {consumer}"] = rec.reported_s
+    assert _violations(pair, consumer, rid, failed=False) == []
+    # P frees its blocks once D's completion notification arrives (bounded wait).
+    assert pair.p is not None
+    end = time.monotonic() + 10.0
+    while rid not in pair.p.stats()["finished_sending"] and time.monotonic() < end:
+        time.sleep(0.05)
+    assert rid in pair.p.stats()["finished_sending"]
+
+
+def test_wrong_side_channel_port_fails_at_the_handshake_timeout(pair: NixlPair) -> None:
+    """zmq retries a refused connect silently: the handshake fails at its 5 s timeout.
+
+    A cold D: one that already knows P's engine id never handshakes again, so it would
+    ignore the wrong port and pull from the agent it holds (observed)."""
+    cold = "up-cold"
+    pair.consumer("fail", name=cold)
+    params = wrong_port(pair.prefill("refused", 100))
+    rec = pair.add("refused", params, consumer=cold)
+    _finish(pair, cold, "refused", timeout_s=HANDSHAKE_TIMEOUT_S + 15)
+    assert rec.failed and _status(pair, cold, "refused") == "FINISHED_ERROR"
+    assert rec.reported_s is not None and rec.reported_s >= HANDSHAKE_TIMEOUT_S - 0.5
+    DETECTION["refused handshake"] = rec.reported_s
+    assert _violations(pair, cold, "refused", failed=True) == []
+
+
+def test_unknown_engine_id_is_reported(pair: NixlPair) -> None:
+    """P answers the handshake for its own engine, not the one D asked for."""
+    params = unknown_engine(pair.prefill("unknown", 100))
+    rec = pair.add("unknown", params, consumer=UP_FAIL)
+    _finish(pair, UP_FAIL, "unknown", timeout_s=HANDSHAKE_TIMEOUT_S + 15)
+    assert rec.failed and _status(pair, UP_FAIL, "unknown") == "FINISHED_ERROR"
+    DETECTION["unknown engine"] = rec.reported_s
+    assert _violations(pair, UP_FAIL, "unknown", failed=True) == []
+
+
+def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -> None:
+    """SIGSTOP P after both D's handshaked: the READs sit in PROC. kvfail's deadline fails
+    its load; upstream is still waiting at the cap. Thawed, upstream's READ completes."""
+    for consumer in (UP_FAIL, KVFAIL):  # warm both: the handshake is done before the freeze
+        pair.prefill_and_add(f"warm-{consumer}", 100, consumer=consumer)
+        _finish(pair, consumer, f"warm-{consumer}")
+    recs = {c: pair.prefill_and_add(f"frozen-{c}", 100, consumer=c) for c in (UP_FAIL, KVFAIL)}
+    pair.fault_after_handshake(f"frozen-{UP_FAIL}", "freeze", consumer=UP_FAIL)
+    recs[KVFAIL].injected_at = recs[UP_FAIL].injected_at
+    engines = [pair.decoders[UP_FAIL], pair.decoders[KVFAIL]]
+    end = time.monotonic() + SILENT_CAP_S
+    while time.monotonic() < end:  # both D's stepped together, as concurrent engines
+        for engine in engines:
+            engine.step()
+            pair.observe(engine)
+        time.sleep(0.005)
+    kv = recs[KVFAIL]
+    assert kv.failed and _status(pair, KVFAIL, f"frozen-{KVFAIL}") == "FINISHED_ERROR", kv
+    assert kv.reported_s is not None and kv.reported_s <= DEADLINE_S + MARGIN_S, kv
+    DETECTION["frozen, kvfail"] = kv.reported_s
+    assert _violations(pair, KVFAIL, f"frozen-{KVFAIL}", failed=True) == []
+    up = recs[UP_FAIL]
+    assert up.reported_s is None, up  # upstream has no deadline for a READ in PROC
+    assert _status(pair, UP_FAIL, f"frozen-{UP_FAIL}") == "WAITING_FOR_REMOTE_KVS"
+    DETECTION["frozen, upstream"] = None
+    pair.thaw_p()
+    _finish(pair, UP_FAIL, f"frozen-{UP_FAIL}")
+    assert not up.failed and pair.verify(f"frozen-{UP_FAIL}"), up
+
+
+def test_killed_after_handshake_fail_errors_recompute_completes(pair: NixlPair) -> None:
+    """SIGKILL P after the handshake, before the READ: posting the READ raises
+    ``nixlRemoteDisconnectError``. ``fail`` ends FINISHED_ERROR; ``recompute`` recomputes
+    the whole prompt locally and completes. Kills P (the restart test replaces it)."""
+    rids = {c: f"killed-{c}" for c in (UP_FAIL, UP_RECOMPUTE)}
+    for consumer, rid in rids.items():
+        pair.prefill_and_add(rid, 100, consumer=consumer)
+    for consumer in rids:  # each D schedules its load, then waits for its handshake
+        engine = pair.decoders[consumer]
+        engine.step()
+        pair.observe(engine)
+        end = time.monotonic() + 15.0
+        while not pair.handshaked(engine) and time.monotonic() < end:
+            time.sleep(0.005)
+        assert pair.handshaked(engine), f"{consumer} never handshaked with P"
+    pair.kill_p()
+    now = time.monotonic()
+    for consumer, rid in rids.items():
+        pair.records[rid].injected_at = now
+        pair.records[rid].steps_at_injection = pair.decoders[consumer].record.steps
+    for consumer, rid in rids.items():
+        _finish(pair, consumer, rid)
+    fail, rec = pair.records[rids[UP_FAIL]], pair.records[rids[UP_RECOMPUTE]]
+    assert fail.failed and _status(pair, UP_FAIL, rids[UP_FAIL]) == "FINISHED_ERROR", fail
+    assert fail.reported_s is not None and fail.reported_s < FAST_REPORT_S
+    DETECTION["killed after handshake, fail"] = fail.reported_s
+    assert _violations(pair, UP_FAIL, rids[UP_FAIL], failed=True) == []
+    assert rec.failed, rec  # reported as a failure, then recomputed
+    assert _status(pair, UP_RECOMPUTE, rids[UP_RECOMPUTE]) == "FINISHED_LENGTH_CAPPED"
+    assert rec.verified is False and rec.mismatches == {"rank0": []}, rec  # computed locally
+    assert _violations(pair, UP_RECOMPUTE, rids[UP_RECOMPUTE], failed=False) == []
+
+
+@pytest.mark.slow
+def test_restarted_peer_serves_again(pair: NixlPair) -> None:
+    """A fresh P (new process, new port) after the kill: a cold pull works again."""
+    ready = pair.restart_p()
+    assert ready is not None and pair.p_usable
+    rec = pair.prefill_and_add("after-restart", 100, consumer=UP_FAIL)
+    _finish(pair, UP_FAIL, "after-restart")
+    assert pair.verify("after-restart"), rec.mismatches
+    assert _violations(pair, UP_FAIL, "after-restart", failed=False) == []
