@@ -47,6 +47,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="exit 1 when a connector violates a rule of this level or stronger",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--policy",
+        choices=["fail", "recompute", "both"],
+        default="fail",
+        help="kv_load_failure_policy for the dynamic tier (default fail: what a connector "
+        "reports does not depend on it, and one policy halves the run)",
+    )
 
 
 def add_parser(subparsers: Any) -> None:
@@ -136,7 +143,7 @@ def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -
     if runner is None and not args.quick:
         from kvfail.audit.dynamic import ConformanceRunner
 
-        runner = ConformanceRunner()
+        runner = ConformanceRunner(policy=getattr(args, "policy", "fail"))
     progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
     try:
         audit = collect(args.connector, quick=args.quick, dynamic_runner=runner, progress=progress)

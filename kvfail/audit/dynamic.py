@@ -38,8 +38,11 @@ def conformance_spec(target: Target) -> str:
 class ConformanceRunner:
     """A ``DynamicRunner`` that runs the suite once (``prepare``) and answers per target."""
 
-    def __init__(self, timeout_s: float = 600.0, python: str = sys.executable) -> None:
+    def __init__(
+        self, timeout_s: float = 600.0, python: str = sys.executable, policy: str = "fail"
+    ) -> None:
         self.timeout_s = timeout_s
+        self.policy = policy
         self.python = python
         self._records: dict[str, list[dict[str, object]]] = defaultdict(list)
         self._not_run: dict[str, str] = {}
@@ -51,7 +54,16 @@ class ConformanceRunner:
             return
         specs = [conformance_spec(t) for t in targets if t.installed]
         with tempfile.TemporaryDirectory(prefix="kvfail-audit-") as tmp:
-            cmd = [self.python, "-m", "kvfail.audit.dynamic", "--report", tmp, *specs]
+            cmd = [
+                self.python,
+                "-m",
+                "kvfail.audit.dynamic",
+                "--report",
+                tmp,
+                "--policy",
+                self.policy,
+                *specs,
+            ]
             try:
                 done = subprocess.run(
                     cmd,
@@ -112,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     """Child process: keep the connectors a transport driver can run, then run the suite."""
     ap = argparse.ArgumentParser(prog="python -m kvfail.audit.dynamic")
     ap.add_argument("--report", required=True, type=Path)
+    ap.add_argument("--policy", choices=("fail", "recompute", "both"), default="fail")
     ap.add_argument("specs", nargs="*")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
