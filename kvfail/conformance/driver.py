@@ -50,6 +50,7 @@ __all__ = [
     "DriverUnavailable",
     "GenericDriver",
     "MooncakeDriver",
+    "PairDriver",
     "ToyDriver",
     "resolve",
 ]
@@ -485,7 +486,121 @@ class GenericDriver(Driver):
 # ------------------------------------------------------------------------ mooncake
 
 
-class MooncakeDriver(Driver):
+class PairDriver(Driver):
+    """What the drivers over a real P/D pair (:class:`MooncakeDriver`, ``NixlDriver``)
+    share: connector resolution, cold D engines built through the pair, faults armed at
+    add time, and the pair's records for bytes and detection times.
+
+    A subclass sets ``pair_module`` (``kvfail.peers.<transport>``, whose
+    ``<transport>_available`` says whether it can run), ``pair_name`` (for messages) and
+    implements :meth:`start`, :meth:`_connector_bases` and :meth:`_consumer`.
+    """
+
+    poll_s = 0.005
+    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
+    SCENARIO_DEADLINE_S = 3.0
+    #: ``kvfail.peers.<transport>``: holds the pair and ``<transport>_available``.
+    pair_module = ""
+    #: The pair class's name, for messages.
+    pair_name = ""
+
+    def _init_pair_driver(self, name: str, connector: str, connector_module: str | None) -> None:
+        self.name = name
+        self._connector = connector
+        self._module = connector_module
+        self._why: str | None = None
+        self._pair: Any = None
+        self._names: dict[int, str] = {}
+        self._seq = 0
+        self.connector_cls: type = object
+        try:
+            if connector_module is None:
+                from vllm.distributed.kv_transfer.kv_connector.factory import (
+                    KVConnectorFactory,
+                )
+
+                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
+            else:
+                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
+            peers = importlib.import_module(self.pair_module)
+            transport = self.pair_module.rsplit(".", 1)[-1]
+            self._why = getattr(peers, f"{transport}_available")()
+        except Exception as exc:  # any import failure makes the driver unavailable
+            self._why = f"{connector} / {self.pair_module}: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _connector_bases() -> tuple[type, type | None] | None:
+        """(upstream connector, kvfail's connector or None); None without the transport."""
+        raise NotImplementedError
+
+    @property
+    def kvfail_connector(self) -> bool:
+        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
+        bases = self._connector_bases()
+        kvfail_cls = None if bases is None else bases[1]
+        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
+
+    def unavailable(self) -> str | None:
+        return self._why
+
+    def engine_spec(
+        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
+    ) -> EngineSpec:
+        raise NotImplementedError(f"{type(self).__name__} builds engines through {self.pair_name}")
+
+    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
+        """A fresh D engine called ``name`` from ``pair``."""
+        raise NotImplementedError
+
+    def build_engine(
+        self,
+        policy: Policy,
+        *,
+        num_kv_cache_groups: int = 1,
+        tp_size: int = 1,
+        deadline: bool = False,
+    ) -> Engine:
+        if num_kv_cache_groups != 1 or tp_size != 1:
+            raise NotImplementedError(f"{self.pair_name} builds one-group TP=1 D engines only")
+        self.start()
+        pair = self._pair
+        self._seq += 1
+        name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
+        engine = self._consumer(pair, policy, name, deadline)
+        self._names[id(engine)] = name
+        return engine
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
+        """Every fault is set up while the request is added (see the class docstring)."""
+        self._fault_at_add[(id(engine), request_id)] = point  # type: ignore[attr-defined]
+
+    def settle(
+        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
+    ) -> None:
+        """Nothing to do: a real pull completes on its own."""
+
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair.records.get(request_id)
+        if rec is None or rec.verified is None:
+            return f"{request_id} never ran after its load: no bytes were checked"
+        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
+
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair.records.get(request_id)
+        if rec is None:
+            return None
+        # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
+        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        if not wrong:
+            return None
+        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        rec = self._pair.records.get(request_id)
+        return None if rec is None else rec.reported_s
+
+
+class MooncakeDriver(PairDriver):
     """A real Mooncake P/D pair (``kvfail.peers.mooncake.MooncakePair``): P in its own OS
     process, each scenario's D a fresh ("cold") harness engine in this process.
 
@@ -510,9 +625,8 @@ class MooncakeDriver(Driver):
     ``p_connector``/``p_connector_module`` (default: the same as D).
     """
 
-    poll_s = 0.005
-    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
-    SCENARIO_DEADLINE_S = 3.0
+    pair_module = "kvfail.peers.mooncake"
+    pair_name = "MooncakePair"
     #: Upstream D's socket timeout: P's abort timeout (set to 5 s here) + 60 s, hard-coded.
     UPSTREAM_DEADLINE_S = 65.0
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
@@ -527,43 +641,16 @@ class MooncakeDriver(Driver):
         p_connector: str | None = None,
         p_connector_module: str | None = None,
     ) -> None:
-        self.name = name
-        self._connector = connector
-        self._module = connector_module
         self._p_connector = p_connector
         self._p_module = p_connector_module
-        self._why: str | None = None
-        self._pair: Any = None
-        self._names: dict[int, str] = {}
         self._seen: dict[int, int] = {}
         self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
         self._proxy: Any = None
-        self._seq = 0
-        self.connector_cls = object
-        try:
-            if connector_module is None:
-                from vllm.distributed.kv_transfer.kv_connector.factory import (
-                    KVConnectorFactory,
-                )
+        self._init_pair_driver(name, connector, connector_module)
 
-                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
-            else:
-                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
-            from kvfail.peers.mooncake import mooncake_available
-
-            self._why = mooncake_available()
-        except Exception as exc:  # any import failure makes the driver unavailable
-            self._why = f"{connector} / kvfail.peers.mooncake: {type(exc).__name__}: {exc}"
-
-    @property
-    def kvfail_connector(self) -> bool:
-        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
-        bases = _mooncake_bases()
-        kvfail_cls = None if bases is None else bases[1]
-        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
-
-    def unavailable(self) -> str | None:
-        return self._why
+    @staticmethod
+    def _connector_bases() -> tuple[type, type | None] | None:
+        return _mooncake_bases()
 
     def start(self) -> None:
         if self._pair is not None:
@@ -664,25 +751,7 @@ class MooncakeDriver(Driver):
             ),
         }
 
-    def engine_spec(
-        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
-    ) -> EngineSpec:
-        raise NotImplementedError("MooncakeDriver builds engines through MooncakePair")
-
-    def build_engine(
-        self,
-        policy: Policy,
-        *,
-        num_kv_cache_groups: int = 1,
-        tp_size: int = 1,
-        deadline: bool = False,
-    ) -> Engine:
-        if num_kv_cache_groups != 1 or tp_size != 1:
-            raise NotImplementedError("MooncakePair builds one-group TP=1 D engines only")
-        self.start()
-        pair = self._pair
-        self._seq += 1
-        name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
+    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
         base = pair.extra_config
         if deadline and self.kvfail_connector:
             pair.extra_config = {**base, "kvfail_deadline_s": self.SCENARIO_DEADLINE_S}
@@ -690,17 +759,12 @@ class MooncakeDriver(Driver):
             engine = pair.consumer(policy, name=name)
         finally:
             pair.extra_config = base
-        self._names[id(engine)] = name
         self._seen[id(engine)] = 0
         return engine
 
     def observe(self, engine: Engine) -> None:
         if self._pair is not None and id(engine) in self._seen:
             self._seen[id(engine)] = self._pair.observe(engine, self._seen[id(engine)])
-
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """Every fault is set up while the request is added (see the class docstring)."""
-        self._fault_at_add[(id(engine), request_id)] = point
 
     @staticmethod
     def malformed(params: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -760,11 +824,6 @@ class MooncakeDriver(Driver):
         )
         return request_id
 
-    def settle(
-        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
-    ) -> None:
-        """Nothing to do: a real pull completes on its own."""
-
     def provoke(
         self,
         engine: Engine,
@@ -778,28 +837,9 @@ class MooncakeDriver(Driver):
             engine.abort(request_id)
         # The others were armed before the request was added (see arm()).
 
-    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
-        if rec is None or rec.verified is None:
-            return f"{request_id} never ran after its load: no bytes were checked"
-        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
-
-    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
-        if rec is None:
-            return None
-        # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
-        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
-        if not wrong:
-            return None
-        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
-
-    def detection_s(self, engine: Engine, request_id: str) -> float | None:
-        rec = self._pair.records.get(request_id)
-        return None if rec is None else rec.reported_s
-
 
 # ------------------------------------------------------------------------ resolve
+
 
 def _nixl(name: str, **kwargs: Any) -> Driver:
     from kvfail.conformance.nixl_driver import NixlDriver

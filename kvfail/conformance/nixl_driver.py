@@ -30,16 +30,15 @@ the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the p
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Driver
+from kvfail.conformance.driver import Declared, PairDriver
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
-    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.config import Policy
     from kvfail.harness.engine import Engine
 
 __all__ = ["NixlDriver", "nixl_bases"]
@@ -58,7 +57,7 @@ def nixl_bases() -> tuple[type, type | None] | None:
     return NixlConnector, KvfailNixlConnector
 
 
-class NixlDriver(Driver):
+class NixlDriver(PairDriver):
     """A real NIXL P/D pair (see the module docstring).
 
     ``connector``/``connector_module`` pick D's connector: kvfail's (``connectors.nixl``,
@@ -67,9 +66,8 @@ class NixlDriver(Driver):
     ``NixlConnector``: a D-side scenario must not depend on kvfail's P.
     """
 
-    poll_s = 0.005
-    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
-    SCENARIO_DEADLINE_S = 3.0
+    pair_module = "kvfail.peers.nixl"
+    pair_name = "NixlPair"
     #: Why upstream has no deadline (the strict xfail's reason).
     NO_DEADLINE = (
         "stuck in PROC: no D-side deadline (upstream NIXL times out only the handshake, "
@@ -83,30 +81,9 @@ class NixlDriver(Driver):
         connector: str = "KvfailNixlConnector",
         connector_module: str | None = "connectors.nixl",
     ) -> None:
-        self.name = name
-        self._connector = connector
-        self._module = connector_module
-        self._why: str | None = None
-        self._pair: Any = None
-        self._names: dict[int, str] = {}
         self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
         self._kill_on_provoke: set[tuple[int, str]] = set()
-        self._seq = 0
-        self.connector_cls: type = object
-        try:
-            if connector_module is None:
-                from vllm.distributed.kv_transfer.kv_connector.factory import (
-                    KVConnectorFactory,
-                )
-
-                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
-            else:
-                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
-            from kvfail.peers.nixl import nixl_available
-
-            self._why = nixl_available()
-        except Exception as exc:  # any import failure makes the driver unavailable
-            self._why = f"{connector} / kvfail.peers.nixl: {type(exc).__name__}: {exc}"
+        self._init_pair_driver(name, connector, connector_module)
 
     @classmethod
     def for_class(cls, name: str, connector_cls: type, registry_name: str | None) -> NixlDriver:
@@ -117,15 +94,9 @@ class NixlDriver(Driver):
             name, connector=connector_cls.__name__, connector_module=connector_cls.__module__
         )
 
-    @property
-    def kvfail_connector(self) -> bool:
-        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
-        bases = nixl_bases()
-        kvfail_cls = None if bases is None else bases[1]
-        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
-
-    def unavailable(self) -> str | None:
-        return self._why
+    @staticmethod
+    def _connector_bases() -> tuple[type, type | None] | None:
+        return nixl_bases()
 
     def start(self) -> None:
         if self._pair is not None:
@@ -213,41 +184,18 @@ class NixlDriver(Driver):
             ),
         }
 
-    def engine_spec(
-        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
-    ) -> EngineSpec:
-        raise NotImplementedError("NixlDriver builds engines through NixlPair")
-
-    def build_engine(
-        self,
-        policy: Policy,
-        *,
-        num_kv_cache_groups: int = 1,
-        tp_size: int = 1,
-        deadline: bool = False,
-    ) -> Engine:
-        if num_kv_cache_groups != 1 or tp_size != 1:
-            raise NotImplementedError("NixlPair builds one-group TP=1 D engines only")
-        self.start()
-        pair = self._pair
-        self._seq += 1
-        name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
+    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
         extra = (
             {"kvfail_deadline_s": self.SCENARIO_DEADLINE_S}
             if deadline and self.kvfail_connector
             else {}
         )
         engine: Engine = pair.consumer(policy, name=name, extra_config=extra)
-        self._names[id(engine)] = name
         return engine
 
     def observe(self, engine: Engine) -> None:
         if self._pair is not None:
             self._pair.observe(engine)
-
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """Every fault is set up while the request is added (see the module docstring)."""
-        self._fault_at_add[(id(engine), request_id)] = point
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
@@ -276,11 +224,6 @@ class NixlDriver(Driver):
             pair.fault_after_handshake(request_id, "freeze", consumer=engine)
         return request_id
 
-    def settle(
-        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
-    ) -> None:
-        """Nothing to do: a real pull completes on its own."""
-
     def provoke(
         self,
         engine: Engine,
@@ -300,22 +243,3 @@ class NixlDriver(Driver):
                 rec.injected_at = time.monotonic()
                 rec.steps_at_injection = engine.record.steps
         # The others were armed before or while the request was added (see arm()).
-
-    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
-        if rec is None or rec.verified is None:
-            return f"{request_id} never ran after its load: no bytes were checked"
-        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
-
-    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
-        if rec is None:
-            return None
-        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
-        if not wrong:
-            return None
-        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
-
-    def detection_s(self, engine: Engine, request_id: str) -> float | None:
-        rec = self._pair.records.get(request_id)
-        return None if rec is None else rec.reported_s

@@ -36,24 +36,18 @@ a real TP layout. P is always TP 1.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import os
-import socket
-import sys
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import FaultProxy, PeerProcess, free_port
+from kvfail.faults import FaultProxy, free_port
+from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    from kvfail.harness import Engine, RunResult, Worker
+    from kvfail.harness import Engine, RunResult
 
 __all__ = [
     "MOONCAKE_ENV",
@@ -83,32 +77,24 @@ def mooncake_available() -> str | None:
     return None
 
 
-def _closed_port() -> int:
-    """A loopback port nobody listens on (bound then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def refused_bootstrap(params: Mapping[str, Any], port: int | None = None) -> dict[str, Any]:
     """``params`` with a bootstrap address where nothing listens (connection refused)."""
-    out = dict(params)
-    out["remote_bootstrap_addr"] = f"http://127.0.0.1:{port or _closed_port()}"
-    return out
+    return with_param(params, "remote_bootstrap_addr", f"http://127.0.0.1:{port or closed_port()}")
 
 
 def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
     """``params`` naming an engine id P's bootstrap server does not know."""
-    out = dict(params)
-    out["remote_engine_id"] = engine_id
-    return out
+    return with_param(params, "remote_engine_id", engine_id)
 
 
 # --------------------------------------------------------------------------- P handle
 
 
-class ProducerHandle:
+class ProducerHandle(ProducerHandleBase):
     """The P process and its line protocol (see :mod:`kvfail.peers.producer`)."""
+
+    prefix = PREFIX
+    ready_key = "bootstrap_addr"
 
     def __init__(
         self,
@@ -132,42 +118,11 @@ class ProducerHandle:
         full_env = dict(MOONCAKE_ENV)
         full_env.update(env or {})
         full_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
-        self.started_at = time.monotonic()
-        self.process = PeerProcess(
-            [sys.executable, "-m", "kvfail.peers.producer", "--config", json.dumps(config)],
-            name=f"mooncake-P-{self.bootstrap_port}",
-            env=full_env,
-            stdin=True,
-        )
-        self.ready: dict[str, Any] | None = None
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._spawn("kvfail.peers.producer", config, f"mooncake-P-{self.bootstrap_port}", full_env)
 
     @property
     def bootstrap_addr(self) -> str:
         return f"http://127.0.0.1:{self.bootstrap_port}"
-
-    def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
-        """Block until P printed its ready event (vLLM import: 10-60 s on a busy machine)."""
-        if self.ready is None:
-            line = self.process.wait_ready(timeout_s, line=PREFIX + '{"bootstrap_addr"')
-            assert line is not None
-            self.ready = json.loads(line.removeprefix(PREFIX))
-            self.ready["ready_s"] = round(time.monotonic() - self.started_at, 3)
-        return self.ready
-
-    def request(self, cmd: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Send one command and wait (bounded) for its reply; raises if P does not answer."""
-        with self._lock:
-            rid = next(self._ids)
-            self.process.write_stdin(json.dumps({**cmd, "id": rid}) + "\n")
-            # Replies are json.dumps(sort_keys=True): '"id": N,' is unique per reply.
-            line = self.process.wait_ready(timeout_s, line=f'"id": {rid},')
-        assert line is not None
-        reply: dict[str, Any] = json.loads(line[line.index(PREFIX) + len(PREFIX) :])
-        if not reply.get("ok"):
-            raise RuntimeError(f"P refused {cmd.get('cmd')}: {reply.get('error')}")
-        return reply
 
     def prefill(
         self, req_id: str, prompt_len: int, prompt_seed: str, transfer_id: str | None = None
@@ -187,18 +142,6 @@ class ProducerHandle:
     def inject(self, req_id: str, fault: str, timeout_s: float = 10.0) -> dict[str, Any]:
         """Arm a protocol fault for D's next pull naming ``req_id`` (see the producer)."""
         return self.request({"cmd": "inject", "req_id": req_id, "fault": fault}, timeout_s)
-
-    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        return self.request({"cmd": "stats"}, timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask P to quit cleanly; kill its group if it cannot (dead, frozen, stuck)."""
-        proc = self.process
-        if proc.alive and not proc.frozen:
-            with contextlib.suppress(Exception):
-                proc.write_stdin('{"cmd": "quit"}\n')
-                proc.wait(timeout_s)
-        proc.close()
 
 
 # --------------------------------------------------------------------------- D side
@@ -225,14 +168,7 @@ class DecodeRecord:
     checked_ranks: set[int] = field(default_factory=set)
 
 
-def _decode_forward(pair: MooncakePair) -> Any:
-    def forward(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        pair._check_loaded(engine, worker, so)
-
-    return forward
-
-
-class MooncakePair:
+class MooncakePair(PeerPair):
     """P (subprocess) + D (this process), real ``MooncakeConnector`` on both sides.
 
     ``connector``/``connector_module`` apply to both sides unless ``p_connector`` /
@@ -241,6 +177,8 @@ class MooncakePair:
     socket timeout is that + 60 s, hard-coded upstream). Always :meth:`close` (or use
     ``with``): it closes every D engine and P's whole process group.
     """
+
+    transport = "mooncake"
 
     def __init__(
         self,
@@ -277,10 +215,9 @@ class MooncakePair:
         for key, value in MOONCAKE_ENV.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(abort_request_timeout_s))
+        self._init_common()
         self.records: dict[str, DecodeRecord] = {}
-        self.decoders: dict[str, Engine] = {}
         self._proxies: list[FaultProxy] = []
-        self._seq = itertools.count()
         self.p: ProducerHandle | None = None
         #: Whether :meth:`close` closes P (False for a ``producer`` shared with other pairs;
         #: a P this pair starts itself, e.g. by :meth:`restart_p`, is always its own).
@@ -306,29 +243,19 @@ class MooncakePair:
         if key in self.decoders:
             return self.decoders[key]
         from kvfail.cpu_shim import cpu_accelerator_index_shim
-        from kvfail.harness import Engine, EngineSpec
+        from kvfail.harness import Engine
 
-        spec = EngineSpec(
-            role="consumer",
+        spec = self._consumer_spec(
+            key,
+            policy,
             connector=self.connector,
             connector_module=self.connector_module,
-            policy=policy,  # type: ignore[arg-type]
-            engine_id=f"D-mooncake-{key}-{os.getpid()}-{next(self._seq)}",
             extra_config=self.extra_config,
             tp_size=self.tp_size,
-            num_blocks=self.num_blocks,
         )
         with cpu_accelerator_index_shim():
-            engine = Engine(spec, forward=_decode_forward(self))
-        self.decoders[key] = engine
-        return engine
-
-    def _engine(self, consumer: str | None) -> Engine:
-        if consumer is None:
-            return self.d
-        if consumer not in self.decoders:
-            raise KeyError(f"no consumer {consumer!r}; build it with consumer()")
-        return self.decoders[consumer]
+            engine = Engine(spec, forward=self._check_loaded)
+        return self._register(key, engine)
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Replace a killed (or any) P with a fresh process on a new bootstrap port.
@@ -347,17 +274,9 @@ class MooncakePair:
         """What P is started with (a key for sharing one P between pairs)."""
         return dict(self._p_kwargs)
 
-    @property
-    def p_usable(self) -> bool:
-        """P's process is alive and not stopped (it may still be importing vLLM)."""
-        return self.p is not None and self.p.process.alive and not self.p.process.frozen
-
     def _producer(self) -> ProducerHandle:
-        if self.p is None:
-            raise RuntimeError("no P process")
-        if self.p.ready is None and self.p.process.alive:
-            self.p.wait_ready(self.ready_timeout_s)
-        return self.p
+        producer: ProducerHandle = self._ready_producer()
+        return producer
 
     def inject(self, req_id: str, fault: str) -> None:
         """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``)."""
@@ -370,49 +289,10 @@ class MooncakePair:
         :meth:`add`)."""
         return self._producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
-    def add(
-        self,
-        req_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_len: int = 100,
-        prompt_seed: str | None = None,
-        max_tokens: int = 4,
-        consumer: str | None = None,
+    def _new_record(
+        self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
     ) -> DecodeRecord:
-        """Add D's request with these ``kv_transfer_params`` (the prompt must match P's)."""
-        engine = self._engine(consumer)
-        seed = prompt_seed or req_id
-        record = DecodeRecord(req_id, seed, prompt_len, dict(params), time.monotonic())
-        self.records[req_id] = record
-        engine.add_request(
-            req_id,
-            prompt_len=prompt_len,
-            prompt_seed=seed,
-            max_tokens=max_tokens,
-            kv_transfer_params=dict(params),
-        )
-        return record
-
-    def prefill_and_add(
-        self,
-        req_id: str,
-        prompt_len: int = 100,
-        *,
-        prompt_seed: str | None = None,
-        max_tokens: int = 4,
-        consumer: str | None = None,
-    ) -> DecodeRecord:
-        """P prefills, then D adds the request with P's params: a normal P->D pull."""
-        params = self.prefill(req_id, prompt_len, prompt_seed)
-        return self.add(
-            req_id,
-            params,
-            prompt_len=prompt_len,
-            prompt_seed=prompt_seed,
-            max_tokens=max_tokens,
-            consumer=consumer,
-        )
+        return DecodeRecord(req_id, seed, prompt_len, params, time.monotonic())
 
     def run(
         self,
@@ -462,65 +342,11 @@ class MooncakePair:
 
     def _observe(self, engine: Engine, seen: int) -> int:
         """Stamp detection times from the scheduler reports after index ``seen``."""
-        now = time.monotonic()
         reports = engine.record.kv_reports
-        for report in reports[seen:]:
-            if report.rank is not None:
-                continue
-            for rid in report.failed_requests | report.finished_recving:
-                rec = self.records.get(rid)
-                if rec is None:
-                    continue
-                if rec.reported_s is None:
-                    rec.reported_s = round(now - rec.added_at, 4)
-                if rid in report.failed_requests:
-                    rec.failed = True
+        self._stamp_reports(reports[seen:], time.monotonic())
         return len(reports)
 
-    def verify(self, req_id: str) -> bool:
-        """True iff D's KV blocks held exactly P's pattern for every pulled token."""
-        rec = self.records.get(req_id)
-        return bool(rec is not None and rec.verified)
-
-    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        from kvfail.peers.pattern import mismatched_positions
-
-        manager = engine.scheduler.kv_cache_manager
-        for req_id, n in so.num_scheduled_tokens.items():
-            rec = self.records.get(req_id)
-            if rec is None or worker.rank in rec.checked_ranks:
-                continue
-            rec.checked_ranks.add(worker.rank)
-            request = engine.scheduler.requests[req_id]
-            # First schedule of this request: a loaded request starts with computed tokens;
-            # one that starts from 0 is computed locally (no load, or recompute).
-            # schedule() already advanced num_computed_tokens by this step's tokens.
-            loaded = min(request.num_computed_tokens - n, rec.prompt_len)
-            if loaded == 0:
-                rec.mismatches[f"rank{worker.rank}"] = []
-                rec.verified = False
-                continue
-            block_ids = manager.get_block_ids(req_id)[0]
-            for layer, name in enumerate(engine.built.layer_names):
-                wrong = mismatched_positions(
-                    worker.kv_caches[name], layer, block_ids, 0, loaded, rec.prompt_seed
-                )
-                if wrong:
-                    rec.mismatches[f"rank{worker.rank}:{name}"] = wrong[:8]
-            rec.verified = not rec.mismatches
-
     # ------------------------------------------------------------------ faults
-
-    def kill_p(self) -> int:
-        """SIGKILL P's process group (a crash: the kernel closes its sockets)."""
-        return self._producer().process.kill()
-
-    def freeze_p(self) -> None:
-        """SIGSTOP P's group: a silent peer whose sockets stay open."""
-        self._producer().process.freeze()
-
-    def thaw_p(self) -> None:
-        self._producer().process.thaw()
 
     def bootstrap_proxy(self) -> FaultProxy:
         """A started :class:`FaultProxy` in front of P's bootstrap server (closed by
@@ -535,22 +361,11 @@ class MooncakePair:
 
     # ------------------------------------------------------------------ teardown
 
-    def close(self) -> None:
-        """Close D engines, proxies and P's process group; idempotent, never raises."""
-        for engine in list(self.decoders.values()):
-            with contextlib.suppress(Exception):
-                engine.close()
-        self.decoders.clear()
+    def _close_extra(self) -> None:
         for proxy in self._proxies:
             with contextlib.suppress(Exception):
                 proxy.close()
         self._proxies.clear()
-        if self.p is not None and self.owns_p:
-            with contextlib.suppress(Exception):
-                self.p.close()
 
     def __enter__(self) -> MooncakePair:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -39,10 +39,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import itertools
-import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -50,7 +47,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import PeerProcess, free_port
+from kvfail.faults import free_port
+from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
 from kvfail.peers.nixl_producer import PREFIX, restore_affinity
 
 if TYPE_CHECKING:
@@ -91,25 +89,14 @@ def nixl_available() -> str | None:
     return None
 
 
-def _closed_port() -> int:
-    """A loopback port nobody listens on (bound then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def wrong_port(params: Mapping[str, Any], port: int | None = None) -> dict[str, Any]:
     """``params`` with a side-channel port nobody listens on (handshake times out, 5 s)."""
-    out = dict(params)
-    out["remote_port"] = port or _closed_port()
-    return out
+    return with_param(params, "remote_port", port or closed_port())
 
 
 def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
     """``params`` naming an engine id other than the one P's side channel answers for."""
-    out = dict(params)
-    out["remote_engine_id"] = engine_id
-    return out
+    return with_param(params, "remote_engine_id", engine_id)
 
 
 # --------------------------------------------------------------------------- exit guard
@@ -204,8 +191,11 @@ def install_exit_guard(config: Any = None) -> None:
 # --------------------------------------------------------------------------- P handle
 
 
-class NixlProducerHandle:
+class NixlProducerHandle(ProducerHandleBase):
     """The P process and its line protocol (see :mod:`kvfail.peers.nixl_producer`)."""
+
+    prefix = PREFIX
+    ready_key = "engine_id"
 
     def __init__(
         self,
@@ -230,38 +220,7 @@ class NixlProducerHandle:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
             "PYTHONPATH": _pythonpath(),
         }
-        self.started_at = time.monotonic()
-        self.process = PeerProcess(
-            [sys.executable, "-m", "kvfail.peers.nixl_producer", "--config", json.dumps(config)],
-            name=f"nixl-P-{self.port}",
-            env=env,
-            stdin=True,
-        )
-        self.ready: dict[str, Any] | None = None
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
-        """Block until P printed its ready event (vLLM import: 15-80 s on a busy machine)."""
-        if self.ready is None:
-            line = self.process.wait_ready(timeout_s, line=PREFIX + '{"engine_id"')
-            assert line is not None
-            self.ready = json.loads(line[line.index(PREFIX) + len(PREFIX) :])
-            self.ready["ready_s"] = round(time.monotonic() - self.started_at, 3)
-        return self.ready
-
-    def request(self, cmd: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Send one command and wait (bounded) for its reply; raises if P does not answer."""
-        with self._lock:
-            rid = next(self._ids)
-            self.process.write_stdin(json.dumps({**cmd, "id": rid}) + "\n")
-            # Replies are json.dumps(sort_keys=True): '"id": N,' is unique per reply.
-            line = self.process.wait_ready(timeout_s, line=f'"id": {rid},')
-        assert line is not None
-        reply: dict[str, Any] = json.loads(line[line.index(PREFIX) + len(PREFIX) :])
-        if not reply.get("ok"):
-            raise RuntimeError(f"P refused {cmd.get('cmd')}: {reply.get('error')}")
-        return reply
+        self._spawn("kvfail.peers.nixl_producer", config, f"nixl-P-{self.port}", env)
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
@@ -274,18 +233,6 @@ class NixlProducerHandle:
             }
         )
         return dict(reply["kv_transfer_params"])
-
-    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        return self.request({"cmd": "stats"}, timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask P to quit cleanly; kill its group if it cannot (dead, frozen, stuck)."""
-        proc = self.process
-        if proc.alive and not proc.frozen:
-            with contextlib.suppress(Exception):
-                proc.write_stdin('{"cmd": "quit"}\n')
-                proc.wait(timeout_s)
-        proc.close()
 
 
 def _pythonpath() -> str:
@@ -322,7 +269,7 @@ class DecodeRecord:
     steps_at_injection: int = 0
 
 
-class NixlPair:
+class NixlPair(PeerPair):
     """P (subprocess) + D engines (this process), real NIXL pull connectors on both sides.
 
     ``connector``/``connector_module`` pick D's connector (upstream ``NixlConnector``, or
@@ -330,6 +277,10 @@ class NixlPair:
     upstream's: a D-side test must not depend on kvfail's P). Always :meth:`close` (or use
     ``with``): it closes every D engine and P's whole process group.
     """
+
+    transport = "nixl"
+    #: Reaping a vLLM process took > 5 s under load.
+    kill_timeout_s = 30.0
 
     def __init__(
         self,
@@ -359,10 +310,9 @@ class NixlPair:
         }
         for key, value in NIXL_ENV.items():
             os.environ.setdefault(key, value)
+        self._init_common()
         self.records: dict[str, DecodeRecord] = {}
-        self.decoders: dict[str, Engine] = {}
         self._seen: dict[int, int] = {}
-        self._seq = itertools.count()
         self.p: NixlProducerHandle | None = None
         self.d: Engine | None = None
         try:
@@ -395,36 +345,22 @@ class NixlPair:
         key = name or policy
         if key in self.decoders:
             return self.decoders[key]
-        from kvfail.harness import Engine, EngineSpec
+        from kvfail.harness import Engine
 
         install_exit_guard()
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-        spec = EngineSpec(
-            role="consumer",
+        spec = self._consumer_spec(
+            key,
+            policy,
             connector=connector or self.connector,
             connector_module=connector_module if connector is not None else self.connector_module,
-            policy=policy,  # type: ignore[arg-type]
-            engine_id=f"D-nixl-{key}-{os.getpid()}-{next(self._seq)}",
             extra_config={**self.extra_config, **dict(extra_config or {})},
-            num_blocks=self.num_blocks,
         )
         mask = os.sched_getaffinity(0)
         engine = Engine(spec, forward=self._decode_forward)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
-        self.decoders[key] = engine
         self._seen[id(engine)] = 0
-        return engine
-
-    def _engine(self, consumer: str | Engine | None) -> Engine:
-        if consumer is None:
-            if self.d is None:
-                raise RuntimeError("no default consumer; build one with consumer()")
-            return self.d
-        if not isinstance(consumer, str):
-            return consumer
-        if consumer not in self.decoders:
-            raise KeyError(f"no consumer {consumer!r}; build it with consumer()")
-        return self.decoders[consumer]
+        return self._register(key, engine)
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Replace P with a fresh process on a new side-channel port.
@@ -437,17 +373,9 @@ class NixlPair:
         self.p = NixlProducerHandle(**self._p_kwargs)
         return self.p.wait_ready(self.ready_timeout_s) if wait else None
 
-    @property
-    def p_usable(self) -> bool:
-        """P's process is alive and not stopped (it may still be importing vLLM)."""
-        return self.p is not None and self.p.process.alive and not self.p.process.frozen
-
     def producer(self) -> NixlProducerHandle:
-        if self.p is None:
-            raise RuntimeError("no P process")
-        if self.p.ready is None and self.p.process.alive:
-            self.p.wait_ready(self.ready_timeout_s)
-        return self.p
+        producer: NixlProducerHandle = self._ready_producer()
+        return producer
 
     # ------------------------------------------------------------------ requests
 
@@ -457,51 +385,13 @@ class NixlPair:
         """P's half only; returns the params D gets (break them, then :meth:`add`)."""
         return self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
-    def add(
-        self,
-        req_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_len: int = 100,
-        prompt_seed: str | None = None,
-        max_tokens: int = 4,
-        consumer: str | Engine | None = None,
+    def _new_record(
+        self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
     ) -> DecodeRecord:
-        """Add D's request with these ``kv_transfer_params`` (the prompt must match P's)."""
-        engine = self._engine(consumer)
-        seed = prompt_seed or req_id
         now = time.monotonic()
-        record = DecodeRecord(req_id, seed, prompt_len, dict(params), now, now)
+        record = DecodeRecord(req_id, seed, prompt_len, params, now, now)
         record.steps_at_injection = engine.record.steps
-        self.records[req_id] = record
-        engine.add_request(
-            req_id,
-            prompt_len=prompt_len,
-            prompt_seed=seed,
-            max_tokens=max_tokens,
-            kv_transfer_params=dict(params),
-        )
         return record
-
-    def prefill_and_add(
-        self,
-        req_id: str,
-        prompt_len: int = 100,
-        *,
-        prompt_seed: str | None = None,
-        max_tokens: int = 4,
-        consumer: str | Engine | None = None,
-    ) -> DecodeRecord:
-        """P prefills, then D adds the request with P's params: a normal P->D pull."""
-        params = self.prefill(req_id, prompt_len, prompt_seed)
-        return self.add(
-            req_id,
-            params,
-            prompt_len=prompt_len,
-            prompt_seed=prompt_seed,
-            max_tokens=max_tokens,
-            consumer=consumer,
-        )
 
     def handshaked(self, engine: Engine) -> bool:
         """Every D worker of ``engine`` holds P's remote agent (the handshake is done)."""
@@ -575,84 +465,24 @@ class NixlPair:
     def observe(self, engine: Engine) -> None:
         """Stamp detection times from ``engine``'s scheduler reports not seen yet; call
         after every step of a D stepped elsewhere (the conformance suite steps its own)."""
-        now = time.monotonic()
         seen = self._seen.get(id(engine), 0)
         reports = engine.record.kv_reports
-        for report in reports[seen:]:
-            if report.rank is not None:
-                continue
-            for rid in report.failed_requests | report.finished_recving:
-                rec = self.records.get(rid)
-                if rec is None:
-                    continue
-                if rec.reported_s is None:
-                    start = rec.injected_at if rec.injected_at is not None else rec.added_at
-                    rec.reported_s = round(now - start, 4)
-                    rec.reported_steps = report.step + 1 - rec.steps_at_injection
-                if rid in report.failed_requests:
-                    rec.failed = True
+        self._stamp_reports(reports[seen:], time.monotonic())
         self._seen[id(engine)] = len(reports)
 
-    def verify(self, req_id: str) -> bool:
-        """True iff D's KV blocks held exactly P's pattern for every pulled token."""
-        rec = self.records.get(req_id)
-        return bool(rec is not None and rec.verified)
+    def _stamp(self, rec: DecodeRecord, report: Any, now: float) -> None:
+        """Detection time from the injection (default: the add), and in D steps."""
+        start = rec.injected_at if rec.injected_at is not None else rec.added_at
+        rec.reported_s = round(now - start, 4)
+        rec.reported_steps = report.step + 1 - rec.steps_at_injection
 
     def _decode_forward(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        from kvfail.peers.pattern import mismatched_positions
-
-        manager = engine.scheduler.kv_cache_manager
-        for req_id, n in so.num_scheduled_tokens.items():
-            rec = self.records.get(req_id)
-            if rec is None or worker.rank in rec.checked_ranks:
-                continue
-            rec.checked_ranks.add(worker.rank)
-            request = engine.scheduler.requests[req_id]
-            # schedule() already advanced num_computed_tokens by this step's tokens; a
-            # request that starts from 0 was computed locally (no load, or recompute).
-            loaded = min(request.num_computed_tokens - n, rec.prompt_len)
-            if loaded == 0:
-                rec.mismatches[f"rank{worker.rank}"] = []
-                rec.verified = False
-                continue
-            block_ids = manager.get_block_ids(req_id)[0]
-            for layer, name in enumerate(engine.built.layer_names):
-                wrong = mismatched_positions(
-                    worker.kv_caches[name], layer, block_ids, 0, loaded, rec.prompt_seed
-                )
-                if wrong:
-                    rec.mismatches[f"rank{worker.rank}:{name}"] = wrong[:8]
-            rec.verified = not rec.mismatches
+        self._check_loaded(engine, worker, so)
 
     # ------------------------------------------------------------------ faults
 
-    def kill_p(self) -> int:
-        """SIGKILL P's process group (a crash: UCX sees the endpoint go). Waits until the
-        group is gone: up to 30 s, since reaping a vLLM process took > 5 s under load."""
-        return self.producer().process.kill(timeout_s=30.0)
-
-    def freeze_p(self) -> None:
-        """SIGSTOP P's group: a silent peer whose sockets stay open."""
-        self.producer().process.freeze()
-
-    def thaw_p(self) -> None:
-        self.producer().process.thaw()
-
-    # ------------------------------------------------------------------ teardown
-
-    def close(self) -> None:
-        """Close D engines and P's process group; idempotent, never raises."""
-        for engine in list(self.decoders.values()):
-            with contextlib.suppress(Exception):
-                engine.close()
-        self.decoders.clear()
+    def _close_extra(self) -> None:
         self.d = None
-        if self.p is not None:
-            with contextlib.suppress(Exception):
-                self.p.close()
 
     def __enter__(self) -> NixlPair:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -34,14 +34,11 @@ reports ``finished_sending``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import queue
-import sys
-import threading
 import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
+
+from kvfail.peers.protocol import dispatch, serve
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -72,36 +69,6 @@ def restore_affinity(mask: set[int]) -> None:
             os.sched_setaffinity(int(tid), mask)
         except OSError:  # the thread ended meanwhile
             continue
-
-
-class _Channel:
-    """The protocol's output side: the real stdout fd, taken before vLLM/nixl import."""
-
-    def __init__(self) -> None:
-        sys.stdout.flush()
-        proto_fd = os.dup(1)
-        os.dup2(2, 1)  # anything else written to fd 1 now lands on stderr
-        self._out: IO[str] = os.fdopen(proto_fd, "w", buffering=1, encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def send(self, obj: dict[str, Any]) -> None:
-        line = PREFIX + json.dumps(obj, sort_keys=True, default=str)
-        with self._lock:
-            self._out.write(line + "\n")
-            self._out.flush()
-
-
-def _read_commands(commands: queue.Queue[dict[str, Any] | None]) -> None:
-    """Stdin reader thread; EOF (the parent went away) is a quit."""
-    for raw in sys.stdin:
-        raw = raw.strip()
-        if not raw:
-            continue
-        try:
-            commands.put(json.loads(raw))
-        except json.JSONDecodeError as exc:
-            commands.put({"cmd": "_bad", "error": str(exc), "raw": raw[:200]})
-    commands.put(None)
 
 
 class _Producer:
@@ -209,64 +176,19 @@ class _Producer:
         }
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
-        name = cmd.get("cmd")
-        try:
-            if name == "prefill":
-                return self.prefill(cmd)
-            if name == "stats":
-                return self.stats()
-            if name == "ping":
-                return {"ok": True}
-            if name == "quit":
-                return None
-            return {"ok": False, "error": f"unknown command {name!r}: {cmd}"}
-        except Exception as exc:  # a bad command must not kill P: reply instead
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return dispatch(cmd, {"prefill": self.prefill, "stats": lambda _: self.stats()})
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point; never returns (``os._exit``: the nixl teardown segfault)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--config", default="{}", help="JSON object (see module docstring)")
-    args = parser.parse_args(argv)
-    channel = _Channel()
-    rc = 0
-    try:
-        started = time.monotonic()
-        producer = _Producer(json.loads(args.config))
-        channel.send(
-            {
-                "event": "ready",
-                "engine_id": producer.engine_id,
-                "side_channel_port": producer.port,
-                "pid": os.getpid(),
-                "startup_s": round(time.monotonic() - started, 3),
-            }
-        )
-        commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=_read_commands, args=(commands,), daemon=True).start()
-        while True:
-            try:
-                cmd = commands.get_nowait()
-            except queue.Empty:
-                producer.idle()
-                continue
-            reply = None if cmd is None else producer.handle(cmd)
-            if reply is None:
-                break
-            if "id" in cmd:
-                reply["id"] = cmd["id"]
-            channel.send(reply)
-        producer.engine.close()
-        channel.send({"event": "bye"})
-    except BaseException as exc:
-        rc = 1
-        import traceback
-
-        traceback.print_exc(file=sys.stderr)
-        channel.send({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
-    sys.stderr.flush()
-    os._exit(rc)
+    serve(
+        argv,
+        doc=__doc__,
+        prefix=PREFIX,
+        build=lambda config, _channel: _Producer(config),
+        ready=lambda p: {"engine_id": p.engine_id, "side_channel_port": p.port},
+        idle=lambda p: p.idle(),
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,338 @@
+"""What every real P/D pair shares, whatever the transport (Mooncake, NIXL).
+
+Why: the project rule is that whatever the Mooncake and NIXL adoptions both need lives
+once, in kvfail. A pair is always P in its own OS process, driven over a JSON-line
+protocol (:class:`ProducerHandleBase`, the P side is :mod:`kvfail.peers.protocol`), and D
+engines built here as harness :class:`~kvfail.harness.Engine` objects
+(:class:`PeerPair`): the same request bookkeeping, detection-time stamping, bytes check
+and teardown. Each transport's module keeps only what is really its own (environment,
+how D is built, how a run is stepped, which faults are honest with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvfail.faults import PeerProcess
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvfail.harness import Engine, EngineSpec, Worker
+
+__all__ = ["PeerPair", "ProducerHandleBase", "closed_port", "with_param"]
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``params`` with ``key`` set to ``value`` (the misaddressing faults)."""
+    out = dict(params)
+    out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- P handle
+
+
+class ProducerHandleBase:
+    """The P process and its line protocol (see :mod:`kvfail.peers.protocol`).
+
+    A subclass says which module runs P, the protocol line ``prefix`` and what P's ready
+    event starts with (``ready_key``), and spawns P with :meth:`_spawn`.
+    """
+
+    prefix: str = ""
+    ready_key: str = "engine_id"
+
+    def _spawn(
+        self, module: str, config: Mapping[str, Any], name: str, env: Mapping[str, str]
+    ) -> None:
+        self.started_at = time.monotonic()
+        self.process = PeerProcess(
+            [sys.executable, "-m", module, "--config", json.dumps(dict(config))],
+            name=name,
+            env=dict(env),
+            stdin=True,
+        )
+        self.ready: dict[str, Any] | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _parse(self, line: str) -> dict[str, Any]:
+        parsed: dict[str, Any] = json.loads(line[line.index(self.prefix) + len(self.prefix) :])
+        return parsed
+
+    def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        """Block until P printed its ready event (vLLM import: 10-80 s on a busy machine)."""
+        if self.ready is None:
+            line = self.process.wait_ready(
+                timeout_s, line=self.prefix + '{"' + self.ready_key + '"'
+            )
+            assert line is not None
+            self.ready = self._parse(line)
+            self.ready["ready_s"] = round(time.monotonic() - self.started_at, 3)
+        return self.ready
+
+    def request(self, cmd: Mapping[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Send one command and wait (bounded) for its reply; raises if P does not answer."""
+        with self._lock:
+            rid = next(self._ids)
+            self.process.write_stdin(json.dumps({**cmd, "id": rid}) + "\n")
+            # Replies are json.dumps(sort_keys=True): '"id": N,' is unique per reply.
+            line = self.process.wait_ready(timeout_s, line=f'"id": {rid},')
+        assert line is not None
+        reply = self._parse(line)
+        if not reply.get("ok"):
+            raise RuntimeError(f"P refused {cmd.get('cmd')}: {reply.get('error')}")
+        return reply
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return self.request({"cmd": "stats"}, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask P to quit cleanly; kill its group if it cannot (dead, frozen, stuck)."""
+        proc = self.process
+        if proc.alive and not proc.frozen:
+            with contextlib.suppress(Exception):
+                proc.write_stdin('{"cmd": "quit"}\n')
+                proc.wait(timeout_s)
+        proc.close()
+
+
+# --------------------------------------------------------------------------- the pair
+
+
+class PeerPair:
+    """P (subprocess) + D engines (this process): what Mooncake and NIXL pairs share.
+
+    A subclass sets ``records``/``decoders``/``d``/``p``/``owns_p``/``ready_timeout_s``,
+    builds D with :meth:`_consumer_spec` + :meth:`_register`, and overrides
+    :meth:`_stamp` when its detection clock starts somewhere else than at ``add``.
+    """
+
+    #: Names D engine ids: ``D-<transport>-<name>-<pid>-<n>``.
+    transport: str = ""
+    #: How long :meth:`kill_p` waits for P's group to be reaped.
+    kill_timeout_s: float = 5.0
+
+    records: dict[str, Any]
+    decoders: dict[str, Engine]
+    d: Engine | None
+    p: Any
+    owns_p: bool
+    ready_timeout_s: float
+
+    def _init_common(self) -> None:
+        self.records = {}
+        self.decoders = {}
+        self._seq = itertools.count()
+        self.p = None
+        self.owns_p = True
+
+    # ------------------------------------------------------------------ engines
+
+    def _consumer_spec(
+        self,
+        key: str,
+        policy: str,
+        *,
+        connector: str,
+        connector_module: str | None,
+        extra_config: Mapping[str, Any],
+        **more: Any,
+    ) -> EngineSpec:
+        from kvfail.harness import EngineSpec
+
+        return EngineSpec(
+            role="consumer",
+            connector=connector,
+            connector_module=connector_module,
+            policy=policy,  # type: ignore[arg-type]
+            engine_id=f"D-{self.transport}-{key}-{os.getpid()}-{next(self._seq)}",
+            extra_config=dict(extra_config),
+            num_blocks=self.num_blocks,  # type: ignore[attr-defined]
+            **more,
+        )
+
+    def _register(self, key: str, engine: Engine) -> Engine:
+        self.decoders[key] = engine
+        return engine
+
+    def _engine(self, consumer: str | Engine | None) -> Engine:
+        if consumer is None:
+            if self.d is None:
+                raise RuntimeError("no default consumer; build one with consumer()")
+            return self.d
+        if not isinstance(consumer, str):
+            return consumer
+        if consumer not in self.decoders:
+            raise KeyError(f"no consumer {consumer!r}; build it with consumer()")
+        return self.decoders[consumer]
+
+    @property
+    def p_usable(self) -> bool:
+        """P's process is alive and not stopped (it may still be importing vLLM)."""
+        return self.p is not None and self.p.process.alive and not self.p.process.frozen
+
+    def _ready_producer(self) -> Any:
+        """P, waited for if it is still starting (e.g. after ``restart_p(wait=False)``)."""
+        if self.p is None:
+            raise RuntimeError("no P process")
+        if self.p.ready is None and self.p.process.alive:
+            self.p.wait_ready(self.ready_timeout_s)
+        return self.p
+
+    # ------------------------------------------------------------------ requests
+
+    def _new_record(
+        self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
+    ) -> Any:
+        raise NotImplementedError
+
+    def add(
+        self,
+        req_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_len: int = 100,
+        prompt_seed: str | None = None,
+        max_tokens: int = 4,
+        consumer: str | Engine | None = None,
+    ) -> Any:
+        """Add D's request with these ``kv_transfer_params`` (the prompt must match P's)."""
+        engine = self._engine(consumer)
+        seed = prompt_seed or req_id
+        record = self._new_record(engine, req_id, seed, prompt_len, dict(params))
+        self.records[req_id] = record
+        engine.add_request(
+            req_id,
+            prompt_len=prompt_len,
+            prompt_seed=seed,
+            max_tokens=max_tokens,
+            kv_transfer_params=dict(params),
+        )
+        return record
+
+    def prefill_and_add(
+        self,
+        req_id: str,
+        prompt_len: int = 100,
+        *,
+        prompt_seed: str | None = None,
+        max_tokens: int = 4,
+        consumer: str | Engine | None = None,
+    ) -> Any:
+        """P prefills, then D adds the request with P's params: a normal P->D pull."""
+        params = self.prefill(req_id, prompt_len, prompt_seed)  # type: ignore[attr-defined]
+        return self.add(
+            req_id,
+            params,
+            prompt_len=prompt_len,
+            prompt_seed=prompt_seed,
+            max_tokens=max_tokens,
+            consumer=consumer,
+        )
+
+    # ------------------------------------------------------------------ observation
+
+    def _stamp_reports(self, reports: Iterable[Any], now: float) -> None:
+        """Stamp detection times and failure flags from these scheduler reports."""
+        for report in reports:
+            if report.rank is not None:
+                continue
+            for rid in report.failed_requests | report.finished_recving:
+                rec = self.records.get(rid)
+                if rec is None:
+                    continue
+                if rec.reported_s is None:
+                    self._stamp(rec, report, now)
+                if rid in report.failed_requests:
+                    rec.failed = True
+
+    def _stamp(self, rec: Any, report: Any, now: float) -> None:
+        """First report naming ``rec``'s request: its detection time, from its add."""
+        rec.reported_s = round(now - rec.added_at, 4)
+
+    def verify(self, req_id: str) -> bool:
+        """True iff D's KV blocks held exactly P's pattern for every pulled token."""
+        rec = self.records.get(req_id)
+        return bool(rec is not None and rec.verified)
+
+    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+        """D's forward hook: check the pulled bytes at a request's first schedule."""
+        from kvfail.peers.pattern import mismatched_positions
+
+        manager = engine.scheduler.kv_cache_manager
+        for req_id, n in so.num_scheduled_tokens.items():
+            rec = self.records.get(req_id)
+            if rec is None or worker.rank in rec.checked_ranks:
+                continue
+            rec.checked_ranks.add(worker.rank)
+            request = engine.scheduler.requests[req_id]
+            # First schedule of this request: a loaded request starts with computed tokens;
+            # one that starts from 0 is computed locally (no load, or recompute).
+            # schedule() already advanced num_computed_tokens by this step's tokens.
+            loaded = min(request.num_computed_tokens - n, rec.prompt_len)
+            if loaded == 0:
+                rec.mismatches[f"rank{worker.rank}"] = []
+                rec.verified = False
+                continue
+            block_ids = manager.get_block_ids(req_id)[0]
+            for layer, name in enumerate(engine.built.layer_names):
+                wrong = mismatched_positions(
+                    worker.kv_caches[name], layer, block_ids, 0, loaded, rec.prompt_seed
+                )
+                if wrong:
+                    rec.mismatches[f"rank{worker.rank}:{name}"] = wrong[:8]
+            rec.verified = not rec.mismatches
+
+    # ------------------------------------------------------------------ faults
+
+    def kill_p(self) -> int:
+        """SIGKILL P's process group (a crash: the kernel closes its sockets)."""
+        return self._ready_producer().process.kill(timeout_s=self.kill_timeout_s)
+
+    def freeze_p(self) -> None:
+        """SIGSTOP P's group: a silent peer whose sockets stay open."""
+        self._ready_producer().process.freeze()
+
+    def thaw_p(self) -> None:
+        self._ready_producer().process.thaw()
+
+    # ------------------------------------------------------------------ teardown
+
+    def _close_extra(self) -> None:
+        """What a transport closes between its D engines and P (default: nothing)."""
+
+    def close(self) -> None:
+        """Close D engines, whatever else the pair holds, and P's process group;
+        idempotent, never raises."""
+        for engine in list(self.decoders.values()):
+            with contextlib.suppress(Exception):
+                engine.close()
+        self.decoders.clear()
+        self._close_extra()
+        if self.p is not None and self.owns_p:
+            with contextlib.suppress(Exception):
+                self.p.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
