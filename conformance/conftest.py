@@ -9,6 +9,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Mooncake logs INFO at interpreter exit, after pytest's summary line; keep that line last.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 _PLUGIN = "kvfail.conformance.plugin"
 

@@ -13,6 +13,10 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Mooncake's TransferEngine logs INFO lines (glog) when it is destroyed at interpreter exit,
+# after pytest's summary line; keep that line last.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
 settings.register_profile(
     "default", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
