@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             "no:cacheprovider",
             "--kvfail-report",
             str(args.report),
+            "--policy",
+            args.policy,
             *connectors,
         ]
     )
