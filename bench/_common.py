@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from dataclasses import dataclass
 
 from kvfail import FailureReporterMixin
 
@@ -56,3 +57,24 @@ def figures(**values: float) -> str:
     return " ".join(
         f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
     )
+
+
+@dataclass
+class DetectionCase:
+    """One request of one side (upstream or kvfail) under one fault, in a detection bench."""
+
+    fault: str
+    side: str
+    consumer: str
+    req_id: str
+    injected_at: float = 0.0
+    ended_at: float | None = None
+    steps: int | None = None
+    outcome: str = "pending"
+    stage: str = ""
+
+    def elapsed_text(self, unreached: str = "") -> str:
+        """Seconds from injection to the terminal state, or the outcome if never reached."""
+        if self.ended_at is None:
+            return self.outcome + unreached
+        return f"{self.ended_at - self.injected_at:.3f}"

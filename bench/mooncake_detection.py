@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench._common import quiet
+from bench._common import DetectionCase, quiet
 
 SIDES: dict[str, tuple[str, str | None]] = {
     "upstream": ("MooncakeConnector", None),
@@ -43,19 +43,10 @@ SIDES: dict[str, tuple[str, str | None]] = {
 
 
 @dataclass
-class Case:
-    """One request of one side under one fault."""
+class Case(DetectionCase):
+    """One request of one side under one fault, with when its failure surfaced."""
 
-    fault: str
-    side: str
-    consumer: str
-    req_id: str
-    injected_at: float = 0.0
-    ended_at: float | None = None
-    steps: int | None = None
-    outcome: str = "pending"
     surfaced_at: float | None = None
-    stage: str = ""
     steps_after_surface: int | None = None
 
 
@@ -299,12 +290,6 @@ def run_scenarios(bench: Detection, *, slow_stop_s: float) -> list[str]:
 # --------------------------------------------------------------------------- output
 
 
-def _fmt_s(c: Case) -> str:
-    if c.ended_at is None:
-        return c.outcome
-    return f"{c.ended_at - c.injected_at:.3f}"
-
-
 def report(bench: Detection, missing: list[str], total_s: float) -> None:
     head = f"{'fault':18}{'side':10}{'outcome':9}{'s':>9}{'steps':>7}{'surf->end ms':>14}"
     head += f"{'steps':>7}  stage/reason"
@@ -317,10 +302,10 @@ def report(bench: Detection, missing: list[str], total_s: float) -> None:
             steps_after = str(c.steps_after_surface)
         outcome = c.outcome if c.ended_at is not None else "pending"
         print(
-            f"{c.fault:18}{c.side:10}{outcome:9}{_fmt_s(c):>9}{c.steps or '':>7}"
+            f"{c.fault:18}{c.side:10}{outcome:9}{c.elapsed_text():>9}{c.steps or '':>7}"
             f"{surf_ms:>14}{steps_after:>7}  {c.stage}"
         )
-        value = _fmt_s(c).removesuffix("s")
+        value = c.elapsed_text().removesuffix("s")
         figures.append(f"{c.fault}_{c.side}_s={value}")
         if c.side == "kvfail" and steps_after:
             figures.append(f"{c.fault}_{c.side}_surf_steps={steps_after}")

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench._common import quiet
+from bench._common import DetectionCase, quiet
 
 SIDES: dict[str, tuple[str, str | None]] = {
     "upstream": ("NixlConnector", None),
@@ -42,19 +42,10 @@ SIDES: dict[str, tuple[str, str | None]] = {
 
 
 @dataclass
-class Case:
-    """One request of one side under one fault."""
+class Case(DetectionCase):
+    """One request of one side under one fault; ``steps0`` counts its engine's steps."""
 
-    fault: str
-    side: str
-    consumer: str
-    req_id: str
-    injected_at: float = 0.0
     steps0: int = 0
-    ended_at: float | None = None
-    steps: int | None = None
-    outcome: str = "pending"
-    stage: str = ""
 
 
 class Detection:
@@ -205,18 +196,13 @@ def run_scenarios(bench: Detection) -> None:
 # --------------------------------------------------------------------------- output
 
 
-def _fmt_s(c: Case) -> str:
-    if c.ended_at is None:
-        return f"{c.outcome} (not reached)"
-    return f"{c.ended_at - c.injected_at:.3f}"
-
-
 def report(bench: Detection, total_s: float) -> None:
     print(f"{'fault':16}{'side':10}{'outcome':9}{'s':>22}{'steps':>7}  kvfail stage")
     figures: list[str] = []
     for c in bench.cases:
         outcome = c.outcome if c.ended_at is not None else "pending"
-        print(f"{c.fault:16}{c.side:10}{outcome:9}{_fmt_s(c):>22}{c.steps or '':>7}  {c.stage}")
+        elapsed = c.elapsed_text(" (not reached)")
+        print(f"{c.fault:16}{c.side:10}{outcome:9}{elapsed:>22}{c.steps or '':>7}  {c.stage}")
         value = f"{c.ended_at - c.injected_at:.3f}" if c.ended_at is not None else c.outcome
         figures.append(f"{c.fault}_{c.side}_s={value}")
         if c.steps is not None:

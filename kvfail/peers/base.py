@@ -60,11 +60,27 @@ class ProducerHandleBase:
     ready_key: str = "engine_id"
 
     def _spawn(
-        self, module: str, config: Mapping[str, Any], name: str, env: Mapping[str, str]
+        self,
+        module: str,
+        name: str,
+        env: Mapping[str, str],
+        *,
+        connector: str,
+        connector_module: str | None,
+        extra_config: Mapping[str, Any] | None,
+        num_blocks: int,
     ) -> None:
+        """Start P with the config every producer module reads (``self.engine_id`` set)."""
+        config = {
+            "connector": connector,
+            "connector_module": connector_module,
+            "engine_id": self.engine_id,
+            "extra_config": dict(extra_config or {}),
+            "num_blocks": num_blocks,
+        }
         self.started_at = time.monotonic()
         self.process = PeerProcess(
-            [sys.executable, "-m", module, "--config", json.dumps(dict(config))],
+            [sys.executable, "-m", module, "--config", json.dumps(config)],
             name=name,
             env=dict(env),
             stdin=True,

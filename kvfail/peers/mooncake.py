@@ -108,17 +108,18 @@ class ProducerHandle(ProducerHandleBase):
     ) -> None:
         self.bootstrap_port = free_port()
         self.engine_id = engine_id or f"P-mooncake-{self.bootstrap_port}"
-        config = {
-            "connector": connector,
-            "connector_module": connector_module,
-            "engine_id": self.engine_id,
-            "extra_config": dict(extra_config or {}),
-            "num_blocks": num_blocks,
-        }
         full_env = dict(MOONCAKE_ENV)
         full_env.update(env or {})
         full_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
-        self._spawn("kvfail.peers.producer", config, f"mooncake-P-{self.bootstrap_port}", full_env)
+        self._spawn(
+            "kvfail.peers.producer",
+            f"mooncake-P-{self.bootstrap_port}",
+            full_env,
+            connector=connector,
+            connector_module=connector_module,
+            extra_config=extra_config,
+            num_blocks=num_blocks,
+        )
 
     @property
     def bootstrap_addr(self) -> str:

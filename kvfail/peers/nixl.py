@@ -208,19 +208,20 @@ class NixlProducerHandle(ProducerHandleBase):
     ) -> None:
         self.port = free_port()
         self.engine_id = engine_id or f"P-nixl-{self.port}"
-        config = {
-            "connector": connector,
-            "connector_module": connector_module,
-            "engine_id": self.engine_id,
-            "extra_config": dict(extra_config or {}),
-            "num_blocks": num_blocks,
-        }
         env = {
             **NIXL_ENV,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
             "PYTHONPATH": _pythonpath(),
         }
-        self._spawn("kvfail.peers.nixl_producer", config, f"nixl-P-{self.port}", env)
+        self._spawn(
+            "kvfail.peers.nixl_producer",
+            f"nixl-P-{self.port}",
+            env,
+            connector=connector,
+            connector_module=connector_module,
+            extra_config=extra_config,
+            num_blocks=num_blocks,
+        )
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
