@@ -69,6 +69,11 @@ MODELS_DIR: Path = Path(__file__).resolve().parent.parent / "models"
 
 Role = Literal["consumer", "producer"]
 Policy = Literal["fail", "recompute"]
+#: ``"simulated"``: every TP rank's worker connector in this process, all seeing TP rank 0
+#: of a world of one (cheap; honest only for rank-independent reporting).
+#: ``"processes"``: one OS process per TP rank in a real gloo world of ``tp_size``, each
+#: with its own transfer group, KV tensors and TP rank (``kvfail/harness/ranks.py``).
+TPMode = Literal["simulated", "processes"]
 
 
 def model_dir(name: str = "tiny-llama") -> Path:
@@ -110,8 +115,10 @@ class EngineSpec:
     extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
     kv_buffer_device: str = "cpu"
     kv_port: int | None = None
-    #: Simulated tensor-parallel ranks, each with its own worker connector (see engine.py).
+    #: Tensor-parallel ranks, each with its own worker connector (see engine.py).
     tp_size: int = 1
+    #: How the ranks run (:data:`TPMode`); ``"processes"`` sets vLLM's TP size too.
+    tp_mode: TPMode = "simulated"
     model: str = "tiny-llama"
     max_model_len: int = 2048
     max_num_seqs: int = 16
@@ -129,6 +136,8 @@ class EngineSpec:
             raise ValueError("num_kv_cache_groups must be >= 1")
         if self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.tp_mode not in ("simulated", "processes"):
+            raise ValueError(f"tp_mode must be 'simulated' or 'processes', got {self.tp_mode!r}")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is vLLM's null block)")
 
@@ -220,6 +229,7 @@ def build_config(spec: EngineSpec) -> BuiltConfig:
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -236,6 +246,13 @@ def build_config(spec: EngineSpec) -> BuiltConfig:
     }
     if spec.kv_port is not None:
         transfer_kwargs["kv_port"] = spec.kv_port
+    parallel: dict[str, Any] = {}
+    if spec.tp_mode == "processes":
+        # Real TP: heads are sharded per rank (the page size follows) and connectors size
+        # their topology from it. Simulated ranks keep TP 1: they are a world of one.
+        parallel["parallel_config"] = ParallelConfig(
+            tensor_parallel_size=spec.tp_size, distributed_executor_backend="mp"
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -249,6 +266,7 @@ def build_config(spec: EngineSpec) -> BuiltConfig:
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(**transfer_kwargs),
+        **parallel,
     )
     # Normally resolved once by the engine core; CPU_ATTN supports only LBHNC.
     vllm_config.cache_config.kv_cache_layout = "LBHNC"

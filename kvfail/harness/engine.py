@@ -64,7 +64,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
-from vllm.forward_context import set_forward_context
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -73,10 +72,11 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
+from kvfail.harness.hooks import ForwardHookError, RankView, SplitForward, run_worker_hooks
+from kvfail.harness.ranks import RankCrash, RankProcess
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -223,15 +223,6 @@ class RunResult:
     elapsed_s: float
 
 
-class _ForwardHookError(Exception):
-    """Carries an exception from the test's forward hook, so it is not blamed on the
-    connector (phase ``forward[<rank>]``, not ``worker[<rank>]``)."""
-
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
 class EngineCrashedError(RuntimeError):
     """Raised by :meth:`Engine.step` after a crash: a real EngineCore would be dead."""
 
@@ -239,17 +230,59 @@ class EngineCrashedError(RuntimeError):
 # --------------------------------------------------------------------------- workers
 
 
-@dataclass
 class Worker:
-    """One simulated TP rank: its WORKER-role connector and its own KV tensors."""
+    """One TP rank: its WORKER-role connector and its own KV tensors, either here
+    (``tp_mode="simulated"``) or in the rank's own process (``"processes"``).
 
-    rank: int
-    connector: KVConnectorBase_V1
-    kv_caches: dict[str, torch.Tensor]
+    :meth:`call` works for both; ``connector`` and ``kv_caches`` only for a rank in this
+    process (a rank process's objects cannot be touched from here).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        connector: KVConnectorBase_V1 | None = None,
+        kv_caches: dict[str, torch.Tensor] | None = None,
+        *,
+        process: RankProcess | None = None,
+        built: BuiltConfig | None = None,
+    ) -> None:
+        self.rank = rank
+        self._connector = connector
+        self._kv_caches = kv_caches
+        self.process = process
+        self._built = built
+
+    @property
+    def remote(self) -> bool:
+        return self.process is not None
+
+    @property
+    def connector(self) -> KVConnectorBase_V1:
+        if self._connector is None:
+            raise AttributeError(f"rank {self.rank} runs in its own process; use Worker.call")
+        return self._connector
+
+    @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        if self._kv_caches is None:
+            raise AttributeError(f"rank {self.rank} runs in its own process; use Worker.call")
+        return self._kv_caches
+
+    def view(self, world_size: int) -> RankView:
+        assert self._built is not None
+        return RankView(self.rank, world_size, self.connector, self.kv_caches, self._built)
+
+    def call(self, fn: Callable[..., Any], *args: Any, world_size: int = 1) -> Any:
+        """``fn(view, *args)`` where the rank lives (``fn`` module-level for a process)."""
+        if self.process is not None:
+            return self.process.call(fn, *args)
+        return fn(self.view(world_size), *args)
 
 
 #: ``forward(engine, worker, scheduler_output)``: runs inside the mixin's context, where a
 #: real runner runs the model; e.g. a producer writes a byte pattern into its KV blocks.
+#: In-process ranks only; :class:`~kvfail.harness.hooks.SplitForward` works for both.
 ForwardHook = Callable[["Engine", Worker, "SchedulerOutput"], None]
 
 
@@ -333,12 +366,15 @@ class Engine:
         self,
         spec: EngineSpec,
         *,
-        forward: ForwardHook | None = None,
+        forward: ForwardHook | SplitForward | None = None,
         worker_build: WorkerBuild = "direct",
         log_stats: bool = True,
+        rank_env: Mapping[str, str] | None = None,
     ) -> None:
         if worker_build == "transfer_group" and spec.tp_size != 1:
             raise ValueError("worker_build='transfer_group' supports tp_size=1 only")
+        if spec.tp_mode == "processes" and not isinstance(forward, (SplitForward, type(None))):
+            raise ValueError("rank processes need a SplitForward (a plain hook cannot cross)")
         self.spec = spec
         self.built: BuiltConfig = build_config(spec)
         self.vllm_config: VllmConfig = self.built.vllm_config
@@ -361,7 +397,10 @@ class Engine:
                 block_size=spec.block_size,
                 log_stats=log_stats,
             )
-            self.workers: list[Worker] = [self._build_worker(r) for r in range(spec.tp_size)]
+            if spec.tp_mode == "processes":
+                self.workers: list[Worker] = self._start_rank_processes(rank_env)
+            else:
+                self.workers = [self._build_worker(r) for r in range(spec.tp_size)]
         self.aggregator: KVOutputAggregator | None = None
         if spec.tp_size > 1:
             assert self.scheduler.connector is not None
@@ -392,7 +431,21 @@ class Engine:
             kernel_block_sizes=[self.spec.block_size] * len(self.kv_cache_config.kv_cache_groups),
         )
         connector.register_kv_caches(kv_caches)
-        return Worker(rank, connector, kv_caches)
+        return Worker(rank, connector, kv_caches, built=self.built)
+
+    def _start_rank_processes(self, env: Mapping[str, str] | None) -> list[Worker]:
+        """One process per rank, in a gloo world of ``tp_size`` (after the Scheduler, so
+        a scheduler-side server the ranks register with is already up)."""
+        init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        procs = [RankProcess(self.spec, r, init_method, env) for r in range(self.spec.tp_size)]
+        try:
+            for proc in procs:
+                proc.wait_ready()
+        except BaseException:
+            for proc in procs:
+                proc.close(timeout_s=2.0)
+            raise
+        return [Worker(p.rank, process=p, built=self.built) for p in procs]
 
     # ------------------------------------------------------------------ requests
 
@@ -489,12 +542,28 @@ class Engine:
             self.record.waiting_for_remote.append(waiting)
             self.record.load_starts.append(starts)
             rank_outputs: list[ModelRunnerOutput] = []
+            try:
+                plan = self._plan_forward(so)
+            except ForwardHookError as err:
+                return self._crash(step, "forward[plan]", err.cause, waiting, so)
+            remote = [w for w in self.workers if w.process is not None]
+            for worker in remote:  # every rank process works concurrently, then gather
+                assert worker.process is not None
+                apply = plan[0].apply if plan is not None else None
+                worker.process.send_step(so, apply, None if plan is None else plan[1])
             for worker in self.workers:
                 try:
-                    rank_outputs.append(self._run_worker(worker, so))
-                except _ForwardHookError as err:
+                    rank_outputs.append(self._run_worker(worker, so, plan))
+                except ForwardHookError as err:
+                    self._drain(remote)
                     return self._crash(step, f"forward[{worker.rank}]", err.cause, waiting, so)
+                except RankCrash as err:
+                    self._drain(remote)
+                    return self._crash(
+                        step, f"{err.phase}[{worker.rank}]", err, waiting, so, tb=err.tb
+                    )
                 except Exception as exc:
+                    self._drain(remote)
                     return self._crash(step, f"worker[{worker.rank}]", exc, waiting, so)
                 self._record_kv(step, worker.rank, rank_outputs[-1].kv_connector_output)
             mro = self._combine(rank_outputs)
@@ -560,7 +629,10 @@ class Engine:
         self._closed = True
         for worker in self.workers:
             with contextlib.suppress(Exception):
-                worker.connector.shutdown()
+                if worker.process is not None:
+                    worker.process.close()
+                else:
+                    worker.connector.shutdown()
         if self._owns_transfer_group:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         with contextlib.suppress(Exception):
@@ -574,29 +646,49 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _run_worker(self, worker: Worker, so: SchedulerOutput) -> ModelRunnerOutput:
-        connector = worker.connector
-        assert so.kv_connector_metadata is not None
-        with _installed_as_transfer_group(connector):
-            connector.handle_preemptions(so.kv_connector_metadata)
-            if so.total_num_scheduled_tokens == 0:
-                # What the runner does with nothing to compute: connector work only.
-                mro = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
-                # The empty case returns a shared module-level object: never mutate it.
-                return copy.copy(mro)
-            with (
-                set_forward_context(None, self.vllm_config),
-                KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_output,
-            ):
-                if self.forward is not None:
-                    try:
-                        self.forward(self, worker, so)
-                    except Exception as exc:
-                        raise _ForwardHookError(exc) from exc
-        return self._model_runner_output(so, kv_output)
+    def _plan_forward(self, so: SchedulerOutput) -> tuple[SplitForward, Any] | None:
+        """A split forward's plan for this step (None: no split forward, or no tokens)."""
+        if not isinstance(self.forward, SplitForward) or so.total_num_scheduled_tokens == 0:
+            return None
+        try:
+            payload = self.forward.plan(self, so)
+        except Exception as exc:
+            raise ForwardHookError(exc) from exc
+        return None if payload is None else (self.forward, payload)
+
+    def _run_worker(
+        self, worker: Worker, so: SchedulerOutput, plan: tuple[SplitForward, Any] | None
+    ) -> ModelRunnerOutput:
+        if worker.process is not None:
+            result = worker.process.receive_step()
+        else:
+            forward: Callable[[], Any] | None = None
+            if plan is not None:
+                split, payload = plan
+                view = worker.view(len(self.workers))
+                forward = lambda: split.apply(view, payload)  # noqa: E731
+            elif self.forward is not None and not isinstance(self.forward, SplitForward):
+                hook = self.forward
+                forward = lambda: hook(self, worker, so)  # noqa: E731
+            with _installed_as_transfer_group(worker.connector):
+                result = run_worker_hooks(worker.connector, so, self.vllm_config, forward)
+        if result.no_forward is not None:
+            return result.no_forward
+        if plan is not None and plan[0].collect is not None:
+            plan[0].collect(self, worker.rank, result.forward_result)
+        return self._model_runner_output(so, result.kv_output)
+
+    @staticmethod
+    def _drain(remote: list[Worker]) -> None:
+        """After a crash mid-step, read (and drop) what the other ranks still owe."""
+        for worker in remote:
+            assert worker.process is not None
+            with contextlib.suppress(Exception):
+                if worker.process._pending:
+                    worker.process.receive_step(timeout_s=10.0)
 
     def _model_runner_output(
-        self, so: SchedulerOutput, kv_output: KVConnectorOutput
+        self, so: SchedulerOutput, kv_output: KVConnectorOutput | None
     ) -> ModelRunnerOutput:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -669,13 +761,16 @@ class Engine:
         exc: BaseException,
         waiting: frozenset[str] = frozenset(),
         so: SchedulerOutput | None = None,
+        *,
+        tb: str | None = None,
     ) -> StepRecord:
+        rank_crash = isinstance(exc, RankCrash)
         crash = Crash(
             step=step,
             phase=phase,
-            exc_type=type(exc).__name__,
-            message=str(exc),
-            traceback="".join(traceback.format_exception(exc)),
+            exc_type=exc.exc_type if isinstance(exc, RankCrash) else type(exc).__name__,
+            message=exc.message if isinstance(exc, RankCrash) else str(exc),
+            traceback=tb if rank_crash and tb else "".join(traceback.format_exception(exc)),
         )
         self.record.crashes.append(crash)
         self._crashed = crash

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvfail.harness import Engine, EngineSpec, Worker
+    from kvfail.harness.hooks import SplitForward
+    from kvfail.peers.forwards import RangeItem
 
 __all__ = ["PeerPair", "ProducerHandleBase", "closed_port", "with_param"]
 
@@ -69,14 +71,21 @@ class ProducerHandleBase:
         connector_module: str | None,
         extra_config: Mapping[str, Any] | None,
         num_blocks: int,
+        tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
     ) -> None:
-        """Start P with the config every producer module reads (``self.engine_id`` set)."""
+        """Start P with the config every producer module reads (``self.engine_id`` set).
+
+        ``tp_size`` > 1 runs P's ranks as processes in a real TP world (their pids are in
+        P's ready event, ``rank_pids``, for one-rank faults)."""
         config = {
             "connector": connector,
             "connector_module": connector_module,
             "engine_id": self.engine_id,
             "extra_config": dict(extra_config or {}),
             "num_blocks": num_blocks,
+            "tp_size": tp_size,
+            "num_kv_cache_groups": num_kv_cache_groups,
         }
         self.started_at = time.monotonic()
         self.process = PeerProcess(
@@ -289,32 +298,62 @@ class PeerPair:
         rec = self.records.get(req_id)
         return bool(rec is not None and rec.verified)
 
-    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        """D's forward hook: check the pulled bytes at a request's first schedule."""
-        from kvfail.peers.pattern import mismatched_positions
+    @property
+    def check_forward(self) -> SplitForward:
+        """D's forward: check the pulled bytes at each request's first schedule, on
+        every rank wherever the ranks run."""
+        from kvfail.harness.hooks import SplitForward
+        from kvfail.peers.forwards import apply_checks
 
-        manager = engine.scheduler.kv_cache_manager
+        return SplitForward(
+            plan=lambda engine, so: self._plan_check(engine, so, range(len(engine.workers))),
+            apply=apply_checks,
+            collect=self._collect_check,
+        )
+
+    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+        """The same check as a plain in-process hook, for one rank."""
+        from kvfail.peers.forwards import apply_checks
+
+        items = self._plan_check(engine, so, [worker.rank])
+        if items:
+            result = apply_checks(worker.view(len(engine.workers)), items)
+            self._collect_check(engine, worker.rank, result)
+
+    def _plan_check(
+        self, engine: Engine, so: SchedulerOutput, ranks: Iterable[int]
+    ) -> list[RangeItem] | None:
+        from kvfail.peers.forwards import RangeItem, request_blocks
+
+        ranks = list(ranks)
+        items: list[RangeItem] = []
         for req_id, n in so.num_scheduled_tokens.items():
             rec = self.records.get(req_id)
-            if rec is None or worker.rank in rec.checked_ranks:
+            if rec is None or set(ranks) <= rec.checked_ranks:
                 continue
-            rec.checked_ranks.add(worker.rank)
+            rec.checked_ranks.update(ranks)
             request = engine.scheduler.requests[req_id]
             # First schedule of this request: a loaded request starts with computed tokens;
             # one that starts from 0 is computed locally (no load, or recompute).
             # schedule() already advanced num_computed_tokens by this step's tokens.
             loaded = min(request.num_computed_tokens - n, rec.prompt_len)
             if loaded == 0:
-                rec.mismatches[f"rank{worker.rank}"] = []
+                for rank in ranks:
+                    rec.mismatches[f"rank{rank}"] = []
                 rec.verified = False
                 continue
-            block_ids = manager.get_block_ids(req_id)[0]
-            for layer, name in enumerate(engine.built.layer_names):
-                wrong = mismatched_positions(
-                    worker.kv_caches[name], layer, block_ids, 0, loaded, rec.prompt_seed
-                )
-                if wrong:
-                    rec.mismatches[f"rank{worker.rank}:{name}"] = wrong[:8]
+            items.append(
+                RangeItem(req_id, request_blocks(engine, req_id), 0, loaded, rec.prompt_seed)
+            )
+        return items or None
+
+    def _collect_check(
+        self, engine: Engine, rank: int, result: dict[str, dict[str, list[int]]]
+    ) -> None:
+        for req_id, wrong in result.items():
+            rec = self.records[req_id]
+            for name, positions in wrong.items():
+                rec.mismatches[f"rank{rank}:{name}"] = positions
             rec.verified = not rec.mismatches
 
     # ------------------------------------------------------------------ faults
@@ -329,6 +368,18 @@ class PeerPair:
 
     def thaw_p(self) -> None:
         self._ready_producer().process.thaw()
+
+    def p_rank_pid(self, rank: int) -> int:
+        """The pid of P's TP rank ``rank`` (P's own pid at TP 1)."""
+        pids: list[int] = self._ready_producer().ready.get("rank_pids") or []
+        if not 0 <= rank < len(pids):
+            raise ValueError(f"P has no TP rank {rank} (rank pids: {pids})")
+        return pids[rank]
+
+    def signal_p_rank(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to P's rank ``rank`` only (SIGKILL, SIGSTOP, SIGCONT): a fault on
+        one TP rank while the other ranks and P's scheduler go on."""
+        os.kill(self.p_rank_pid(rank), sig)
 
     # ------------------------------------------------------------------ teardown
 

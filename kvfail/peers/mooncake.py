@@ -105,6 +105,8 @@ class ProducerHandle(ProducerHandleBase):
         extra_config: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         num_blocks: int = 64,
+        tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.bootstrap_port = free_port()
         self.engine_id = engine_id or f"P-mooncake-{self.bootstrap_port}"
@@ -119,6 +121,8 @@ class ProducerHandle(ProducerHandleBase):
             connector_module=connector_module,
             extra_config=extra_config,
             num_blocks=num_blocks,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
         )
 
     @property
@@ -140,9 +144,20 @@ class ProducerHandle(ProducerHandleBase):
         )
         return dict(reply["kv_transfer_params"])
 
-    def inject(self, req_id: str, fault: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Arm a protocol fault for D's next pull naming ``req_id`` (see the producer)."""
-        return self.request({"cmd": "inject", "req_id": req_id, "fault": fault}, timeout_s)
+    def inject(
+        self,
+        req_id: str,
+        fault: str,
+        timeout_s: float = 10.0,
+        *,
+        ranks: Iterable[int] | None = None,
+    ) -> dict[str, Any]:
+        """Arm a fault for D's next pull naming ``req_id`` (see the producer), on every
+        P rank or only on ``ranks``."""
+        cmd: dict[str, Any] = {"cmd": "inject", "req_id": req_id, "fault": fault}
+        if ranks is not None:
+            cmd["ranks"] = list(ranks)
+        return self.request(cmd, timeout_s)
 
 
 # --------------------------------------------------------------------------- D side
@@ -192,6 +207,7 @@ class MooncakePair(PeerPair):
         extra_config: Mapping[str, Any] | None = None,
         p_extra_config: Mapping[str, Any] | None = None,
         tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
         abort_request_timeout_s: int = 5,
         ready_timeout_s: float = 240.0,
         num_blocks: int = 64,
@@ -204,6 +220,7 @@ class MooncakePair(PeerPair):
         self.connector_module = connector_module
         self.extra_config = {**DEFAULT_EXTRA_CONFIG, **dict(extra_config or {})}
         self.tp_size = tp_size
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.num_blocks = num_blocks
         self.ready_timeout_s = ready_timeout_s
         self._p_kwargs: dict[str, Any] = {
@@ -212,6 +229,8 @@ class MooncakePair(PeerPair):
             "extra_config": dict(p_extra_config or {}),
             "env": {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s)},
             "num_blocks": num_blocks,
+            "tp_size": tp_size,
+            "num_kv_cache_groups": num_kv_cache_groups,
         }
         for key, value in MOONCAKE_ENV.items():
             os.environ.setdefault(key, value)
@@ -253,9 +272,11 @@ class MooncakePair(PeerPair):
             connector_module=self.connector_module,
             extra_config=self.extra_config,
             tp_size=self.tp_size,
+            tp_mode="processes" if self.tp_size > 1 else "simulated",
+            num_kv_cache_groups=self.num_kv_cache_groups,
         )
         with cpu_accelerator_index_shim():
-            engine = Engine(spec, forward=self._check_loaded)
+            engine = Engine(spec, forward=self.check_forward)
         return self._register(key, engine)
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
@@ -279,9 +300,10 @@ class MooncakePair(PeerPair):
         producer: ProducerHandle = self._ready_producer()
         return producer
 
-    def inject(self, req_id: str, fault: str) -> None:
-        """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``)."""
-        self._producer().inject(req_id, fault)
+    def inject(self, req_id: str, fault: str, *, ranks: Iterable[int] | None = None) -> None:
+        """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``), on
+        every P rank or only on ``ranks``."""
+        self._producer().inject(req_id, fault, ranks=ranks)
 
     # ------------------------------------------------------------------ requests
 

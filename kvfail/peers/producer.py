@@ -34,15 +34,15 @@ its engine, which is what serves D's pull and reports ``finished_sending``.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.protocol import Channel, dispatch, serve
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    from kvfail.harness import Engine, Worker
+    from kvfail.harness import Engine
+    from kvfail.harness.hooks import RankView, SplitForward
 
 __all__ = ["DEFAULT_EXTRA_CONFIG", "INJECTABLE", "PREFIX", "main"]
 
@@ -53,7 +53,7 @@ DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers
 PREFILL_TIMEOUT_S = 20.0
 _IDLE_SLEEP_S = 0.005
 #: Protocol faults P can answer a pull with (``inject`` command).
-INJECTABLE = ("error_response", "err_reqs", "finish_without_result")
+INJECTABLE = ("error_response", "err_reqs", "finish_without_result", "die_mid_transfer")
 
 
 class _FaultInjectingSender:
@@ -77,12 +77,13 @@ class _FaultInjectingSender:
 
         armed = getattr(self, "kvfail_armed", {})
         hit = [r for r in meta.req_blocks if r in armed]
-        if not hit:
-            await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
-            return
-        fault = armed.pop(hit[0])
+        fault = armed.pop(hit[0]) if hit else None
         for rid in hit[1:]:
             armed.pop(rid, None)
+        if fault is None or fault == "die_mid_transfer":
+            self.kvfail_die_in_send = fault is not None
+            await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
+            return
         if fault == "error_response":
             response = MooncakeXferResponse(
                 status=MooncakeXferResponseStatus.ERROR, err_msg=f"kvfail injected {fault}"
@@ -96,6 +97,19 @@ class _FaultInjectingSender:
         else:  # finish_without_result
             response = MooncakeXferResponse(status=MooncakeXferResponseStatus.FINISH)
         await sock.send_multipart((identity, self._encoder.encode(response)))  # type: ignore[attr-defined]
+
+    def _send_blocks(
+        self, remote_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]
+    ) -> int:
+        """``die_mid_transfer``: really write the first half of the pull into D, then
+        SIGKILL this process (P, or this P rank at TP > 1) before the rest and before
+        any reply: a peer that crashed with D's blocks half written."""
+        if not getattr(self, "kvfail_die_in_send", False):
+            return int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+        half = max(1, len(src_ptrs) // 2)
+        super()._send_blocks(remote_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])  # type: ignore[misc]
+        os.kill(os.getpid(), signal.SIGKILL)
+        return -1  # not reached
 
 
 def _make_injecting(worker: Any) -> None:
@@ -111,20 +125,22 @@ def _make_injecting(worker: Any) -> None:
     worker.kvfail_armed = {}
 
 
-def _pattern_forward(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-    """P's "model": write the byte pattern for every token computed this step."""
-    from kvfail.peers.pattern import write_pattern
+def _arm(view: RankView, req_id: str, fault: str) -> bool:
+    """On a rank: arm ``fault`` for ``req_id`` in its Mooncake sender (False: none)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    if sender is None:
+        return False
+    _make_injecting(sender)
+    sender.kvfail_armed[req_id] = fault
+    return True
 
-    manager = engine.scheduler.kv_cache_manager
-    for req_id, n in so.num_scheduled_tokens.items():
-        request = engine.scheduler.requests[req_id]
-        seed = _seeds.get(req_id, req_id)
-        # schedule() already advanced num_computed_tokens by this step's tokens.
-        start = request.num_computed_tokens - n
-        end = min(start + n, request.num_prompt_tokens)
-        block_ids = manager.get_block_ids(req_id)[0]
-        for layer, name in enumerate(engine.built.layer_names):
-            write_pattern(worker.kv_caches[name], layer, block_ids, start, end, seed)
+
+def _pattern_forward() -> SplitForward:
+    """P's "model": write the byte pattern for every prompt token computed this step."""
+    from kvfail.harness.hooks import SplitForward
+    from kvfail.peers.forwards import apply_writes, plan_writes
+
+    return SplitForward(plan=lambda engine, so: plan_writes(engine, so, _seeds), apply=apply_writes)
 
 
 _seeds: dict[str, str] = {}
@@ -140,6 +156,7 @@ class _Producer:
         extra.update(config.get("extra_config") or {})
         self.engine_id: str = config.get("engine_id") or f"P-mooncake-{os.getpid()}"
         self.bootstrap_port = int(os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
+        tp_size = int(config.get("tp_size", 1))
         spec = EngineSpec(
             role="producer",
             connector=config.get("connector", "MooncakeConnector"),
@@ -147,16 +164,12 @@ class _Producer:
             engine_id=self.engine_id,
             extra_config=extra,
             num_blocks=int(config.get("num_blocks", 64)),
+            num_kv_cache_groups=int(config.get("num_kv_cache_groups", 1)),
+            tp_size=tp_size,
+            tp_mode="processes" if tp_size > 1 else "simulated",
         )
         with cpu_accelerator_index_shim():
-            self.engine: Engine = Engine(spec, forward=_pattern_forward)
-        self.senders = [
-            w.connector.connector_worker
-            for w in self.engine.workers
-            if getattr(w.connector, "connector_worker", None) is not None
-        ]
-        for sender in self.senders:
-            _make_injecting(sender)
+            self.engine: Engine = Engine(spec, forward=_pattern_forward())
         self.injected = 0
         self.prefills = 0
         self.failed_prefills = 0
@@ -228,13 +241,14 @@ class _Producer:
         fault = str(cmd.get("fault"))
         if fault not in INJECTABLE:
             return {"ok": False, "error": f"unknown fault {fault!r}; one of {INJECTABLE}"}
-        if not self.senders:
-            return {"ok": False, "error": "P has no Mooncake worker to inject into"}
         req_id = str(cmd["req_id"])
-        for sender in self.senders:
-            sender.kvfail_armed[req_id] = fault
+        ranks = cmd.get("ranks")
+        workers = [w for w in self.engine.workers if ranks is None or w.rank in ranks]
+        armed = [w.rank for w in workers if w.call(_arm, req_id, fault)]
+        if not armed:
+            return {"ok": False, "error": "P has no Mooncake worker to inject into"}
         self.injected += 1
-        return {"ok": True, "fault": fault, "req_id": req_id}
+        return {"ok": True, "fault": fault, "req_id": req_id, "ranks": armed}
 
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
@@ -265,7 +279,11 @@ def main(argv: list[str] | None = None) -> None:
         doc=__doc__,
         prefix=PREFIX,
         build=_Producer,
-        ready=lambda p: {"engine_id": p.engine_id, "bootstrap_addr": p.bootstrap_addr()},
+        ready=lambda p: {
+            "engine_id": p.engine_id,
+            "bootstrap_addr": p.bootstrap_addr(),
+            "rank_pids": [w.process.pid if w.process else os.getpid() for w in p.engine.workers],
+        },
         idle=_idle,
     )
 
