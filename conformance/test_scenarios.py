@@ -212,6 +212,15 @@ def test_peer_killed_after_warm_pull(kvfail: Any) -> None:
     _failure_by_deadline(kvfail, FaultPoint.KILL_BEFORE_PULL, warm=True)
 
 
+@pytest.mark.clauses("C1", "C2", "C3", "C10", "C11")
+@pytest.mark.guards("#50719", "#35943")
+def test_peer_killed_during_transfer(kvfail: Any) -> None:
+    """SIGKILL P in the middle of writing D's blocks: part of them hold P's bytes, the rest
+    do not, and no reply will ever come. D must report the load failed, promptly or by
+    its deadline, and never run on the half-written blocks as if they were loaded."""
+    _failure_by_deadline(kvfail, FaultPoint.KILL_DURING_TRANSFER)
+
+
 @pytest.mark.clauses("C1", "C2", "C10", "C11")
 @pytest.mark.guards("#50719", "#35943")
 def test_peer_finishes_without_result(kvfail: Any) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import signal
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -510,6 +511,8 @@ class PairDriver(Driver):
         self._module = connector_module
         self._why: str | None = None
         self._pair: Any = None
+        #: Which pair built each D engine (a driver may hold one pair per layout).
+        self._engine_pairs: dict[int, Any] = {}
         self._names: dict[int, str] = {}
         self._seq = 0
         self.connector_cls: type = object
@@ -560,15 +563,23 @@ class PairDriver(Driver):
         tp_size: int = 1,
         deadline: bool = False,
     ) -> Engine:
-        if num_kv_cache_groups != 1 or tp_size != 1:
-            raise NotImplementedError(f"{self.pair_name} builds one-group TP=1 D engines only")
-        self.start()
-        pair = self._pair
+        pair = self._layout_pair(tp_size, num_kv_cache_groups)
         self._seq += 1
         name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
         engine = self._consumer(pair, policy, name, deadline)
         self._names[id(engine)] = name
+        self._engine_pairs[id(engine)] = pair
         return engine
+
+    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """The pair whose P matches this D layout (default: TP 1, one group only)."""
+        if num_kv_cache_groups != 1 or tp_size != 1:
+            raise NotImplementedError(f"{self.pair_name} builds one-group TP=1 D engines only")
+        self.start()
+        return self._pair
+
+    def _pair_of(self, engine: Engine) -> Any:
+        return self._engine_pairs.get(id(engine), self._pair)
 
     def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
         """Every fault is set up while the request is added (see the class docstring)."""
@@ -580,13 +591,13 @@ class PairDriver(Driver):
         """Nothing to do: a real pull completes on its own."""
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
+        rec = self._pair_of(engine).records.get(request_id)
         if rec is None or rec.verified is None:
             return f"{request_id} never ran after its load: no bytes were checked"
         return None if rec.verified else f"mismatched token positions {rec.mismatches}"
 
     def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
-        rec = self._pair.records.get(request_id)
+        rec = self._pair_of(engine).records.get(request_id)
         if rec is None:
             return None
         # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
@@ -596,7 +607,7 @@ class PairDriver(Driver):
         return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
 
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
-        rec = self._pair.records.get(request_id)
+        rec = self._pair_of(engine).records.get(request_id)
         return None if rec is None else rec.reported_s
 
 
@@ -645,7 +656,11 @@ class MooncakeDriver(PairDriver):
         self._p_module = p_connector_module
         self._seen: dict[int, int] = {}
         self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
-        self._proxy: Any = None
+        #: Bootstrap proxies by pair (``id``), made on first use, closed by the pair.
+        self._proxies: dict[int, Any] = {}
+        self._layout_pairs: dict[tuple[int, int], Any] = {}
+        #: Pairs whose P lost a rank on purpose: restarted after the scenario.
+        self._broken: set[int] = set()
         self._init_pair_driver(name, connector, connector_module)
 
     @staticmethod
@@ -653,56 +668,80 @@ class MooncakeDriver(PairDriver):
         return _mooncake_bases()
 
     def start(self) -> None:
-        if self._pair is not None:
-            return
+        if self._pair is None:
+            self._pair = self._new_pair(1, 1)
+
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """A pair whose P has this layout; P is shared by the drivers of a session that
+        want the same P connector and layout."""
         from kvfail.peers.mooncake import MooncakePair
 
         if self._p_connector is not None:
-            p_side = [self._p_connector, self._p_module]
+            p_side: list[Any] = [self._p_connector, self._p_module]
         else:  # P runs D's connector (as MooncakePair decides)
             p_side = [self._connector, self._module]
-        key = json.dumps(p_side)
+        key = json.dumps([*p_side, tp_size, num_kv_cache_groups])
         shared = _SHARED_P.get(key)
         if shared is not None and not shared.process.alive:
             shared = None
-        self._pair = MooncakePair(
+        pair = MooncakePair(
             policy="fail",
             connector=self._connector,
             connector_module=self._module,
             p_connector=self._p_connector,
             p_connector_module=self._p_module,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
             abort_request_timeout_s=5,
             ready_timeout_s=180.0,
             producer=shared,
         )
         if shared is None:
-            _SHARED_P[key] = self._pair.p
+            _SHARED_P[key] = pair.p
+        return pair
+
+    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        self.start()
+        if (tp_size, num_kv_cache_groups) == (1, 1):
+            return self._live(self._pair)
+        layout = (tp_size, num_kv_cache_groups)
+        if layout not in self._layout_pairs:
+            self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
+        return self._live(self._layout_pairs[layout])
+
+    def _pairs(self) -> list[Any]:
+        return [p for p in (self._pair, *self._layout_pairs.values()) if p is not None]
 
     def stop(self) -> None:
-        self._proxy = None  # closed by the pair
-        if self._pair is not None:
-            self._pair.close()
-            self._pair = None
+        self._proxies.clear()  # closed by their pairs
+        for pair in self._pairs():
+            pair.close()
+        self._pair = None
+        self._layout_pairs.clear()
 
     def after_scenario(self) -> None:
-        """Thaw a frozen P; replace a dead one without waiting for its import."""
-        pair = self._pair
-        if pair is None or pair.p is None:
-            return
-        proc = pair.p.process
-        if proc.alive and proc.frozen:
-            pair.thaw_p()
-        if not proc.alive:
-            self._proxy = None
-            pair.restart_p(wait=False)
+        """Thaw a frozen P; replace a dead (or rank-broken) one without waiting for its
+        import."""
+        for pair in self._pairs():
+            if pair.p is None:
+                continue
+            proc = pair.p.process
+            if proc.alive and proc.frozen:
+                pair.thaw_p()
+            if id(pair) in self._broken:
+                # Kill what is left of a P that lost a rank, so a driver sharing it sees
+                # a dead P (and starts its own) rather than a half-working one.
+                self._broken.discard(id(pair))
+                pair.kill_p()
+            if not proc.alive:
+                self._proxies.pop(id(pair), None)
+                pair.restart_p(wait=False)
 
-    def _live_pair(self) -> Any:
-        """The pair, with a live P (a P shared with another driver may have been killed
+    def _live(self, pair: Any) -> Any:
+        """``pair`` with a live P (a P shared with another driver may have been killed
         by that driver's scenario: this driver then starts its own)."""
-        self.start()
-        pair = self._pair
         if pair.p is None or not pair.p.process.alive:
-            self._proxy = None
+            self._proxies.pop(id(pair), None)
             pair.restart_p(wait=False)
         return pair
 
@@ -714,12 +753,14 @@ class MooncakeDriver(PairDriver):
                 FaultPoint.PEER_ERR_REQS,
                 FaultPoint.PEER_FINISH_WITHOUT_RESULT,
                 FaultPoint.KILL_BEFORE_PULL,
+                FaultPoint.KILL_DURING_TRANSFER,
                 FaultPoint.FREEZE_PEER,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.NET_BLACKHOLE,
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
+                FaultPoint.TP_ONE_RANK,
             }
         )
 
@@ -730,7 +771,10 @@ class MooncakeDriver(PairDriver):
             "async_load": (True, "Mooncake pulls asynchronously"),
             "sync_load": (False, "Mooncake only advertises asynchronous loads"),
             "remote_prefill": (True, "a real P process prefills and serves the pull"),
-            "two_groups": (False, "MooncakePair builds one-group D engines only"),
+            "two_groups": (
+                True,
+                "P and D both built with two KV-cache groups (MooncakeConnector is SupportsHMA)",
+            ),
             "has_deadline": (
                 True,
                 f"kvfail_deadline_s={deadline:g}"
@@ -740,9 +784,8 @@ class MooncakeDriver(PairDriver):
             "deadline_s": (deadline, "driver"),
             "real_transport": (True, "Mooncake TransferEngine over TCP loopback"),
             "tp2": (
-                False,
-                "the harness runs both D ranks as TP rank 0, so the second Mooncake rank waits "
-                "on P: not a real TP layout",
+                True,
+                "P and D each run two TP rank processes in a real gloo world (tp_mode=processes)",
             ),
             "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
             "malformed_params": (
@@ -763,8 +806,9 @@ class MooncakeDriver(PairDriver):
         return engine
 
     def observe(self, engine: Engine) -> None:
-        if self._pair is not None and id(engine) in self._seen:
-            self._seen[id(engine)] = self._pair.observe(engine, self._seen[id(engine)])
+        if id(engine) in self._seen:
+            pair = self._pair_of(engine)
+            self._seen[id(engine)] = pair.observe(engine, self._seen[id(engine)])
 
     @staticmethod
     def malformed(params: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -791,7 +835,7 @@ class MooncakeDriver(PairDriver):
         from kvfail.faults import ProxyMode
         from kvfail.peers.mooncake import refused_bootstrap, unknown_engine
 
-        pair = self._live_pair()
+        pair = self._live(self._pair_of(engine))
         params = pair.prefill(request_id, prompt_len)
         point = self._fault_at_add.pop((id(engine), request_id), None)
         if isinstance(point, str) and not isinstance(point, FaultPoint):
@@ -801,10 +845,11 @@ class MooncakeDriver(PairDriver):
         elif point is FaultPoint.UNKNOWN_ENGINE:
             params = unknown_engine(params)
         elif point is FaultPoint.NET_BLACKHOLE:
-            if self._proxy is None:
-                self._proxy = pair.bootstrap_proxy()
-            self._proxy.set_mode(ProxyMode.BLACKHOLE)
-            params = pair.via_proxy(params, self._proxy)
+            proxy = self._proxies.get(id(pair))
+            if proxy is None:
+                proxy = self._proxies[id(pair)] = pair.bootstrap_proxy()
+            proxy.set_mode(ProxyMode.BLACKHOLE)
+            params = pair.via_proxy(params, proxy)
         elif point is FaultPoint.PEER_ERROR_RESPONSE:
             pair.inject(request_id, "error_response")
         elif point is FaultPoint.PEER_ERR_REQS:
@@ -813,6 +858,16 @@ class MooncakeDriver(PairDriver):
             pair.inject(request_id, "finish_without_result")
         elif point is FaultPoint.KILL_BEFORE_PULL:
             pair.kill_p()
+        elif point is FaultPoint.KILL_DURING_TRANSFER:
+            # P's sender really writes half of the pull into D, then SIGKILLs itself.
+            pair.inject(request_id, "die_mid_transfer")
+            self._broken.add(id(pair))
+        elif point is FaultPoint.TP_ONE_RANK:
+            # A real one-rank crash: P's TP rank 1 is SIGKILLed, rank 0 serves its pull.
+            # (Rank 1: P's rank 0 also hosts Mooncake's bootstrap server, so killing it
+            # would fail every rank's query, not one rank's transfer.)
+            pair.signal_p_rank(1, signal.SIGKILL)
+            self._broken.add(id(pair))
         elif point is FaultPoint.FREEZE_PEER:
             pair.freeze_p()
         pair.add(

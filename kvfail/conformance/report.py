@@ -36,6 +36,8 @@ class Record:
     nodeid: str = ""
     #: Measurements the scenario noted (e.g. ``detected_s``: add -> first report).
     details: dict[str, Any] = field(default_factory=dict)
+    #: Engine layout (``tp1``, ``tp2``, ``tp1-g2``, ``tp2-g2``; see ``layout.py``).
+    layout: str = "tp1"
 
 
 def _cell(record: Record | None) -> str:
@@ -51,9 +53,12 @@ def render_matrix(records: Iterable[Record], *, markdown: bool = False) -> str:
         by_connector.setdefault(r.connector, []).append(r)
     lines: list[str] = []
     for connector, recs in by_connector.items():
-        policies = sorted({r.policy for r in recs})
+        # One column per policy; per policy and layout when several layouts ran.
+        several = len({r.layout for r in recs}) > 1
+        column = (lambda r: f"{r.policy} {r.layout}") if several else (lambda r: r.policy)
+        policies = sorted({column(r) for r in recs}, key=lambda c: (c.split()[1:], c))
         scenarios = list(dict.fromkeys(r.scenario for r in recs))
-        index = {(r.scenario, r.policy): r for r in recs}
+        index = {(r.scenario, column(r)): r for r in recs}
         counts = {o: sum(r.outcome == o for r in recs) for o in OUTCOMES}
         summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
         header = ["scenario", "clauses", *policies]
@@ -93,7 +98,7 @@ def render_durations(records: Iterable[Record]) -> str:
     for r in recs:
         totals[r.connector] = totals.get(r.connector, 0.0) + r.duration_s
     lines = [
-        f"  {r.duration_s:7.3f}s  {r.connector} {r.scenario}[{r.policy}]"
+        f"  {r.duration_s:7.3f}s  {r.connector} {r.scenario}[{r.policy} {r.layout}]"
         + "".join(f"  {k}={v}" for k, v in r.details.items())
         for r in recs
     ]

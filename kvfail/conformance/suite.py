@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvfail.conformance.capabilities import Capabilities, CapabilityMissing
+from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class ScenarioContext:
     scenario: str
     silent_wait_s: float = 6.0
     node: pytest.Item | None = None
+    #: The layout this run of the scenario is in (``--layout``); ``engine()`` defaults to it.
+    layout: Layout = DEFAULT_LAYOUT
     engines: list[Engine] = field(default_factory=list)
     _seq: int = 0
 
@@ -123,9 +126,14 @@ class ScenarioContext:
     # ------------------------------------------------------------ engines
 
     def engine(
-        self, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool = False
+        self,
+        *,
+        num_kv_cache_groups: int | None = None,
+        tp_size: int | None = None,
+        deadline: bool = False,
     ) -> Engine:
-        """A fresh D engine for this scenario, closed at teardown.
+        """A fresh D engine for this scenario, closed at teardown; TP size and groups
+        default to the scenario's layout (a scenario that needs one names it).
 
         A connector whose module cannot be imported here (its transport library is not
         installed) makes the driver unavailable, which is a named skip, not a failure.
@@ -133,8 +141,8 @@ class ScenarioContext:
         try:
             engine = self.driver.build_engine(
                 self.policy,
-                num_kv_cache_groups=num_kv_cache_groups,
-                tp_size=tp_size,
+                num_kv_cache_groups=num_kv_cache_groups or self.layout.num_kv_cache_groups,
+                tp_size=tp_size or self.layout.tp_size,
                 deadline=deadline,
             )
         except ImportError as exc:

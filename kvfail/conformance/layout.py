@@ -1,0 +1,62 @@
+"""The engine layouts a scenario runs in: TP size x number of KV-cache groups.
+
+Why an axis of its own: the contract has clauses that only show in some layouts (with
+two KV-cache groups a block-level report raises inside the scheduler, C5; at TP 2 a
+failure on one rank must survive vLLM's ``KVOutputAggregator``, C8/C11), and a connector
+can be right in one layout and wrong in another. ``--layout`` runs every scenario in
+each chosen layout; a layout the driver cannot build is a named skip (``requires tp2`` /
+``requires two_groups``), as any other missing capability.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["ALL_LAYOUTS", "DEFAULT_LAYOUT", "Layout", "parse_layouts"]
+
+_PATTERN = re.compile(r"^tp(?P<tp>[12])(?:-g(?P<groups>[12]))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tp_size: int = 1
+    num_kv_cache_groups: int = 1
+
+    @property
+    def name(self) -> str:
+        groups = "" if self.num_kv_cache_groups == 1 else f"-g{self.num_kv_cache_groups}"
+        return f"tp{self.tp_size}{groups}"
+
+    @property
+    def requires(self) -> tuple[str, ...]:
+        """The capabilities a driver needs to build this layout."""
+        out: list[str] = []
+        if self.tp_size > 1:
+            out.append("tp2")
+        if self.num_kv_cache_groups > 1:
+            out += ["two_groups", "hma"]
+        return tuple(out)
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        match = _PATTERN.match(text.strip())
+        if match is None:
+            raise ValueError(f"unknown layout {text!r}: use tp1, tp2, tp1-g2, tp2-g2 or all")
+        return cls(int(match["tp"]), int(match["groups"] or 1))
+
+
+DEFAULT_LAYOUT = Layout()
+ALL_LAYOUTS = (Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(2, 2))
+
+
+def parse_layouts(values: list[str]) -> list[Layout]:
+    """``--layout`` values (repeatable, comma-separated, ``all``) -> distinct layouts."""
+    out: list[Layout] = []
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            chosen = ALL_LAYOUTS if part.strip() == "all" else (Layout.parse(part),)
+            out += [layout for layout in chosen if layout not in out]
+    return out or [DEFAULT_LAYOUT]
