@@ -31,15 +31,17 @@ World of one. Worker connectors that ask for TP/PP ranks need vLLM's distributed
 so the first engine in a process runs the real ``init_distributed_environment`` (gloo,
 world size 1, on 127.0.0.1) and ``ensure_model_parallel_initialized(1, 1)``.
 
-TP = 2, and its limits. Two WORKER-role instances are built in this one process, each
-with its own KV tensors, and the mixin runs each in turn with that instance installed as
-the transfer group (vLLM's ``_KV_CONNECTOR_AGENT`` is swapped for the duration of the
-rank's hooks and restored after). The aggregation is vLLM's real code with two real
-outputs. What is *not* simulated: each instance still sees TP rank 0 of a TP world of
-size 1 (the process is a world of one and ``parallel_config.tensor_parallel_size`` stays
-1), so a connector that shards heads or picks peers by TP rank behaves as rank 0 twice.
-TP = 2 is therefore honest for connectors whose reporting does not depend on the rank
-(the toy, and the reporter's bookkeeping), not for a real transport's TP layout.
+TP = 2, two ways (``EngineSpec.tp_mode``). ``"processes"`` is real TP: each rank is its own
+OS process in a real gloo world of ``tp_size`` (:mod:`kvfail.harness.ranks`), with its own
+transfer group, KV tensors and TP rank, and vLLM's TP size set, so a real transport picks
+its peer rank and head slice as in production; the scheduler process sends each rank the
+``SchedulerOutput`` and aggregates their outputs. ``"simulated"`` (the default, cheap)
+builds every rank's WORKER-role instance in this process and runs each in turn with that
+instance installed as the transfer group; each still sees TP rank 0 of a world of one, so
+it is honest only for connectors whose reporting does not depend on the rank (the toy,
+the reporter's bookkeeping). Both run the worker hooks through one function
+(:func:`kvfail.harness.hooks.run_worker_hooks`); a forward that must reach the rank's
+tensors is a :class:`~kvfail.harness.hooks.SplitForward`.
 """
 
 from __future__ import annotations

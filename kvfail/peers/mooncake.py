@@ -25,12 +25,11 @@ D's verification. D's forward hook runs when a request is first scheduled after 
 position of every layer with :mod:`kvfail.peers.pattern`; :meth:`MooncakePair.verify`
 returns that result. It is taken then, because D's blocks are freed when the request ends.
 
-TP. ``tp_size=2`` builds two D worker connectors, but the harness runs both as TP rank 0
-of a world of one (``kvfail/harness/engine.py``), so each asks P (TP 1) for the whole
-request. Measured: P serves the first and pops the request; the second waits on P until
-``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` ("Timeout waiting for P side ready", 5.4 s) and D
-fails the request. So D TP=2 here tests reporting/aggregation of a one-rank failure, not
-a real TP layout. P is always TP 1.
+Layouts. ``tp_size=2`` runs P and D both at TP 2, each rank its own process in a real
+gloo world (``tp_mode="processes"``): D's rank ``r`` pulls its head shard from P's rank
+``r``, the byte pattern is per rank, and :meth:`~kvfail.peers.base.PeerPair.signal_p_rank`
+or ``inject(..., ranks=[r])`` breaks one rank only. ``num_kv_cache_groups=2`` builds both
+sides with two KV-cache groups (layer ``i`` in group ``i % 2``).
 """
 
 from __future__ import annotations

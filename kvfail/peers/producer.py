@@ -9,7 +9,9 @@ KV blocks, so D can check every byte it received.
 Run: ``python -m kvfail.peers.producer --config '<json>'``. Config keys (all optional):
 ``connector`` (default ``MooncakeConnector``), ``connector_module`` (None = registered in
 vLLM; e.g. ``connectors.mooncake``), ``engine_id``, ``extra_config`` (merged over
-``{"mooncake_protocol": "tcp", "num_workers": 2}``), ``num_blocks``. The bootstrap port
+``{"mooncake_protocol": "tcp", "num_workers": 2}``), ``num_blocks``, ``tp_size`` (> 1: one
+process per rank, pids in the ready event's ``rank_pids``), ``num_kv_cache_groups``. The
+bootstrap port
 comes from ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (set by the parent), the host is 127.0.0.1.
 
 Protocol: one JSON object per line. Commands on stdin, each with an optional ``id`` that
@@ -18,10 +20,12 @@ the reply echoes:
 * ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len", "transfer_id"?}`` runs the P
   request (``do_remote_decode``, ``max_tokens=1``) until it finishes and replies with the
   ``kv_transfer_params`` D needs;
-* ``{"cmd": "inject", "fault", "req_id"}``: P answers D's next pull naming ``req_id``
-  wrongly on purpose (:data:`INJECTABLE`): ``error_response`` (an ERROR reply),
-  ``err_reqs`` (FINISH with ``err_reqs=[req_id]``) or ``finish_without_result`` (FINISH
-  naming no request). One-shot; P moves no data for that pull;
+* ``{"cmd": "inject", "fault", "req_id", "ranks"?}``: P answers D's next pull naming
+  ``req_id`` wrongly on purpose (:data:`INJECTABLE`), on every rank or only ``ranks``:
+  ``error_response`` (an ERROR reply), ``err_reqs`` (FINISH with ``err_reqs=[req_id]``)
+  or ``finish_without_result`` (FINISH naming no request), moving no data; or
+  ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself.
+  One-shot;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
 * ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
 
