@@ -552,7 +552,13 @@ class Engine:
             for worker in remote:  # every rank process works concurrently, then gather
                 assert worker.process is not None
                 apply = plan[0].apply if plan is not None else None
-                worker.process.send_step(so, apply, None if plan is None else plan[1])
+                try:
+                    worker.process.send_step(so, apply, None if plan is None else plan[1])
+                except RankCrash as err:
+                    self._drain(remote)
+                    return self._crash(
+                        step, f"{err.phase}[{worker.rank}]", err, waiting, so, tb=err.tb
+                    )
             for worker in self.workers:
                 try:
                     rank_outputs.append(self._run_worker(worker, so, plan))
