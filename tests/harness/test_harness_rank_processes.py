@@ -99,8 +99,11 @@ def test_one_rank_fails_across_processes(make_engine: Any, policy: str) -> None:
     assert len(seen) == 1 and seen[0].failed_requests == {"r"}
     assert seen[0].finished_recving == {"r"}
     assert engine.run_until_idle(**BUDGET).ok
-    want = RequestStatus.FINISHED_ERROR if policy == "fail" else RequestStatus.FINISHED_LENGTH_CAPPED
-    assert req.status == want
+    ended = {
+        "fail": RequestStatus.FINISHED_ERROR,
+        "recompute": RequestStatus.FINISHED_LENGTH_CAPPED,
+    }
+    assert req.status == ended[policy]
     assert oracles.check_all(engine, failed=True) == []
 
 
