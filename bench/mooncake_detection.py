@@ -4,8 +4,11 @@ Why this bench: a D-side failure costs what it takes to *reach the scheduler*. B
 connectors run as D engines in this one process (real ``Scheduler``, real TransferEngine
 over tcp 127.0.0.1) against the same real P process (upstream's connector,
 :class:`kvfail.peers.mooncake.MooncakePair`), so every fault hits both under the same
-conditions. Policy is ``fail``: the figure is the time from fault injection to the
-request's terminal state (``FINISHED_ERROR``).
+conditions. Under ``--policy fail`` (the default) the figure is the time from fault
+injection to the request's terminal state (``FINISHED_ERROR``); under ``recompute``, to
+its rescheduling: the step after which the scheduler has taken the failure and the
+request has left ``WAITING_FOR_REMOTE_KVS`` to be computed locally (``--policy both``
+runs the whole table once per policy, each with its own P).
 
 Columns: ``s`` = fault injection -> terminal (wall); ``steps`` = D engine steps in
 between; ``surf->end`` = from the moment the connector *learned* of the failure (upstream:
@@ -61,9 +64,12 @@ class _Probe:
 class Detection:
     """The pair, both sides' D engines, and the measurement loop."""
 
-    def __init__(self, *, cap_s: float, deadline_s: float, probe_s: float) -> None:
+    def __init__(
+        self, *, cap_s: float, deadline_s: float, probe_s: float, policy: str = "fail"
+    ) -> None:
         from kvfail.peers.mooncake import MooncakePair
 
+        self.policy = policy
         self.cap_s = cap_s
         self.deadline_s = deadline_s
         self.pair = MooncakePair(
@@ -87,7 +93,7 @@ class Detection:
         pair = self.pair
         pair.connector, pair.connector_module = SIDES[side]
         key = f"{side}-{name}"
-        engine = pair.consumer("fail", name=key)
+        engine = pair.consumer(self.policy, name=key)
         probe = self.probes[key] = _Probe()
         for worker in engine.workers:
             cw = worker.connector.connector_worker  # type: ignore[attr-defined]
@@ -155,13 +161,22 @@ class Detection:
                 c.outcome = f">{cap:g}s"
 
     def _settle(self, c: Case, engine: Any, now: float, steps0: int) -> None:
-        if c.req_id in engine.scheduler.requests:
-            return
+        from vllm.v1.request import RequestStatus
+
+        request = engine.scheduler.requests.get(c.req_id)
+        if request is not None:
+            # recompute: "ended" = rescheduled, i.e. the failure reached the scheduler and
+            # the request no longer waits for remote KV (it will be computed locally).
+            failed = any(c.req_id in r.failed_requests for r in engine.record.scheduler_reports())
+            if not failed or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                return
+            c.outcome = "resched"
+        else:
+            outputs = engine.record.outputs_for(c.req_id)
+            reason = outputs[-1].finish_reason if outputs else None
+            c.outcome = "failed" if reason is not None and reason.name == "ERROR" else "ok"
         c.ended_at = now
         c.steps = engine.record.steps - steps0
-        outputs = engine.record.outputs_for(c.req_id)
-        reason = outputs[-1].finish_reason if outputs else None
-        c.outcome = "failed" if reason is not None and reason.name == "ERROR" else "ok"
         probe = self.probes[c.consumer]
         surfaced = probe.surfaced.get(c.req_id)
         if surfaced is not None:
@@ -290,7 +305,10 @@ def run_scenarios(bench: Detection, *, slow_stop_s: float) -> list[str]:
 # --------------------------------------------------------------------------- output
 
 
-def report(bench: Detection, missing: list[str], total_s: float) -> None:
+def report(bench: Detection, missing: list[str]) -> list[str]:
+    """Print the table; return the figures (``<fault>_<side>[_recompute]_s=...``)."""
+    print(f"policy={bench.policy}")
+    suffix = "" if bench.policy == "fail" else f"_{bench.policy}"
     head = f"{'fault':18}{'side':10}{'outcome':9}{'s':>9}{'steps':>7}{'surf->end ms':>14}"
     head += f"{'steps':>7}  stage/reason"
     print(head)
@@ -306,13 +324,13 @@ def report(bench: Detection, missing: list[str], total_s: float) -> None:
             f"{surf_ms:>14}{steps_after:>7}  {c.stage}"
         )
         value = c.elapsed_text().removesuffix("s")
-        figures.append(f"{c.fault}_{c.side}_s={value}")
+        figures.append(f"{c.fault}_{c.side}{suffix}_s={value}")
         if c.side == "kvfail" and steps_after:
-            figures.append(f"{c.fault}_{c.side}_surf_steps={steps_after}")
+            figures.append(f"{c.fault}_{c.side}{suffix}_surf_steps={steps_after}")
     for line in missing:
         print(f"{line.split(':')[0]:18}{'both':10}{line.split(':', 1)[1].strip()}")
-    figures.append(f"deadline_s={bench.deadline_s:g} cap_s={bench.cap_s:g} total_s={total_s:.0f}")
-    print(" ".join(figures))
+    print()
+    return figures
 
 
 def main() -> None:
@@ -321,6 +339,7 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=None, help="give up on a case after (s)")
     ap.add_argument("--deadline", type=float, default=None, help="kvfail_deadline_s")
     ap.add_argument("--probe", type=float, default=0.2, help="kvfail_probe_interval_s")
+    ap.add_argument("--policy", choices=("fail", "recompute", "both"), default="fail")
     args = ap.parse_args()
     cap = args.cap or (6.0 if args.quick else 15.0)
     deadline = args.deadline or (1.5 if args.quick else 3.0)
@@ -328,13 +347,19 @@ def main() -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
     started = time.monotonic()
-    bench = Detection(cap_s=cap, deadline_s=deadline, probe_s=args.probe)
-    try:
-        missing = run_scenarios(bench, slow_stop_s=min(1.0, deadline / 2))
-    finally:
-        with contextlib.suppress(Exception):
-            bench.close()
-    report(bench, missing, time.monotonic() - started)
+    figures: list[str] = []
+    policies = ("fail", "recompute") if args.policy == "both" else (args.policy,)
+    for policy in policies:
+        bench = Detection(cap_s=cap, deadline_s=deadline, probe_s=args.probe, policy=policy)
+        try:
+            missing = run_scenarios(bench, slow_stop_s=min(1.0, deadline / 2))
+        finally:
+            with contextlib.suppress(Exception):
+                bench.close()
+        figures += report(bench, missing)
+    total = time.monotonic() - started
+    figures.append(f"deadline_s={deadline:g} cap_s={cap:g} total_s={total:.0f}")
+    print(" ".join(figures))
 
 
 if __name__ == "__main__":
