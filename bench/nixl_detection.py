@@ -10,7 +10,9 @@ stepped together (round-robin), as concurrent engines would be.
 
 Faults (``workers-on-cpu.md``): ``refuse`` (side-channel port nobody listens on: zmq
 retries silently, the handshake fails at its 5 s ``RCVTIMEO``); ``unknown_engine`` (P
-answers the handshake for another engine id); ``silent`` (SIGSTOP P after the handshake,
+answers the handshake for another engine id); ``metadata_garbled`` / ``metadata_layout``
+(P's real side channel answers with agent bytes NIXL cannot load / a KV layout unlike D's,
+see ``NixlPair.serve_bad_metadata``); ``silent`` (SIGSTOP P after the handshake,
 READ stuck in ``PROC``: upstream has no deadline, reported as ``>cap s (not reached)``);
 ``kill_hs`` (SIGKILL P after the handshake, before the READ: ``nixlRemoteDisconnectError``
 when the READ is posted); ``kill_warm`` (a D that pulled before adds its request after P
@@ -146,7 +148,7 @@ def _stage(engine: Any) -> str:
 
 def run_scenarios(bench: Detection) -> None:
     """Every fault, both sides, one P (killed last)."""
-    from kvfail.peers.nixl import unknown_engine, wrong_port
+    from kvfail.peers.nixl import BAD_METADATA, unknown_engine, wrong_port
 
     pair = bench.pair
     both = tuple(SIDES)
@@ -158,6 +160,16 @@ def run_scenarios(bench: Detection) -> None:
 
     cold("refuse", wrong_port)
     cold("unknown_engine", unknown_engine)
+    for kind in BAD_METADATA:  # P's side channel answers every cold D with bad metadata
+        fault = f"metadata_{kind}"
+        keys = {side: bench.consumer(side, f"cold-{fault}") for side in both}
+        params = {side: pair.prefill(bench.rid(fault), 100) for side in both}
+        pair.serve_bad_metadata(kind)
+        try:
+            bench.measure([bench.case(fault, s, keys[s], params[s]) for s in both])
+        finally:
+            pair.serve_bad_metadata(None)
+            pair.expire_leases(p["remote_request_id"] for p in params.values())
 
     # Warm D engines for the P-process faults (their handshake is done).
     silent = {side: bench.warm(side, "silent") for side in both}
@@ -197,12 +209,12 @@ def run_scenarios(bench: Detection) -> None:
 
 
 def report(bench: Detection, total_s: float) -> None:
-    print(f"{'fault':16}{'side':10}{'outcome':9}{'s':>22}{'steps':>7}  kvfail stage")
+    print(f"{'fault':18}{'side':10}{'outcome':9}{'s':>22}{'steps':>7}  kvfail stage")
     figures: list[str] = []
     for c in bench.cases:
         outcome = c.outcome if c.ended_at is not None else "pending"
         elapsed = c.elapsed_text(" (not reached)")
-        print(f"{c.fault:16}{c.side:10}{outcome:9}{elapsed:>22}{c.steps or '':>7}  {c.stage}")
+        print(f"{c.fault:18}{c.side:10}{outcome:9}{elapsed:>22}{c.steps or '':>7}  {c.stage}")
         value = f"{c.ended_at - c.injected_at:.3f}" if c.ended_at is not None else c.outcome
         figures.append(f"{c.fault}_{c.side}_s={value}")
         if c.steps is not None:

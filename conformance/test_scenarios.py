@@ -357,3 +357,92 @@ def test_tp2_failure_on_one_rank(kvfail: Any) -> None:
     kvfail.driver.settle(engine, rid, ranks=[1])
     kvfail.run(engine)
     kvfail.check(engine, [rid], failed=True, extra=check_not_late(engine, rid, blocks))
+
+
+def _add_handshake_fault(kvfail: Any, engine: Any, rid: str, point: FaultPoint) -> list[int]:
+    """Like ``kvfail.add_loading``, for a fault the peer answers in the handshake: a real
+    loopback handshake can fail within the very step that starts the load, so the request
+    may end before it is ever seen waiting after a step. It must have entered
+    WAITING_FOR_REMOTE_KVS (the engine's record, taken right after ``schedule()``); the
+    block ids it held are read while it is still there (none if it failed at once)."""
+    kvfail.driver.arm(engine, rid, point)
+    kvfail.driver.add_remote_request(engine, rid)
+    blocks: list[int] = []
+
+    def entered(e: Any) -> bool:
+        kvfail.driver.observe(e)
+        if rid in e.waiting_for_remote():
+            blocks[:] = [b for g in e.scheduler.kv_cache_manager.get_block_ids(rid) for b in g]
+        return any(rid in w for w in e.record.waiting_for_remote)
+
+    result = engine.run_until(entered, max_steps=10, timeout_s=10.0)
+    if not result.ok:
+        kvfail.assert_clean([f"C12 setup: {rid} never entered WAITING_FOR_REMOTE_KVS ({result})"])
+    return blocks
+
+
+def _bad_handshake_metadata(kvfail: Any, point: FaultPoint) -> None:
+    """P answers D's handshake with metadata D cannot use. The load fails at the handshake
+    (in a worker thread of D): it must be reported once, paired with finished_recving, and
+    the policy decides; never raised into the engine (C13), never left waiting for a READ
+    that cannot be posted (C10), and D must not run on KV it never pulled (C1)."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(point)
+    engine = kvfail.engine()
+    rid = kvfail.rid(point.value)
+    blocks = _add_handshake_fault(kvfail, engine, rid, point)
+    kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    _note_detection(kvfail, engine, rid)
+    extra = [*_wrong_bytes(kvfail, engine, rid), *check_not_late(engine, rid, blocks)]
+    kvfail.check(engine, [rid], failed=True, extra=extra)
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C10", "C13")
+@pytest.mark.guards("#50765", "#40364", "#41863")
+def test_peer_sends_garbled_handshake_metadata(kvfail: Any) -> None:
+    """P's side channel answers with agent metadata the transport cannot load (NIXL:
+    ``loadRemoteMD`` rejects the garbled agent bytes, #50765). D fails the load at the
+    handshake; before #40364 this killed the engine."""
+    _bad_handshake_metadata(kvfail, FaultPoint.PEER_BAD_METADATA)
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C10", "C13")
+@pytest.mark.guards("#50765", "#40364", "#21577")
+def test_peer_sends_mismatched_layout_metadata(kvfail: Any) -> None:
+    """P's side channel answers with well-formed metadata for a KV layout unlike D's (NIXL:
+    blocks half D's size, as a P with another head layout sends; its compatibility hash is
+    P's real one). D's layout check refuses it (an ``assert`` upstream, #21577), and the
+    load fails at the handshake; reading with that layout would land P's bytes at the
+    wrong offsets."""
+    _bad_handshake_metadata(kvfail, FaultPoint.PEER_METADATA_MISMATCH)
+
+
+@pytest.mark.clauses("C1", "C2", "C7", "C8", "C13")
+@pytest.mark.guards("#55854", "#41383", "#43226")
+def test_notification_failure_keeps_a_good_load(kvfail: Any) -> None:
+    """D's done-notification to P fails after D pulled P's bytes (and for a request
+    aborted before its first schedule, whose pull only notifies). A notification is not a
+    load: D's blocks hold P's bytes and nothing can still write into them, so the load is
+    reported finished and NOT failed (under ``fail`` it completes; failing it would turn a
+    good answer into an error), exactly once; the failed send is never raised into the
+    engine (C13) and the aborted id is never reported (C7). P frees its blocks by its send
+    lease (NIXL: ``kv_lease_duration``, #41383), which is P's bound, not D's."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(FaultPoint.NOTIFY_FAILED)
+    engine = kvfail.engine()
+    rejected = kvfail.rid("notify-rejected")
+    kvfail.driver.arm(engine, rejected, point)
+    kvfail.driver.add_remote_request(engine, rejected, prompt_len=40)
+    engine.abort(rejected)
+    rid = kvfail.rid("notify-lost")
+    kvfail.add_loading(engine, rid, fault=point)
+    kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    _note_detection(kvfail, engine, rid)
+    extra = [f"C7 phantom report for {rejected}: {x}" for x in _reports_naming(engine, rejected)]
+    if kvfail.caps.byte_verification:
+        mismatch = kvfail.driver.verify_bytes(engine, rid)
+        if mismatch:
+            extra.append(f"C1 a good load went wrong after a failed notification: {mismatch}")
+    kvfail.check(engine, [rid], failed=False, extra=extra)

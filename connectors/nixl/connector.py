@@ -83,9 +83,15 @@ DEFAULT_DEADLINE_S: Final = 30.0
 FENCE_RETRY_S: Final = 0.1
 
 #: Upstream ``_log_failure`` types that fail the request, and where they are detected.
-#: ``notification_failed`` is absent on purpose: D already holds its bytes when telling P
-#: fails, so failing D would throw away a good load; upstream counts it
-#: (``num_failed_notifications``, in the merged stats) and P frees by lease expiry.
+#: ``notification_failed`` is absent on purpose: a notification is not a load. Upstream D
+#: sends one of its own (``send_notif``) only where nothing is left to load (a pull with no
+#: blocks: a request aborted before its first schedule, a full local hit) or after a split
+#: DRAM/device READ is DONE; an ordinary READ carries its notification, whose loss D never
+#: sees. Either way D's blocks already hold P's bytes and nothing can still write into
+#: them, so the load is reported finished and not failed (failing it would turn a good
+#: answer into an error under ``fail``); upstream counts the failed send
+#: (``num_failed_notifications``, in the merged stats) and P frees its blocks when its send
+#: lease (``kv_lease_duration``) ends. The suite's ``notify_failed`` scenario checks this.
 #: ``handshake_setup_failed`` is engine-level (no request id); each waiting request gets
 #: its own ``handshake_failed``. ``transfer_release_failed`` is handled by retention.
 FAILURE_STAGES: Final[dict[str, Stage]] = {

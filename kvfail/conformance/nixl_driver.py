@@ -15,6 +15,16 @@ are real with NIXL here:
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
   silently, the handshake fails at its 5 s ``RCVTIMEO``;
 * ``unknown_engine``: P's real params naming another engine id;
+* ``peer_bad_metadata`` / ``peer_metadata_mismatch``: P's real side channel answers the
+  cold D's handshake with NIXL agent bytes that NIXL cannot load, or with a well-formed
+  agent whose KV blocks are half D's size (P's compatibility hash is real, so D gets past
+  it); D's handshake fails (``handshake_failed``). Served only while armed, for one
+  scenario; the driver checks that P really served it;
+* ``notify_failed``: D's done-notification to P never arrives (D side, at the transport
+  boundary: the real READ is posted without its notification, an explicit ``send_notif``
+  raises ``nixlBackendError``). The pulled KV is good, so the load must succeed. After
+  the scenario the driver checks that it fired and that P was never told, then ends P's
+  send lease (what ``kv_lease_duration`` does 30 s later) so P gets its blocks back;
 * ``abort_while_waiting`` and ``notify_only_empty_blocks`` (driver-side).
 
 Not advertised, on purpose: ``net_blackhole`` (the handshake would time out at 5 s, which
@@ -32,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvfail.conformance.driver import Declared, PairDriver
 from kvfail.faults.points import FaultPoint
@@ -68,6 +78,11 @@ class NixlDriver(PairDriver):
 
     pair_module = "kvfail.peers.nixl"
     pair_name = "NixlPair"
+    #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
+    BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
+        FaultPoint.PEER_BAD_METADATA: "garbled",
+        FaultPoint.PEER_METADATA_MISMATCH: "layout",
+    }
     #: Why upstream has no deadline (the strict xfail's reason).
     NO_DEADLINE = (
         "stuck in PROC: no D-side deadline (upstream NIXL times out only the handshake, "
@@ -83,6 +98,12 @@ class NixlDriver(PairDriver):
     ) -> None:
         self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
         self._kill_on_provoke: set[tuple[int, str]] = set()
+        #: The bad metadata P was armed with in this scenario, if any.
+        self._bad_metadata: str | None = None
+        #: (faults, P request id) armed by ``notify_failed`` in this scenario.
+        self._notify_armed: list[tuple[Any, str]] = []
+        #: P request ids D will never release (P's lease is ended after the scenario).
+        self._unreleased: list[str] = []
         self._init_pair_driver(name, connector, connector_module)
 
     @classmethod
@@ -133,16 +154,32 @@ class NixlDriver(PairDriver):
             self._pair = None
 
     def after_scenario(self) -> None:
-        """Thaw a frozen P; replace a dead one without waiting for its import."""
+        """Thaw a frozen P; replace a dead one without waiting for its import. Disarm P's
+        bad metadata and give P back the blocks of pulls that never told it; raise if a
+        fault armed in the scenario never happened (the scenario would prove nothing)."""
         pair = self._pair
+        bad, notify, unreleased = self._bad_metadata, self._notify_armed, self._unreleased
+        self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
+        self._kill_on_provoke.clear()
         if pair is None or pair.p is None:
             return
         proc = pair.p.process
-        self._kill_on_provoke.clear()
         if proc.alive and proc.frozen:
             pair.thaw_p()
         if not proc.alive:
             pair.restart_p(wait=False)
+            return
+        problems = []
+        if bad is not None and pair.serve_bad_metadata(None) == 0:
+            problems.append(f"P was armed with {bad} metadata but no handshake asked for it")
+        leases = pair.expire_leases(unreleased) if unreleased else {}
+        for faults, p_req in notify:
+            if not faults.fired(p_req):
+                problems.append(f"the done-notification for {p_req} was never sent or dropped")
+            elif p_req in leases.get("notified", ()):
+                problems.append(f"P was notified of {p_req} although its notification failed")
+        if problems:
+            raise RuntimeError("NixlDriver: fault not injected: " + "; ".join(problems))
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
@@ -152,6 +189,9 @@ class NixlDriver(PairDriver):
                 FaultPoint.FREEZE_PEER,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
+                FaultPoint.PEER_BAD_METADATA,
+                FaultPoint.PEER_METADATA_MISMATCH,
+                FaultPoint.NOTIFY_FAILED,
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
             }
@@ -209,6 +249,15 @@ class NixlDriver(PairDriver):
             params = wrong_port(params)
         elif point is FaultPoint.UNKNOWN_ENGINE:
             params = unknown_engine(params)
+        elif point in self.BAD_METADATA:
+            self._bad_metadata = self.BAD_METADATA[point]
+            pair.serve_bad_metadata(self._bad_metadata)
+            self._unreleased.append(params["remote_request_id"])
+        elif point is FaultPoint.NOTIFY_FAILED:
+            faults = pair.break_notifications(engine)
+            faults.arm(params["remote_request_id"])
+            self._notify_armed.append((faults, params["remote_request_id"]))
+            self._unreleased.append(params["remote_request_id"])
         warm = pair.handshaked(engine)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
         if point is FaultPoint.KILL_BEFORE_PULL and warm:

@@ -117,6 +117,9 @@ class FaultPoint(enum.StrEnum):
     PEER_ERROR_RESPONSE = "peer_error_response"
     PEER_ERR_REQS = "peer_err_reqs"
     PEER_FINISH_WITHOUT_RESULT = "peer_finish_without_result"
+    PEER_BAD_METADATA = "peer_bad_metadata"
+    PEER_METADATA_MISMATCH = "peer_metadata_mismatch"
+    NOTIFY_FAILED = "notify_failed"
     ABORT_WHILE_WAITING = "abort_while_waiting"
     NOTIFY_ONLY_EMPTY_BLOCKS = "notify_only_empty_blocks"
     TP_ONE_RANK = "tp_one_rank"
@@ -225,6 +228,24 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _S,
             Injection.PEER,
             "C1 C2 C10 C11",
+        ),
+        FaultPoint.PEER_BAD_METADATA: _spec(
+            "P answers the handshake with agent metadata the transport cannot load (garbled)",
+            _A,
+            Injection.PEER,
+            "C1 C2 C3 C10 C13",
+        ),
+        FaultPoint.PEER_METADATA_MISMATCH: _spec(
+            "P answers the handshake with well-formed metadata for a KV layout unlike D's",
+            _A,
+            Injection.PEER,
+            "C1 C2 C3 C10 C13",
+        ),
+        FaultPoint.NOTIFY_FAILED: _spec(
+            "D's done-notification to P is lost or its send fails; the pulled KV is good",
+            _A,
+            Injection.DRIVER,
+            "C1 C2 C7 C8 C13",
         ),
         FaultPoint.ABORT_WHILE_WAITING: _spec(
             "the request is aborted on D while its load waits for remote KV; signals may follow",

@@ -18,6 +18,13 @@ Faults that are honest with NIXL on TCP loopback (``workers-on-cpu.md``, measure
 * a wrong side-channel port (:func:`wrong_port`): zmq silently retries a refused connect,
   the handshake fails at its 5 s ``RCVTIMEO``;
 * a wrong engine id (:func:`unknown_engine`): P answers the handshake for another engine;
+* bad handshake metadata (:meth:`NixlPair.serve_bad_metadata`): P's real side channel
+  answers with a payload whose NIXL agent bytes are garbled, or whose KV layout is not
+  D's; D's handshake fails (NIXL's ``loadRemoteMD`` / upstream's layout check);
+* a failed done-notification (:meth:`NixlPair.break_notifications`, D side, at the
+  transport boundary): D's real READ is posted without its notification, and an explicit
+  ``send_notif`` raises, so P is never told; the KV D pulled is good. P then holds the
+  blocks until its send lease ends (:meth:`NixlPair.expire_leases` ends it now);
 * :meth:`NixlPair.restart_p` replaces P (new process, new port).
 
 The nixl teardown segfault. Any process that created a nixl UCX agent segfaults in
@@ -49,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
 from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
-from kvfail.peers.nixl_producer import PREFIX, restore_affinity
+from kvfail.peers.nixl_producer import BAD_METADATA, PREFIX, restore_affinity
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,10 +64,12 @@ if TYPE_CHECKING:
     from kvfail.harness import Engine, RunResult, Worker
 
 __all__ = [
+    "BAD_METADATA",
     "NIXL_ENV",
     "DecodeRecord",
     "NixlPair",
     "NixlProducerHandle",
+    "NotificationFaults",
     "install_exit_guard",
     "nixl_available",
     "unknown_engine",
@@ -235,6 +244,16 @@ class NixlProducerHandle(ProducerHandleBase):
         )
         return dict(reply["kv_transfer_params"])
 
+    def serve_bad_metadata(self, kind: str | None) -> int:
+        """Arm (``kind``, one of :data:`BAD_METADATA`) or disarm (None) P's bad handshake
+        answers; returns how many bad answers P gave since it was last armed."""
+        fault = {"fault": "bad_metadata", "kind": kind} if kind else {"fault": "none"}
+        return int(self.request({"cmd": "inject", **fault})["served"])
+
+    def expire(self, req_ids: Iterable[str]) -> dict[str, Any]:
+        """End P's send lease of ``req_ids`` now (see the producer's ``expire``)."""
+        return self.request({"cmd": "expire", "req_ids": list(req_ids)})
+
 
 def _pythonpath() -> str:
     """The repository root first (``connectors.nixl`` must import in P), then the rest."""
@@ -244,6 +263,85 @@ def _pythonpath() -> str:
 
 
 # --------------------------------------------------------------------------- D side
+
+
+class NotificationFaults:
+    """D's done-notifications to P that must never arrive, by P's request id.
+
+    Why at the transport boundary: upstream D tells P it is done in two ways, and a fault
+    must hit both the way the transport would. An ordinary READ carries the notification
+    itself (``make_prepped_xfer(..., notif_msg=...)``, sent by NIXL when the READ
+    completes): here that READ is posted for real, without its notification (lost in
+    flight). A pull with nothing to read (an aborted request, a full local hit) and the
+    deferred notifications of split reads call ``send_notif``: here that raises
+    ``nixlBackendError`` (a failed send; upstream logs ``notification_failed``). Only
+    messages of the done-notification form ``<P request id>:<consumers>`` naming an armed
+    id are touched; heartbeats and every other call go to the real agent.
+    """
+
+    def __init__(self) -> None:
+        self.armed: set[str] = set()
+        #: P request ids whose notification was dropped from a READ / whose send raised.
+        self.dropped: list[str] = []
+        self.raised: list[str] = []
+        self._lock = threading.Lock()
+
+    def arm(self, remote_request_id: str) -> None:
+        with self._lock:
+            self.armed.add(remote_request_id)
+
+    def fired(self, remote_request_id: str) -> bool:
+        with self._lock:
+            return remote_request_id in self.dropped or remote_request_id in self.raised
+
+    def hit(self, notif_msg: Any, kind: str) -> bool:
+        """Whether ``notif_msg`` is an armed done-notification (recorded under ``kind``)."""
+        try:
+            raw = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg)
+            text = raw.decode()
+        except (TypeError, ValueError):
+            return False
+        req_id, sep, consumers = text.rpartition(":")
+        with self._lock:
+            if not (sep and consumers.isdigit() and req_id in self.armed):
+                return False
+            (self.dropped if kind == "dropped" else self.raised).append(req_id)
+            return True
+
+
+class _NotifyFaultAgent:
+    """A D worker's ``nixl_wrapper`` with :class:`NotificationFaults` applied."""
+
+    def __init__(self, agent: Any, faults: NotificationFaults) -> None:
+        self._agent = agent
+        self.kvfail_notify_faults = faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        faults = self.kvfail_notify_faults
+        if "notif_msg" in kwargs:
+            if faults.hit(kwargs["notif_msg"], "dropped"):
+                kwargs["notif_msg"] = b""
+        elif len(args) > 5 and faults.hit(args[5], "dropped"):
+            args = (*args[:5], b"", *args[6:])
+        return self._agent.make_prepped_xfer(*args, **kwargs)
+
+    def send_notif(self, remote_agent_name: str, notif_msg: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.kvfail_notify_faults.hit(notif_msg, "raised"):
+            raise _nixl_error(f"kvfail: notification {notif_msg!r} to {remote_agent_name} failed")
+        return self._agent.send_notif(remote_agent_name, notif_msg, *args, **kwargs)
+
+
+def _nixl_error(message: str) -> Exception:
+    """NIXL's own backend error when the bindings are importable, else RuntimeError."""
+    try:
+        from nixl._api import nixlBind
+
+        return nixlBind.nixlBackendError(message)  # type: ignore[no-any-return]
+    except Exception:
+        return RuntimeError(message)
 
 
 @dataclass
@@ -442,6 +540,34 @@ class NixlPair(PeerPair):
             rec.injected_at = time.monotonic()
             rec.steps_at_injection = engine.record.steps
         return seen
+
+    def serve_bad_metadata(self, kind: str | None) -> int:
+        """P's side channel answers every handshake with metadata D cannot use (``kind``:
+        ``garbled`` agent bytes, or a ``layout`` unlike D's; see :data:`BAD_METADATA`)
+        until called with None. Only a D that has not handshaked with P yet (a cold one)
+        asks. Returns how many bad answers P gave since it was last armed."""
+        return self.producer().serve_bad_metadata(kind)
+
+    def expire_leases(self, req_ids: Iterable[str]) -> dict[str, Any]:
+        """End P's send lease of these P request ids now, as ``kv_lease_duration`` would
+        later: frees P's blocks for pulls that will never notify P. The reply says which
+        leases were still ``pending`` and which requests P was ``notified`` of."""
+        return self.producer().expire(req_ids)
+
+    def break_notifications(self, consumer: str | Engine | None = None) -> NotificationFaults:
+        """D's done-notifications to P fail for the P request ids armed on the returned
+        :class:`NotificationFaults` (one per D engine; installed on each of its workers'
+        NIXL agents on first use)."""
+        engine = self._engine(consumer)
+        agents = [w.connector.connector_worker for w in engine.workers]
+        for agent in agents:
+            if isinstance(agent.nixl_wrapper, _NotifyFaultAgent):
+                found: NotificationFaults = agent.nixl_wrapper.kvfail_notify_faults
+                return found
+        faults = NotificationFaults()
+        for nixl_worker in agents:
+            nixl_worker.nixl_wrapper = _NotifyFaultAgent(nixl_worker.nixl_wrapper, faults)
+        return faults
 
     def run(
         self,

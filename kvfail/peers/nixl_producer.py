@@ -24,12 +24,25 @@ stderr before vLLM is imported, because NIXL's Python logger writes to stdout):
 * ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len"}``: run P's request
   (``do_remote_decode``, ``max_tokens=1``) until it finishes; reply with the
   ``kv_transfer_params`` upstream's ``request_finished`` produced for D;
+* ``{"cmd": "inject", "fault": "bad_metadata", "kind"}``: from now on the side channel
+  answers every handshake with metadata D cannot use (:data:`BAD_METADATA`): ``garbled``
+  (the NIXL agent metadata bytes inside a well-formed payload are corrupted, so NIXL's
+  ``loadRemoteMD`` rejects them) or ``layout`` (a well-formed agent whose KV blocks are
+  half D's size, as a P with another head layout would send). ``{"fault": "none"}``
+  disarms; both reply with ``served`` (bad answers given since the last arm);
+* ``{"cmd": "expire", "req_ids"}``: end P's send lease of these requests now (what
+  ``kv_lease_duration`` would do later), so blocks D will never release are freed; replies
+  ``pending`` (leases still held: P was never told) and ``notified`` (P was told);
 * ``{"cmd": "stats"}``: counters, ``finished_sending`` seen, free blocks;
 * ``{"cmd": "quit"}``: close and ``os._exit(0)``.
 
 Between commands P keeps stepping its engine (forced, so the connector's worker side runs
 even when the scheduler is idle): that is what receives D's completion notification and
 reports ``finished_sending``.
+
+Injection is at P's own objects, never a scripted fake P: the side-channel listener is
+upstream's thread, handed a mapping whose answer can be swapped (:class:`_ServedMetadata`),
+and the notifications P receives are upstream's, only recorded on their way.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ if TYPE_CHECKING:
 
     from kvfail.harness import Engine, Worker
 
-__all__ = ["PREFIX", "main", "restore_affinity"]
+__all__ = ["BAD_METADATA", "PREFIX", "bad_payload", "main", "restore_affinity"]
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-nixl-p "
@@ -53,6 +66,8 @@ PREFIX = "@@kvfail-nixl-p "
 PREFILL_TIMEOUT_S = 20.0
 #: P's idle loop: a forced step this often keeps notifications and lease expiry flowing.
 _IDLE_STEP_S = 0.02
+#: What the side channel can answer a handshake with instead of P's real metadata.
+BAD_METADATA = ("garbled", "layout")
 
 
 def restore_affinity(mask: set[int]) -> None:
@@ -69,6 +84,54 @@ def restore_affinity(mask: set[int]) -> None:
             os.sched_setaffinity(int(tid), mask)
         except OSError:  # the thread ended meanwhile
             continue
+
+
+def bad_payload(good: Any, kind: str) -> bytes:
+    """P's real handshake payload ``good`` (a ``NixlHandshakePayload``), encoded as the
+    side channel sends it, but unusable for D in the way ``kind`` names (:data:`BAD_METADATA`).
+
+    The compatibility hash is P's real one, so D gets past that check and fails where a
+    real P would make it fail: NIXL cannot load a corrupted agent (``garbled``; #50765's
+    ``loadRemoteMD`` error), or D's layout check refuses blocks of another size (``layout``).
+    """
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
+        NixlHandshakePayload,
+    )
+
+    meta = msgspec.msgpack.decode(good.agent_metadata_bytes, type=NixlAgentMetadata)
+    if kind == "garbled":
+        meta.agent_metadata = bytes(b ^ 0x5A for b in meta.agent_metadata)
+    elif kind == "layout":
+        meta.block_lens = [n // 2 for n in meta.block_lens]
+        meta.block_strides = [n // 2 for n in meta.block_strides]
+    else:
+        raise ValueError(f"unknown bad metadata {kind!r}: one of {BAD_METADATA}")
+    payload = NixlHandshakePayload(
+        compatibility_hash=good.compatibility_hash,
+        agent_metadata_bytes=msgspec.msgpack.encode(meta),
+    )
+    return bytes(msgspec.msgpack.encode(payload))
+
+
+class _ServedMetadata(dict):  # type: ignore[type-arg]
+    """What upstream's side-channel listener serves, keyed ``(pp_rank, tp_rank)``.
+
+    The listener looks its answer up here for every handshake; while :attr:`bad` is set
+    it gets those bytes instead of P's real ones. Set and cleared from P's main thread,
+    read by the listener thread (a single attribute: atomic under the GIL).
+    """
+
+    bad: bytes | None = None
+    served = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        bad = self.bad
+        if bad is None:
+            return super().__getitem__(key)
+        self.served += 1
+        return bad
 
 
 class _Producer:
@@ -92,13 +155,41 @@ class _Producer:
         conn = self.engine.workers[0].connector
         sched_conn = self.engine.scheduler.connector
         assert sched_conn is not None
+        self.handshake_payload = conn.get_handshake_metadata()
+        self.served = _ServedMetadata()
+        self._serve_through(sched_conn.connector_scheduler)
         # What EngineCore does after KV registration: starts the zmq side-channel listener.
-        sched_conn.set_xfer_handshake_metadata_pp_aware({(0, 0): conn.get_handshake_metadata()})
+        sched_conn.set_xfer_handshake_metadata_pp_aware({(0, 0): self.handshake_payload})
+        self.nixl_worker = conn.connector_worker
+        self.notified: set[str] = set()
+        self._record_notifications(self.nixl_worker)
         self.prefills = 0
         self.failed_prefills = 0
         self.finished_sending: list[str] = []
         self._seen_reports = 0
         self._last_step = 0.0
+
+    def _serve_through(self, scheduler: Any) -> None:
+        """Have upstream's listener thread read its answers from :attr:`served`."""
+        listener = scheduler._nixl_handshake_listener
+        served = self.served
+
+        def listen(encoded: dict[Any, bytes], *args: Any) -> None:
+            served.update(encoded)
+            listener(served, *args)
+
+        scheduler._nixl_handshake_listener = listen
+
+    def _record_notifications(self, worker: Any) -> None:
+        """Remember which requests D told P it is done with (upstream's own poll)."""
+        poll = worker._get_new_notifs
+
+        def polled() -> set[str]:
+            got: set[str] = poll()
+            self.notified.update(got)
+            return got
+
+        worker._get_new_notifs = polled
 
     def _forward(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
         """P's "model": write the byte pattern for every token computed this step."""
@@ -161,6 +252,31 @@ class _Producer:
             "kv_transfer_params": dict(outs[-1].kv_transfer_params),
         }
 
+    def inject(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        fault = cmd.get("fault")
+        served = self.served.served
+        if fault == "none":
+            self.served.bad = None
+        elif fault == "bad_metadata":
+            bad = bad_payload(self.handshake_payload, str(cmd.get("kind")))
+            self.served.served = 0
+            self.served.bad = bad
+        else:
+            return {"ok": False, "error": f"unknown fault {fault!r}: bad_metadata | none"}
+        return {"ok": True, "served": served}
+
+    def expire(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """End these send leases now; upstream's next poll frees their blocks."""
+        leases = self.nixl_worker._reqs_to_send
+        pending, notified = [], []
+        for req_id in map(str, cmd.get("req_ids") or ()):
+            if req_id in leases:
+                leases[req_id] = 0.0  # perf_counter domain: long past
+                pending.append(req_id)
+            if req_id in self.notified:
+                notified.append(req_id)
+        return {"ok": True, "pending": pending, "notified": notified}
+
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
         return {
@@ -170,13 +286,23 @@ class _Producer:
             "prefills": self.prefills,
             "failed_prefills": self.failed_prefills,
             "finished_sending": list(self.finished_sending),
+            "notified": sorted(self.notified),
+            "bad_metadata_served": self.served.served,
             "pending_requests": sorted(sched.requests),
             "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
             "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
         }
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
-        return dispatch(cmd, {"prefill": self.prefill, "stats": lambda _: self.stats()})
+        return dispatch(
+            cmd,
+            {
+                "prefill": self.prefill,
+                "inject": self.inject,
+                "expire": self.expire,
+                "stats": lambda _: self.stats(),
+            },
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
