@@ -143,7 +143,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         help="engine layout(s) to run each scenario in: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
-        "(TP size x KV-cache groups; repeatable or comma-separated; default tp1)",
+        "(TP size x KV-cache groups; repeatable or comma-separated; replaces the ini option "
+        "kvfail_layouts, whose default is tp1)",
+    )
+    parser.addini(
+        "kvfail_layouts",
+        type="args",
+        default=[],
+        help="layouts the suite runs when no --layout is given (empty: tp1)",
     )
     group.addoption(
         "--kvfail-report",
@@ -174,11 +181,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STATE] = _State(
         connectors=_connectors(config),
         policies=list(POLICIES) if policy == "both" else [policy],
-        layouts=parse_layouts(list(config.getoption("--layout", default=[]) or [])),
+        layouts=parse_layouts(_layouts(config)),
         report_dir=config.getoption("--kvfail-report", default=None),
         silent_wait_s=float(config.getoption("--kvfail-silent-wait", default=6.0)),
         finding_wait_s=float(config.getoption("--kvfail-finding-wait", default=3.0)),
     )
+
+
+def _layouts(config: pytest.Config) -> list[str]:
+    """``--layout`` values; else the ini list ``kvfail_layouts`` (parsed by the caller)."""
+    given = list(config.getoption("--layout", default=[]) or [])
+    if given:
+        return given
+    try:
+        return [str(v) for v in config.getini("kvfail_layouts")]
+    except ValueError:  # the option is not registered (plugin loaded late)
+        return []
 
 
 def _connectors(config: pytest.Config) -> list[str]:
