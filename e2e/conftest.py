@@ -23,10 +23,38 @@ from kvfail.faults.process import live_peers
 SUMMARY: dict[str, Any] = {}
 
 
+#: The CI subset (marker ``e2e_ci``): one deployment (NIXL: P + a ``fail`` D + a
+#: ``recompute`` D, started together), every fault that needs no second P start.
+#: Left out: ``test_restart_p`` (a fourth server start, 1.5-3 min here) and every
+#: Mooncake test (a second deployment). Measured in e2e/README.md.
+CI_CONNECTOR = "nixl"
+CI_TESTS = frozenset({
+    "test_listeners_loopback_only",
+    "test_pd_matches_local_and_is_deterministic",
+    "test_freeze_p_mid_run",
+    "test_kill_p_mid_run",
+    "test_failure_counters_by_stage",
+})
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "e2e: real vllm serve P/D on CPU (minutes per server); run with -m e2e"
     )
+    config.addinivalue_line(
+        "markers", "e2e_ci: the e2e subset CI runs (NIXL, no P restart); run with -m e2e_ci"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the CI subset. Done here, not with marks on the tests, because the subset is
+    an intersection (these tests *and* the NIXL deployment), which marks on a test and on
+    a fixture parameter cannot express: they would add up."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        connector = callspec.params.get("dep") if callspec is not None else None
+        if connector == CI_CONNECTOR and getattr(item, "originalname", item.name) in CI_TESTS:
+            item.add_marker(pytest.mark.e2e_ci)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

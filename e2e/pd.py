@@ -7,6 +7,7 @@ on a 2-core machine; starting all three at once overlaps their (import-bound) st
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,33 +78,57 @@ def start_deployment(connector: Literal["nixl", "mooncake"], model: str, log_dir
             s.wait_ready()
         for pol in policies:
             dep.proxies[pol] = PDProxy(dep.backend(pol))
-            warm_up(dep.proxies[pol], model)
+            warm_up(dep.proxies[pol], dep.d[pol], model)
     except BaseException:
         dep.close()
         raise
     return dep
 
 
-def warm_up(proxy: PDProxy, model: str, tries: int = 6) -> int:
-    """One P/D request at a time until one succeeds; returns the number of tries it took.
+def warm_up(proxy: PDProxy, d: VllmServer, model: str, tries: int = 8) -> int:
+    """One P/D request at a time until one *really transfers*; returns the tries it took.
 
-    Why: D's first load from a P includes the NIXL handshake (zmq, 5 s receive timeout), and
-    kvfail's deadline counts it. On a loaded 2-core machine the cold handshake was measured
-    at more than 5 s: the first requests failed (handshake_setup_failed / watchdog) while
-    later ones, over the established connection, took ~0.1 s. Tests assume a warm D.
+    Why: D's first load from a P includes the handshake (NIXL: zmq, 5 s receive timeout;
+    Mooncake: P's bootstrap query, then the TransferEngine's first connect), and kvfail's
+    deadline counts it. On a loaded 2-core machine the cold first pull was measured at
+    more than 5 s (Mooncake: ``watchdog`` at 9.6 s with load average 70), so it fails.
+    Later ones, over the established connection, take ~0.1 s. A 200 is not proof of a
+    transfer: under ``recompute`` a failed load is recomputed locally and still answers
+    200 (this is what made the Mooncake tier look like "D computes locally"). So a try
+    counts only if D's ``prompt_tokens_by_source{external_kv_transfer}`` grew. Tests
+    assume a warm D.
     """
     ps = prompts(tries, length=140, seed=99)
     for i, p in enumerate(ps):
-        if asyncio.run(complete(proxy.url, model, p, i)).ok:
+        before = external_tokens(d)
+        ok = asyncio.run(complete(proxy.url, model, p, i)).ok
+        if ok and external_tokens(d) > before:
             return i + 1
-    raise RuntimeError(f"no P/D request through {proxy.url} succeeded in {tries} tries")
+    raise RuntimeError(f"no P/D request through {proxy.url} transferred KV in {tries} tries")
+
+
+def external_tokens(d: VllmServer) -> float:
+    """Prompt tokens D took from a KV transfer so far (its Prometheus counter)."""
+    return metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
+                  source="external_kv_transfer")
 
 
 def watched_metrics(server: VllmServer) -> dict[str, float]:
-    m = server.metrics()
-    return {k: v for k, v in m.items()
-            if k.split("{")[0].removesuffix("_total") in {w.removesuffix("_total") for w in WATCHED}
-            or "kvfail" in k}
+    """The metrics worth recording before/after a fault, keyed without the labels every
+    series shares (``engine``, ``model_name``); ``_created`` timestamps and kvfail series
+    still at 0 are left out to keep the summary readable."""
+    watched = {w.removesuffix("_total") for w in WATCHED}
+    out: dict[str, float] = {}
+    for key, value in server.metrics().items():
+        base = key.split("{")[0]
+        if base.endswith("_created"):
+            continue
+        if base.removesuffix("_total") in watched or ("kvfail" in base and value):
+            out[_SHARED_LABELS.sub("", key).replace("{}", "").replace(",}", "}")] = value
+    return out
+
+
+_SHARED_LABELS = re.compile(r'(?:engine|model_name)="[^"]*",?')
 
 
 def local_reference(server: VllmServer, prompts: list[list[int]]) -> list[list[int] | None]:

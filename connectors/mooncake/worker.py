@@ -400,11 +400,34 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         the report and the cancel; each request gets its one mixin call here, and the
         cancelled task sees it already reported.
         """
+        self._mc_forget_engines_at(worker_addr)
         for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
             tracked = self.failure_reporter.is_tracked
             state.reported.update(r for r in pulls if not tracked(r))
             self._mc_fail_unreported(state, pulls, Stage.PEER_LOST, reason)
             task.cancel()
+
+    def _mc_forget_engines_at(self, worker_addr: str) -> None:
+        """Make the next pull from a P engine with a dead worker query the bootstrap again.
+
+        Upstream caches each P engine's worker addresses (``_remote_agents``, filled by one
+        bootstrap query) for the life of D and never drops them. A P restarted under the
+        same engine id listens on new ports, so without this every later pull would go to
+        the dead address and fail ``peer_lost`` for ever (seen in the e2e tier: P killed,
+        restarted as ``P-mooncake-e2e``, and D kept dialling the old side channel). The
+        next pull carries the bootstrap address the router gives it, which names the new
+        P. Runs on the receiver loop, the only thread that reads or fills the cache.
+        """
+        for engine_id, ranks in list(self._remote_agents.items()):
+            if any(addr == worker_addr for pps in ranks.values() for addr in pps.values()):
+                logger.warning(
+                    "kvfail: P engine %s lost its worker %s; it will be looked up on its "
+                    "bootstrap server again at the next pull",
+                    engine_id,
+                    worker_addr,
+                )
+                del self._remote_agents[engine_id]
+                self._tp_size.pop(engine_id, None)
 
     # ------------------------------------------------------------------ outcomes
 
