@@ -582,3 +582,27 @@ def test_scheduler_forwards_malformed_params_to_a_reported_failure(
             "engine-unhashable": expected_bad,
             "good": FinishReason.LENGTH,
         }
+
+
+def test_a_lost_p_worker_makes_its_engines_be_looked_up_again(
+    connector: KvfailMooncakeConnector,
+) -> None:
+    """A P restarted under the same engine id listens on new ports; upstream caches P's
+    worker addresses per engine id for D's lifetime. Losing a worker must drop exactly
+    the engines that used it (found in the e2e tier: D kept dialling a dead P)."""
+    worker = connector.connector_worker
+    dead, alive = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
+    saved_agents, saved_tp = dict(worker._remote_agents), dict(worker._tp_size)
+    try:
+        worker._remote_agents["P-restarted"] = {0: {0: dead}, 1: {0: alive}}
+        worker._remote_agents["P-other"] = {0: {0: alive}}
+        worker._tp_size["P-restarted"] = 2
+        worker._mc_forget_engines_at(dead)
+        assert "P-restarted" not in worker._remote_agents
+        assert "P-restarted" not in worker._tp_size
+        assert worker._remote_agents["P-other"] == {0: {0: alive}}
+    finally:
+        worker._remote_agents.clear()
+        worker._remote_agents.update(saved_agents)
+        worker._tp_size.clear()
+        worker._tp_size.update(saved_tp)
