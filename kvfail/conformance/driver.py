@@ -511,6 +511,10 @@ class PairDriver(Driver):
         self._module = connector_module
         self._why: str | None = None
         self._pair: Any = None
+        #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
+        self._layout_pairs: dict[tuple[int, int], Any] = {}
+        #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
+        self._broken: set[int] = set()
         #: Which pair built each D engine (a driver may hold one pair per layout).
         self._engine_pairs: dict[int, Any] = {}
         self._names: dict[int, str] = {}
@@ -571,12 +575,82 @@ class PairDriver(Driver):
         self._engine_pairs[id(engine)] = pair
         return engine
 
+    # ------------------------------------------------------------ pairs and their P
+
+    #: The (tp_size, groups) layouts this driver's pairs can be built in.
+    layouts: frozenset[tuple[int, int]] = frozenset({(1, 1)})
+
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """A started pair whose P and D have this layout."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._pair is None:
+            self._pair = self._new_pair(1, 1)
+
     def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
-        """The pair whose P matches this D layout (default: TP 1, one group only)."""
-        if num_kv_cache_groups != 1 or tp_size != 1:
-            raise NotImplementedError(f"{self.pair_name} builds one-group TP=1 D engines only")
+        """The pair whose P matches this D layout (built on first use), with a live P."""
+        layout = (tp_size, num_kv_cache_groups)
+        if layout not in self.layouts:
+            raise NotImplementedError(
+                f"{self.pair_name} builds layouts {sorted(self.layouts)} only, not {layout}"
+            )
         self.start()
-        return self._pair
+        if layout == (1, 1):
+            return self._live(self._pair)
+        if layout not in self._layout_pairs:
+            self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
+        return self._live(self._layout_pairs[layout])
+
+    def _pairs(self) -> list[Any]:
+        return [p for p in (self._pair, *self._layout_pairs.values()) if p is not None]
+
+    def stop(self) -> None:
+        for pair in self._pairs():
+            pair.close()
+        self._pair = None
+        self._layout_pairs.clear()
+
+    def _p_replaced(self, pair: Any) -> None:
+        """Hook: ``pair`` gets a new P (forget what pointed at the old one)."""
+
+    def _live(self, pair: Any) -> Any:
+        """``pair`` with a live P (a P shared with another driver may have been killed
+        by that driver's scenario: this driver then starts its own; the next use waits)."""
+        if pair.p is None or not pair.p.process.alive:
+            self._p_replaced(pair)
+            pair.restart_p(wait=False)
+        return pair
+
+    @staticmethod
+    def _p_crashed(pair: Any) -> bool:
+        """P's process lives but its engine crashed (a rank died), or it does not answer."""
+        if pair.p is None or pair.p.ready is None:
+            return False  # still starting: not known yet
+        try:
+            return pair.p.stats(timeout_s=10.0).get("crashed") is not None
+        except Exception:
+            return True
+
+    def _repair_peers(self) -> None:
+        """After a scenario: thaw a frozen P; kill what is left of a P that lost a rank
+        (on purpose, or a rank that died after a fault) so a driver sharing it sees it
+        dead rather than half-working; replace a dead P without waiting for its import."""
+        for pair in self._pairs():
+            if pair.p is None:
+                continue
+            proc = pair.p.process
+            if proc.alive and proc.frozen:
+                pair.thaw_p()
+            if id(pair) in self._broken or (proc.alive and self._p_crashed(pair)):
+                self._broken.discard(id(pair))
+                pair.kill_p()
+            if not proc.alive:
+                self._p_replaced(pair)
+                pair.restart_p(wait=False)
+
+    def after_scenario(self) -> None:
+        self._repair_peers()
 
     def _pair_of(self, engine: Engine) -> Any:
         return self._engine_pairs.get(id(engine), self._pair)
@@ -638,6 +712,7 @@ class MooncakeDriver(PairDriver):
 
     pair_module = "kvfail.peers.mooncake"
     pair_name = "MooncakePair"
+    layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
     #: Upstream D's socket timeout: P's abort timeout (set to 5 s here) + 60 s, hard-coded.
     UPSTREAM_DEADLINE_S = 65.0
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
@@ -658,18 +733,11 @@ class MooncakeDriver(PairDriver):
         self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
         #: Bootstrap proxies by pair (``id``), made on first use, closed by the pair.
         self._proxies: dict[int, Any] = {}
-        self._layout_pairs: dict[tuple[int, int], Any] = {}
-        #: Pairs whose P lost a rank on purpose: restarted after the scenario.
-        self._broken: set[int] = set()
         self._init_pair_driver(name, connector, connector_module)
 
     @staticmethod
     def _connector_bases() -> tuple[type, type | None] | None:
         return _mooncake_bases()
-
-    def start(self) -> None:
-        if self._pair is None:
-            self._pair = self._new_pair(1, 1)
 
     def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
         """A pair whose P has this layout; P is shared by the drivers of a session that
@@ -700,50 +768,12 @@ class MooncakeDriver(PairDriver):
             _SHARED_P[key] = pair.p
         return pair
 
-    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
-        self.start()
-        if (tp_size, num_kv_cache_groups) == (1, 1):
-            return self._live(self._pair)
-        layout = (tp_size, num_kv_cache_groups)
-        if layout not in self._layout_pairs:
-            self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
-        return self._live(self._layout_pairs[layout])
-
-    def _pairs(self) -> list[Any]:
-        return [p for p in (self._pair, *self._layout_pairs.values()) if p is not None]
+    def _p_replaced(self, pair: Any) -> None:
+        self._proxies.pop(id(pair), None)  # the proxy fronted the old P's bootstrap port
 
     def stop(self) -> None:
         self._proxies.clear()  # closed by their pairs
-        for pair in self._pairs():
-            pair.close()
-        self._pair = None
-        self._layout_pairs.clear()
-
-    def after_scenario(self) -> None:
-        """Thaw a frozen P; replace a dead (or rank-broken) one without waiting for its
-        import."""
-        for pair in self._pairs():
-            if pair.p is None:
-                continue
-            proc = pair.p.process
-            if proc.alive and proc.frozen:
-                pair.thaw_p()
-            if id(pair) in self._broken:
-                # Kill what is left of a P that lost a rank, so a driver sharing it sees
-                # a dead P (and starts its own) rather than a half-working one.
-                self._broken.discard(id(pair))
-                pair.kill_p()
-            if not proc.alive:
-                self._proxies.pop(id(pair), None)
-                pair.restart_p(wait=False)
-
-    def _live(self, pair: Any) -> Any:
-        """``pair`` with a live P (a P shared with another driver may have been killed
-        by that driver's scenario: this driver then starts its own)."""
-        if pair.p is None or not pair.p.process.alive:
-            self._proxies.pop(id(pair), None)
-            pair.restart_p(wait=False)
-        return pair
+        super().stop()
 
     @property
     def faults(self) -> frozenset[FaultPoint]:

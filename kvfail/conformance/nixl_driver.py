@@ -27,11 +27,18 @@ are real with NIXL here:
   send lease (what ``kv_lease_duration`` does 30 s later) so P gets its blocks back;
 * ``abort_while_waiting`` and ``notify_only_empty_blocks`` (driver-side).
 
+* ``tp_one_rank`` (layout ``tp2``): SIGKILL P's TP rank 1 only, after P prefilled; P's
+  scheduler (which serves the side channel for both ranks) and rank 0 live on, so D's
+  rank 0 pulls its shard and D's rank 1 fails its READ to the dead rank.
+
+TP 2 is real (``--layout tp2``): P and D each run two TP rank processes in a real gloo
+world (``tp_mode="processes"``), D's rank ``r`` handshakes for and READs P's rank ``r``,
+and the byte check is per rank. The driver keeps one pair (one P) per layout.
+
 Not advertised, on purpose: ``net_blackhole`` (the handshake would time out at 5 s, which
 is not the silent case the scenario means), protocol faults answered by P (NIXL's P does
-not answer a READ: one-sided RDMA semantics), TP=2 and two groups (the harness runs TP
-ranks as rank 0 of a world of one), malformed params (the suite's malformations name
-Mooncake fields).
+not answer a READ: one-sided RDMA semantics), two KV-cache groups (not built by this
+driver yet), malformed params (the suite's malformations name Mooncake fields).
 
 D runs in this process, so this process creates nixl agents and would segfault at exit:
 the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the process with
@@ -40,6 +47,7 @@ the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the p
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -78,6 +86,7 @@ class NixlDriver(PairDriver):
 
     pair_module = "kvfail.peers.nixl"
     pair_name = "NixlPair"
+    layouts = frozenset({(1, 1), (2, 1)})
     #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
     BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
         FaultPoint.PEER_BAD_METADATA: "garbled",
@@ -104,6 +113,8 @@ class NixlDriver(PairDriver):
         self._notify_armed: list[tuple[Any, str]] = []
         #: P request ids D will never release (P's lease is ended after the scenario).
         self._unreleased: list[str] = []
+        #: The pair of the scenario's last remote request (its P's faults are checked).
+        self._scenario_pair: Any = None
         self._init_pair_driver(name, connector, connector_module)
 
     @classmethod
@@ -119,25 +130,38 @@ class NixlDriver(PairDriver):
     def _connector_bases() -> tuple[type, type | None] | None:
         return nixl_bases()
 
-    def start(self) -> None:
-        if self._pair is not None:
-            return
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
         from kvfail.peers.nixl import NixlPair
 
-        self._pair = NixlPair(
+        pair = NixlPair(
             connector=self._connector,
             connector_module=self._module,
-            ready_timeout_s=180.0,
+            ready_timeout_s=240.0,
             build_default_consumer=False,
+            tp_size=tp_size,
         )
-        self._warm_p()
+        self._warm_p(pair)
+        return pair
 
-    def _warm_p(self) -> None:
+    def _prefill(self, pair: Any, request_id: str, prompt_len: int) -> dict[str, Any]:
+        """P's params; a P whose engine crashed since the last scenario (a rank died late,
+        after the fault that killed it) is replaced once, then asked again."""
+        try:
+            params: dict[str, Any] = pair.prefill(request_id, prompt_len)
+        except RuntimeError as exc:
+            if "P crashed" not in str(exc):
+                raise
+            pair.kill_p()
+            pair.restart_p(wait=True)
+            self._warm_p(pair)
+            params = pair.prefill(request_id, prompt_len)
+        return params
+
+    def _warm_p(self, pair: Any) -> None:
         """One throwaway pull through a throwaway D, so P's first-handshake costs (zmq
         listener, UCX endpoints; seconds on a loaded machine, against a 5 s handshake
         timeout) are not charged to the first scenario. A failure here is not fatal: the
         scenarios report what the pair really does."""
-        pair = self._pair
         engine = pair.consumer("fail", name="driver-warmup")
         try:
             pair.prefill_and_add("driver-warmup", 40, consumer=engine)
@@ -148,26 +172,17 @@ class NixlDriver(PairDriver):
             engine.close()
             pair.decoders.pop("driver-warmup", None)
 
-    def stop(self) -> None:
-        if self._pair is not None:
-            self._pair.close()
-            self._pair = None
-
     def after_scenario(self) -> None:
         """Thaw a frozen P; replace a dead one without waiting for its import. Disarm P's
         bad metadata and give P back the blocks of pulls that never told it; raise if a
         fault armed in the scenario never happened (the scenario would prove nothing)."""
-        pair = self._pair
+        pair = self._scenario_pair
         bad, notify, unreleased = self._bad_metadata, self._notify_armed, self._unreleased
         self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
+        self._scenario_pair = None
         self._kill_on_provoke.clear()
-        if pair is None or pair.p is None:
-            return
-        proc = pair.p.process
-        if proc.alive and proc.frozen:
-            pair.thaw_p()
-        if not proc.alive:
-            pair.restart_p(wait=False)
+        self._repair_peers()
+        if pair is None or pair.p is None or not pair.p.process.alive:
             return
         problems = []
         if bad is not None and pair.serve_bad_metadata(None) == 0:
@@ -194,6 +209,7 @@ class NixlDriver(PairDriver):
                 FaultPoint.NOTIFY_FAILED,
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
+                FaultPoint.TP_ONE_RANK,
             }
         )
 
@@ -204,7 +220,11 @@ class NixlDriver(PairDriver):
             "async_load": (True, "NIXL pulls asynchronously (READ, polled each step)"),
             "sync_load": (False, "NIXL only advertises asynchronous loads"),
             "remote_prefill": (True, "a real P process prefills; D READs its blocks"),
-            "two_groups": (False, "NixlPair builds one-group D engines only"),
+            "two_groups": (
+                False,
+                "NixlDriver builds one-group pairs only (upstream NixlConnector is SupportsHMA; "
+                "a two-group NIXL pair is not built or tested here yet)",
+            ),
             "has_deadline": (
                 kvfail,
                 f"kvfail_deadline_s={self.SCENARIO_DEADLINE_S:g}" if kvfail else self.NO_DEADLINE,
@@ -212,9 +232,9 @@ class NixlDriver(PairDriver):
             "deadline_s": (deadline, "driver"),
             "real_transport": (True, "nixl agent, UCX over TCP loopback, DRAM"),
             "tp2": (
-                False,
-                "the harness runs both D ranks as TP rank 0 of a world of one: not a real "
-                "NIXL TP layout",
+                True,
+                "P and D each run two TP rank processes in a real gloo world "
+                "(tp_mode=processes); D rank r READs P rank r",
             ),
             "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
             "malformed_params": (
@@ -234,16 +254,18 @@ class NixlDriver(PairDriver):
         return engine
 
     def observe(self, engine: Engine) -> None:
-        if self._pair is not None:
-            self._pair.observe(engine)
+        pair = self._pair_of(engine)
+        if pair is not None:
+            pair.observe(engine)
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
         from kvfail.peers.nixl import unknown_engine, wrong_port
 
-        pair = self._pair
-        params = pair.prefill(request_id, prompt_len)
+        pair = self._live(self._pair_of(engine))
+        self._scenario_pair = pair
+        params = self._prefill(pair, request_id, prompt_len)
         point = self._fault_at_add.pop((id(engine), request_id), None)
         if point is FaultPoint.REFUSE:
             params = wrong_port(params)
@@ -258,6 +280,11 @@ class NixlDriver(PairDriver):
             faults.arm(params["remote_request_id"])
             self._notify_armed.append((faults, params["remote_request_id"]))
             self._unreleased.append(params["remote_request_id"])
+        elif point is FaultPoint.TP_ONE_RANK:
+            # A real one-rank crash: P's TP rank 1 is SIGKILLed; P's scheduler (the side
+            # channel for both ranks) and rank 0 go on, so only D's rank 1 READ fails.
+            pair.signal_p_rank(1, signal.SIGKILL)
+            self._broken.add(id(pair))
         warm = pair.handshaked(engine)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
         if point is FaultPoint.KILL_BEFORE_PULL and warm:
@@ -286,8 +313,9 @@ class NixlDriver(PairDriver):
             engine.abort(request_id)
         elif (id(engine), request_id) in self._kill_on_provoke:
             self._kill_on_provoke.discard((id(engine), request_id))
-            self._pair.kill_p()
-            rec = self._pair.records.get(request_id)
+            pair = self._pair_of(engine)
+            pair.kill_p()
+            rec = pair.records.get(request_id)
             if rec is not None:  # the detection clock starts at the kill
                 rec.injected_at = time.monotonic()
                 rec.steps_at_injection = engine.record.steps

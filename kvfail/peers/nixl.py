@@ -39,6 +39,16 @@ skipped, which is why it is installed as late as possible.
 D's verification: D's forward hook runs when a request is first scheduled after its load
 (where a real model would read the pulled KV) and compares every pulled token of every
 layer with :mod:`kvfail.peers.pattern`; :meth:`NixlPair.verify` returns that result.
+Layouts. ``tp_size=2`` runs P and D both at TP 2, each rank its own process in a real
+gloo world (``tp_mode="processes"``, :mod:`kvfail.harness.ranks`): P's scheduler process
+serves every rank's handshake metadata on its one side-channel port, keyed
+``(0, tp_rank)`` as the engine core keys it; D's rank ``r`` handshakes for and READs P's
+rank ``r``; the byte pattern and its check are per rank. Whatever touches a NIXL worker
+then runs on the rank (``Worker.call``): P's notification record and lease expiry, D's
+handshake probe (:meth:`NixlPair.handshaked`) and its notification faults
+(:class:`RankNotificationFaults`). :meth:`~kvfail.peers.base.PeerPair.signal_p_rank`
+breaks one P rank only. Each rank process's NIXL worker pins it to one core; the pair
+undoes that on every rank, as it does here.
 """
 
 from __future__ import annotations
@@ -56,12 +66,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
 from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
-from kvfail.peers.nixl_producer import BAD_METADATA, PREFIX, restore_affinity
+from kvfail.peers.nixl_producer import BAD_METADATA, PREFIX, _unpin, restore_affinity
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvfail.harness import Engine, RunResult, Worker
+    from kvfail.harness.hooks import RankView
 
 __all__ = [
     "BAD_METADATA",
@@ -70,6 +81,7 @@ __all__ = [
     "NixlPair",
     "NixlProducerHandle",
     "NotificationFaults",
+    "RankNotificationFaults",
     "install_exit_guard",
     "nixl_available",
     "unknown_engine",
@@ -214,6 +226,8 @@ class NixlProducerHandle(ProducerHandleBase):
         engine_id: str | None = None,
         extra_config: Mapping[str, Any] | None = None,
         num_blocks: int = 64,
+        tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.port = free_port()
         self.engine_id = engine_id or f"P-nixl-{self.port}"
@@ -230,6 +244,8 @@ class NixlProducerHandle(ProducerHandleBase):
             connector_module=connector_module,
             extra_config=extra_config,
             num_blocks=num_blocks,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
         )
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
@@ -334,6 +350,70 @@ class _NotifyFaultAgent:
         return self._agent.send_notif(remote_agent_name, notif_msg, *args, **kwargs)
 
 
+# Module-level: ``Worker.call`` pickles them by reference into a D rank process.
+
+
+def _faults_on_rank(view: RankView) -> NotificationFaults:
+    """This rank's :class:`NotificationFaults`, installed on its NIXL agent on first use."""
+    nixl_worker: Any = view.connector.connector_worker  # type: ignore[attr-defined]
+    if not isinstance(nixl_worker.nixl_wrapper, _NotifyFaultAgent):
+        nixl_worker.nixl_wrapper = _NotifyFaultAgent(nixl_worker.nixl_wrapper, NotificationFaults())
+    faults: NotificationFaults = nixl_worker.nixl_wrapper.kvfail_notify_faults
+    return faults
+
+
+def _arm_notify(view: RankView, remote_request_id: str) -> None:
+    _faults_on_rank(view).arm(remote_request_id)
+
+
+def _notify_fired(view: RankView) -> tuple[list[str], list[str]]:
+    faults = _faults_on_rank(view)
+    with faults._lock:
+        return list(faults.dropped), list(faults.raised)
+
+
+def _has_remote_agent(view: RankView, engine_id: str) -> bool:
+    nixl_worker = getattr(view.connector, "connector_worker", None)
+    agents = getattr(nixl_worker, "_remote_agents", {})
+    return bool(agents.get(engine_id))
+
+
+class RankNotificationFaults:
+    """:class:`NotificationFaults` for a D whose TP ranks are processes: one per rank,
+    installed and armed there (every rank: each tells its own P rank). What fired is
+    read back from the ranks (:meth:`refresh`, called by :meth:`NixlPair.observe` after
+    each step) and kept, so it can still be asked after D's ranks are gone."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.armed: set[str] = set()
+        self.dropped: list[str] = []
+        self.raised: list[str] = []
+
+    def arm(self, remote_request_id: str) -> None:
+        for worker in self._engine.workers:
+            worker.call(_arm_notify, remote_request_id)
+        self.armed.add(remote_request_id)
+
+    def refresh(self) -> None:
+        """Read what fired from every rank still there (a gone rank keeps its last)."""
+        dropped, raised = set(self.dropped), set(self.raised)
+        for worker in self._engine.workers:
+            if worker.process is None or not worker.process.alive():
+                continue
+            try:
+                d, r = worker.call(_notify_fired)
+            except Exception:
+                continue
+            dropped.update(d)
+            raised.update(r)
+        self.dropped, self.raised = sorted(dropped), sorted(raised)
+
+    def fired(self, remote_request_id: str) -> bool:
+        self.refresh()
+        return remote_request_id in self.dropped or remote_request_id in self.raised
+
+
 def _nixl_error(message: str) -> Exception:
     """NIXL's own backend error when the bindings are importable, else RuntimeError."""
     try:
@@ -393,6 +473,8 @@ class NixlPair(PeerPair):
         ready_timeout_s: float = 240.0,
         num_blocks: int = 64,
         build_default_consumer: bool = True,
+        tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         reason = nixl_available()
         if reason is not None:
@@ -402,16 +484,22 @@ class NixlPair(PeerPair):
         self.extra_config = dict(extra_config or {})
         self.num_blocks = num_blocks
         self.ready_timeout_s = ready_timeout_s
+        self.tp_size = tp_size
+        self.num_kv_cache_groups = num_kv_cache_groups
         self._p_kwargs: dict[str, Any] = {
             "connector": p_connector,
             "connector_module": p_connector_module,
             "num_blocks": num_blocks,
+            "tp_size": tp_size,
+            "num_kv_cache_groups": num_kv_cache_groups,
         }
         for key, value in NIXL_ENV.items():
             os.environ.setdefault(key, value)
         self._init_common()
         self.records: dict[str, DecodeRecord] = {}
         self._seen: dict[int, int] = {}
+        #: Rank-side notification faults by D engine (``id``), refreshed by :meth:`observe`.
+        self._rank_faults: dict[int, RankNotificationFaults] = {}
         self.p: NixlProducerHandle | None = None
         self.d: Engine | None = None
         try:
@@ -454,9 +542,17 @@ class NixlPair(PeerPair):
             connector=connector or self.connector,
             connector_module=connector_module if connector is not None else self.connector_module,
             extra_config={**self.extra_config, **dict(extra_config or {})},
+            tp_size=self.tp_size,
+            tp_mode="processes" if self.tp_size > 1 else "simulated",
+            num_kv_cache_groups=self.num_kv_cache_groups,
         )
         mask = os.sched_getaffinity(0)
-        engine = Engine(spec, forward=self._decode_forward)
+        if spec.tp_mode == "processes":
+            engine = Engine(spec, forward=self.check_forward)
+            for worker in engine.workers:  # each rank's NIXL worker pinned its process
+                worker.call(_unpin, mask)
+        else:
+            engine = Engine(spec, forward=self._decode_forward)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
         self._seen[id(engine)] = 0
         return self._register(key, engine)
@@ -496,12 +592,7 @@ class NixlPair(PeerPair):
         """Every D worker of ``engine`` holds P's remote agent (the handshake is done)."""
         if self.p is None:
             return False
-        for worker in engine.workers:
-            nixl_worker = getattr(worker.connector, "connector_worker", None)
-            agents = getattr(nixl_worker, "_remote_agents", {})
-            if not agents.get(self.p.engine_id):
-                return False
-        return True
+        return all(w.call(_has_remote_agent, self.p.engine_id) for w in engine.workers)
 
     def fault_after_handshake(
         self,
@@ -554,11 +645,19 @@ class NixlPair(PeerPair):
         leases were still ``pending`` and which requests P was ``notified`` of."""
         return self.producer().expire(req_ids)
 
-    def break_notifications(self, consumer: str | Engine | None = None) -> NotificationFaults:
+    def break_notifications(
+        self, consumer: str | Engine | None = None
+    ) -> NotificationFaults | RankNotificationFaults:
         """D's done-notifications to P fail for the P request ids armed on the returned
         :class:`NotificationFaults` (one per D engine; installed on each of its workers'
-        NIXL agents on first use)."""
+        NIXL agents on first use); a :class:`RankNotificationFaults` when D's ranks are
+        processes (installed and armed on every rank)."""
         engine = self._engine(consumer)
+        if engine.workers[0].remote:
+            remote = self._rank_faults.get(id(engine))
+            if remote is None:
+                remote = self._rank_faults[id(engine)] = RankNotificationFaults(engine)
+            return remote
         agents = [w.connector.connector_worker for w in engine.workers]
         for agent in agents:
             if isinstance(agent.nixl_wrapper, _NotifyFaultAgent):
@@ -596,6 +695,9 @@ class NixlPair(PeerPair):
         reports = engine.record.kv_reports
         self._stamp_reports(reports[seen:], time.monotonic())
         self._seen[id(engine)] = len(reports)
+        remote = self._rank_faults.get(id(engine))
+        if remote is not None and remote.armed:
+            remote.refresh()
 
     def _stamp(self, rec: DecodeRecord, report: Any, now: float) -> None:
         """Detection time from the injection (default: the add), and in D steps."""
@@ -610,6 +712,7 @@ class NixlPair(PeerPair):
 
     def _close_extra(self) -> None:
         self.d = None
+        self._rank_faults.clear()
 
     def __enter__(self) -> NixlPair:
         return self

@@ -13,7 +13,9 @@ into the request's KV blocks, so D can check every byte it pulled.
 
 Run: ``python -m kvfail.peers.nixl_producer --config '<json>'``. Config keys (optional):
 ``connector`` (default ``NixlConnector``), ``connector_module`` (None = registered in
-vLLM; ``connectors.nixl`` for kvfail's), ``engine_id``, ``extra_config``, ``num_blocks``.
+vLLM; ``connectors.nixl`` for kvfail's), ``engine_id``, ``extra_config``, ``num_blocks``,
+``tp_size`` (> 1: one process per TP rank in a real gloo world, ``tp_mode="processes"``;
+their pids are in the ready event's ``rank_pids``), ``num_kv_cache_groups``.
 The side-channel host/port come from ``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT`` (set by
 the parent; 127.0.0.1 and a free port).
 
@@ -36,6 +38,11 @@ stderr before vLLM is imported, because NIXL's Python logger writes to stdout):
 * ``{"cmd": "stats"}``: counters, ``finished_sending`` seen, free blocks;
 * ``{"cmd": "quit"}``: close and ``os._exit(0)``.
 
+TP. As in vLLM's engine core, P's scheduler process serves the side channel for every
+rank: each rank's ``get_handshake_metadata()`` is fetched from the rank (``Worker.call``)
+and keyed ``(pp_rank 0, tp_rank)``; D's rank ``r`` asks for P's rank ``r``. Notifications
+are recorded and leases ended on the ranks, where upstream's worker lives.
+
 Between commands P keeps stepping its engine (forced, so the connector's worker side runs
 even when the scheduler is idle): that is what receives D's completion notification and
 reports ``finished_sending``.
@@ -54,9 +61,8 @@ from typing import TYPE_CHECKING, Any
 from kvfail.peers.protocol import dispatch, serve
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    from kvfail.harness import Engine, Worker
+    from kvfail.harness import Engine
+    from kvfail.harness.hooks import RankView, SplitForward
 
 __all__ = ["BAD_METADATA", "PREFIX", "bad_payload", "main", "restore_affinity"]
 
@@ -119,11 +125,12 @@ class _ServedMetadata(dict):  # type: ignore[type-arg]
     """What upstream's side-channel listener serves, keyed ``(pp_rank, tp_rank)``.
 
     The listener looks its answer up here for every handshake; while :attr:`bad` is set
-    it gets those bytes instead of P's real ones. Set and cleared from P's main thread,
-    read by the listener thread (a single attribute: atomic under the GIL).
+    it gets the bad bytes of the asked rank instead of P's real ones. Set and cleared
+    from P's main thread, read by the listener thread (a single attribute: atomic under
+    the GIL).
     """
 
-    bad: bytes | None = None
+    bad: dict[Any, bytes] | None = None
     served = 0
 
     def __getitem__(self, key: Any) -> Any:
@@ -131,7 +138,70 @@ class _ServedMetadata(dict):  # type: ignore[type-arg]
         if bad is None:
             return super().__getitem__(key)
         self.served += 1
-        return bad
+        return bad.get(key) or next(iter(bad.values()))
+
+
+# ---------------------------------------------------------------- on each P rank
+# Module-level: ``Worker.call`` pickles them by reference into a rank process.
+
+
+def _handshake_payload(view: RankView) -> Any:
+    """This rank's ``NixlHandshakePayload`` (what vLLM's worker hands the engine core)."""
+    return view.connector.get_handshake_metadata()
+
+
+def _unpin(view: RankView, mask: set[int]) -> None:
+    """Undo the NIXL CPU worker's pinning on this rank (see :func:`restore_affinity`)."""
+    restore_affinity(mask)
+
+
+def _record_notifications(view: RankView) -> None:
+    """Remember which requests D told this rank it is done with (upstream's own poll)."""
+    worker: Any = view.connector.connector_worker  # type: ignore[attr-defined]
+    if hasattr(worker, "kvfail_notified"):
+        return
+    worker.kvfail_notified = set()
+    poll = worker._get_new_notifs
+
+    def polled() -> set[str]:
+        got: set[str] = poll()
+        worker.kvfail_notified.update(got)
+        return got
+
+    worker._get_new_notifs = polled
+
+
+def _notified(view: RankView) -> list[str]:
+    worker: Any = view.connector.connector_worker  # type: ignore[attr-defined]
+    return sorted(getattr(worker, "kvfail_notified", ()))
+
+
+def _expire(view: RankView, req_ids: list[str]) -> tuple[list[str], list[str]]:
+    """End these send leases on this rank now; upstream's next poll frees their blocks.
+    Returns (leases still held, requests this rank was notified of)."""
+    worker: Any = view.connector.connector_worker  # type: ignore[attr-defined]
+    leases = worker._reqs_to_send
+    notified = getattr(worker, "kvfail_notified", set())
+    pending, told = [], []
+    for req_id in req_ids:
+        if req_id in leases:
+            leases[req_id] = 0.0  # perf_counter domain: long past
+            pending.append(req_id)
+        if req_id in notified:
+            told.append(req_id)
+    return pending, told
+
+
+def _pattern_forward() -> SplitForward:
+    """P's "model": write the byte pattern (per rank, per KV-cache group) for every
+    prompt token computed this step."""
+    from kvfail.harness.hooks import SplitForward
+    from kvfail.peers.forwards import apply_writes, plan_writes
+
+    return SplitForward(plan=lambda engine, so: plan_writes(engine, so, _seeds), apply=apply_writes)
+
+
+_seeds: dict[str, str] = {}
 
 
 class _Producer:
@@ -140,7 +210,8 @@ class _Producer:
 
         self.engine_id: str = config.get("engine_id") or f"P-nixl-{os.getpid()}"
         self.port = int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        self.seeds: dict[str, str] = {}
+        self.seeds = _seeds
+        tp_size = int(config.get("tp_size", 1))
         spec = EngineSpec(
             role="producer",
             connector=config.get("connector", "NixlConnector"),
@@ -148,21 +219,28 @@ class _Producer:
             engine_id=self.engine_id,
             extra_config=dict(config.get("extra_config") or {}),
             num_blocks=int(config.get("num_blocks", 64)),
+            num_kv_cache_groups=int(config.get("num_kv_cache_groups", 1)),
+            tp_size=tp_size,
+            tp_mode="processes" if tp_size > 1 else "simulated",
         )
         mask = os.sched_getaffinity(0)
-        self.engine: Engine = Engine(spec, forward=self._forward)
+        self.engine: Engine = Engine(spec, forward=_pattern_forward())
         restore_affinity(mask)
-        conn = self.engine.workers[0].connector
+        for worker in self.engine.workers:
+            if worker.remote:
+                worker.call(_unpin, mask)
         sched_conn = self.engine.scheduler.connector
         assert sched_conn is not None
-        self.handshake_payload = conn.get_handshake_metadata()
+        # What EngineCore does after KV registration: gather every rank's metadata, keyed
+        # (pp_rank, tp_rank), and start the zmq side-channel listener with it.
+        self.handshake_payloads: dict[tuple[int, int], Any] = {
+            (0, w.rank): w.call(_handshake_payload) for w in self.engine.workers
+        }
         self.served = _ServedMetadata()
         self._serve_through(sched_conn.connector_scheduler)
-        # What EngineCore does after KV registration: starts the zmq side-channel listener.
-        sched_conn.set_xfer_handshake_metadata_pp_aware({(0, 0): self.handshake_payload})
-        self.nixl_worker = conn.connector_worker
-        self.notified: set[str] = set()
-        self._record_notifications(self.nixl_worker)
+        sched_conn.set_xfer_handshake_metadata_pp_aware(dict(self.handshake_payloads))
+        for worker in self.engine.workers:
+            worker.call(_record_notifications)
         self.prefills = 0
         self.failed_prefills = 0
         self.finished_sending: list[str] = []
@@ -179,31 +257,6 @@ class _Producer:
             listener(served, *args)
 
         scheduler._nixl_handshake_listener = listen
-
-    def _record_notifications(self, worker: Any) -> None:
-        """Remember which requests D told P it is done with (upstream's own poll)."""
-        poll = worker._get_new_notifs
-
-        def polled() -> set[str]:
-            got: set[str] = poll()
-            self.notified.update(got)
-            return got
-
-        worker._get_new_notifs = polled
-
-    def _forward(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        """P's "model": write the byte pattern for every token computed this step."""
-        from kvfail.peers.pattern import write_pattern
-
-        manager = engine.scheduler.kv_cache_manager
-        for req_id, n in so.num_scheduled_tokens.items():
-            request = engine.scheduler.requests[req_id]
-            start = request.num_computed_tokens - n  # schedule() already advanced it
-            end = min(start + n, request.num_prompt_tokens)
-            block_ids = manager.get_block_ids(req_id)[0]
-            seed = self.seeds.get(req_id, req_id)
-            for layer, name in enumerate(engine.built.layer_names):
-                write_pattern(worker.kv_caches[name], layer, block_ids, start, end, seed)
 
     def step(self) -> None:
         if self.engine.crashed is not None:
@@ -258,7 +311,8 @@ class _Producer:
         if fault == "none":
             self.served.bad = None
         elif fault == "bad_metadata":
-            bad = bad_payload(self.handshake_payload, str(cmd.get("kind")))
+            kind = str(cmd.get("kind"))
+            bad = {key: bad_payload(good, kind) for key, good in self.handshake_payloads.items()}
             self.served.served = 0
             self.served.bad = bad
         else:
@@ -266,16 +320,30 @@ class _Producer:
         return {"ok": True, "served": served}
 
     def expire(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """End these send leases now; upstream's next poll frees their blocks."""
-        leases = self.nixl_worker._reqs_to_send
-        pending, notified = [], []
-        for req_id in map(str, cmd.get("req_ids") or ()):
-            if req_id in leases:
-                leases[req_id] = 0.0  # perf_counter domain: long past
-                pending.append(req_id)
-            if req_id in self.notified:
-                notified.append(req_id)
-        return {"ok": True, "pending": pending, "notified": notified}
+        """End these send leases now, on every rank; upstream's next poll frees their
+        blocks. ``pending``/``notified``: on any rank."""
+        req_ids = [str(r) for r in cmd.get("req_ids") or ()]
+        pending: set[str] = set()
+        notified: set[str] = set()
+        for worker in self._live_workers():
+            held, told = worker.call(_expire, req_ids)
+            pending.update(held)
+            notified.update(told)
+        return {
+            "ok": True,
+            "pending": [r for r in req_ids if r in pending],
+            "notified": [r for r in req_ids if r in notified],
+        }
+
+    def notified(self) -> list[str]:
+        """Requests any rank was told D is done with (empty for a crashed engine)."""
+        return sorted({r for w in self._live_workers() for r in w.call(_notified)})
+
+    def _live_workers(self) -> list[Any]:
+        """The ranks that can still answer (a one-rank fault may have killed one)."""
+        if self.engine.crashed is not None:
+            return []
+        return [w for w in self.engine.workers if w.process is None or w.process.alive()]
 
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
@@ -286,7 +354,7 @@ class _Producer:
             "prefills": self.prefills,
             "failed_prefills": self.failed_prefills,
             "finished_sending": list(self.finished_sending),
-            "notified": sorted(self.notified),
+            "notified": self.notified(),
             "bad_metadata_served": self.served.served,
             "pending_requests": sorted(sched.requests),
             "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
@@ -312,7 +380,11 @@ def main(argv: list[str] | None = None) -> None:
         doc=__doc__,
         prefix=PREFIX,
         build=lambda config, _channel: _Producer(config),
-        ready=lambda p: {"engine_id": p.engine_id, "side_channel_port": p.port},
+        ready=lambda p: {
+            "engine_id": p.engine_id,
+            "side_channel_port": p.port,
+            "rank_pids": [w.process.pid if w.process else os.getpid() for w in p.engine.workers],
+        },
         idle=lambda p: p.idle(),
     )
 
