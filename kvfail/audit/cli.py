@@ -9,9 +9,12 @@ suite through the ``dynamic_runner`` hook (same code as ``pytest conformance/``)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,6 +29,8 @@ DynamicRunner = Callable[[Target], list[Finding]]
 
 #: Set by the conformance package (or the lead's CLI wiring) to enable the dynamic tier.
 DYNAMIC_RUNNER: DynamicRunner | None = None
+#: ``kvfail.audit.dynamic.DEFAULT_BUDGET_S`` (not imported here: ``--quick`` stays light).
+_DEFAULT_BUDGET_S = 280.0
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -54,6 +59,23 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="kv_load_failure_policy for the dynamic tier (default fail: what a connector "
         "reports does not depend on it, and one policy halves the run)",
     )
+    p.add_argument(
+        "--layout",
+        action="append",
+        default=None,
+        metavar="L",
+        help="engine layout(s) for the dynamic tier: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
+        "(repeatable; default tp1, the audit's profile: one policy, one layout)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=_DEFAULT_BUDGET_S,
+        metavar="S",
+        help="wall-clock budget of the whole audit in seconds (default "
+        f"{_DEFAULT_BUDGET_S:g}; 0: none). Scenarios the dynamic tier cannot start within "
+        "it are reported as not run (budget), never as results",
+    )
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,9 +99,11 @@ class _Progress:
         self.tty = enabled and stream.isatty()
 
     def step(self, i: int, n: int, text: str) -> None:
+        self.message(f"[{i}/{n}] {text}")
+
+    def message(self, line: str) -> None:
         if not self.enabled:
             return
-        line = f"[{i}/{n}] {text}"
         if self.tty:
             self.stream.write("\r\033[K" + line)
         else:
@@ -101,6 +125,31 @@ def collect(
 ) -> Audit:
     """Discover connectors and run the tiers; the report layer only formats the result."""
     start = time.monotonic()
+    with _no_gc():
+        return _collect(selectors, quick, dynamic_runner, progress, start)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """The static tier parses ~140 modules into ASTs it keeps: every object it allocates
+    lives to the end, so the cyclic collector only rescans them (half its CPU time,
+    measured). Off while the audit runs."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _collect(
+    selectors: list[str],
+    quick: bool,
+    dynamic_runner: DynamicRunner | None,
+    progress: _Progress,
+    start: float,
+) -> Audit:
     index = SourceIndex()
     targets = discover(index, selectors=selectors or None)
     graph = Graph(index)
@@ -112,38 +161,56 @@ def collect(
             "unavailable: no conformance runner is registered (kvfail.audit.cli."
             "DYNAMIC_RUNNER / run(..., dynamic_runner=...)); static tier only"
         )
-    prepare = getattr(dynamic_runner, "prepare", None)
-    if prepare is not None and not quick:
-        installed = [t for t in targets if t.installed]
-        progress.step(
-            0,
-            len(targets),
-            f"running the conformance suite (dynamic tier) over {len(installed)} connectors...",
-        )
-        prepare(installed)
-    rows: list[Row] = []
     n = len(targets)
+    rows: list[Row] = []
     for i, target in enumerate(targets, start=1):
         progress.step(i, n, f"auditing {target.name} (static)...")
-        row = Row(target, audit_target(target, index, graph))
-        if dynamic_runner is not None and not quick and target.installed:
-            progress.step(i, n, f"auditing {target.name} (dynamic)...")
+        rows.append(Row(target, audit_target(target, index, graph)))
+    if dynamic_runner is not None and not quick:
+        # After the static tier, so the dynamic tier's budget counts what the static took.
+        prepare = getattr(dynamic_runner, "prepare", None)
+        if prepare is not None:
+            installed = [t for t in targets if t.installed]
+            progress.message(f"dynamic tier: conformance suite over {len(installed)} connectors")
+            prepare(installed, progress=progress.message)
+        for i, row in enumerate(rows, start=1):
+            if not row.target.installed:
+                continue
+            if prepare is None:  # a runner that does its work per connector
+                progress.step(i, n, f"auditing {row.target.name} (dynamic)...")
             try:
-                row.findings.extend(dynamic_runner(target))
+                row.findings.extend(dynamic_runner(row.target))
             except Exception as exc:  # one connector's harness failure must not end the run
-                target.notes.append(f"dynamic tier failed: {type(exc).__name__}: {exc}")
-        rows.append(row)
+                row.target.notes.append(f"dynamic tier failed: {type(exc).__name__}: {exc}")
     progress.done()
     return Audit(rows, columns_for(rows), note, time.monotonic() - start)
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports), from
+    ``/proc``; 0 where that cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rfind(")") + 2 :].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -> int:
     """Run the audit for parsed ``args``; returns the process exit status."""
+    start = time.monotonic() - _process_age_s()  # the budget covers the whole command
     runner = dynamic_runner if dynamic_runner is not None else DYNAMIC_RUNNER
     if runner is None and not args.quick:
         from kvfail.audit.dynamic import ConformanceRunner
 
-        runner = ConformanceRunner(policy=getattr(args, "policy", "fail"))
+        runner = ConformanceRunner(
+            budget_s=getattr(args, "budget_s", _DEFAULT_BUDGET_S),
+            policy=getattr(args, "policy", "fail"),
+            start=start,
+            layouts=getattr(args, "layout", None) or ["tp1"],
+        )
     progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
     try:
         audit = collect(args.connector, quick=args.quick, dynamic_runner=runner, progress=progress)
@@ -152,6 +219,11 @@ def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -
         return 2
     if audit.dynamic_note and not args.quick:
         print(f"kvfail audit: dynamic tier {audit.dynamic_note}", file=sys.stderr)
+    incomplete = getattr(runner, "incomplete", None)
+    if incomplete is not None and not args.quick:
+        audit.dynamic_incomplete = incomplete()
+    if audit.dynamic_incomplete:
+        print(f"kvfail audit: dynamic tier incomplete: {audit.dynamic_incomplete}", file=sys.stderr)
     text = RENDERERS[args.fmt](audit)
     if args.output:
         args.output.write_text(text, encoding="utf-8")

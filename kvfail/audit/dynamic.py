@@ -2,24 +2,46 @@
 that a real transport driver can drive.
 
 Why this shape: the issue forbids a second implementation, so the tier is literally
-``pytest conformance/test_scenarios.py --connector ... --kvfail-report DIR`` in a child
-process (vLLM, transports and peers stay out of the audit process, and a connector that
-wedges cannot hang the audit: the child has a wall-clock limit). Connectors without a
-transport driver are not run: a suite with no peer proves little, and constructing some
-of them blocks forever on services that are absent here (LMCache). Their row says so.
+``pytest conformance/test_scenarios.py --connector A --connector B ... --kvfail-report DIR``
+in ONE child process (one vLLM import for all connectors; vLLM, transports and peers stay
+out of the audit process, and a connector that wedges cannot hang the audit). Connectors
+without a transport driver are not run: a suite with no peer proves little, and
+constructing some of them blocks forever on services that are absent here (LMCache).
+Their row says so.
+
+Time (issue #6: the full audit must fit in 5 minutes on a 2-core machine):
+
+* one policy (``fail``) and one layout (``tp1``) by default: what a connector reports
+  does not depend on the policy; ``--policy both`` / ``--layout all`` run more;
+* the child runs the scenarios connector by connector (not scenario by scenario), so a
+  connector's peers start when it begins and stop after its last scenario, and the
+  budget cuts whole tails;
+* a wall-clock budget for the whole audit (``--budget-s``): the child starts no scenario
+  in the last :data:`RESERVE_S` seconds, and the scenarios it did not reach are reported
+  as ``not run (budget)``, never as results; near the budget's end the child is stopped
+  (SIGTERM, so pytest tears its peers down and writes the report, then SIGKILL to the
+  child's process group and to every peer it started, which live in their own groups).
+
+Every cell comes from a scenario that ran in the child (its ``report.json``, or the
+``records.jsonl`` it appends as each scenario ends when it was killed before the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvfail.audit.inventory import Target
 from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Finding
@@ -27,6 +49,27 @@ from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Fi
 SCENARIOS = Path(__file__).resolve().parents[2] / "conformance" / "test_scenarios.py"
 #: Outcome of one scenario over all policies: the worst one wins.
 _RANK = {"failed": 3, "xfailed": 3, "skipped": 1, "passed": 2}
+#: Default wall-clock budget of the whole audit (static + dynamic), seconds.
+DEFAULT_BUDGET_S = 280.0
+#: The child starts no scenario in the budget's last RESERVE_S seconds: a scenario (most
+#: take 1-10 s; one that starts or restarts P 15-45 s on a busy 2-core machine) and the
+#: peers' teardown should still fit before the stop below.
+RESERVE_S = 50.0
+#: After SIGTERM (pytest tears the peers down and writes the report), seconds before SIGKILL.
+TERM_GRACE_S = 10.0
+#: The budget's last seconds, left for making sure every killed process is gone, reading
+#: the report, printing the matrix and exiting (about 20 s measured at load average 50-80
+#: on 2 cores): the child gets SIGTERM at budget - TERM_GRACE_S - FINISH_S.
+FINISH_S = 20.0
+#: With no budget (``--budget-s 0``) the child is still stopped after this long.
+HARD_CAP_S = 3600.0
+#: Child lines in ``progress.jsonl`` (the parent polls it; pytest's own output goes to
+#: ``child.log``, whose tail is kept for errors).
+PROGRESS = "progress.jsonl"
+#: The child's records, one line per finished scenario (``report.json`` comes at the end).
+RECORDS = "records.jsonl"
+
+Progress = Callable[[str], None]
 
 
 def conformance_spec(target: Target) -> str:
@@ -37,25 +80,53 @@ def conformance_spec(target: Target) -> str:
 
 
 class ConformanceRunner:
-    """A ``DynamicRunner`` that runs the suite once (``prepare``) and answers per target."""
+    """A ``DynamicRunner`` that runs the suite once (``prepare``) and answers per target.
+
+    ``budget_s`` is the wall-clock budget of the whole audit, counted from ``start``
+    (default: when the runner is made, i.e. when the audit starts); ``None`` or ``0``: no
+    budget (the child is still stopped after :data:`HARD_CAP_S`).
+    """
 
     def __init__(
-        self, timeout_s: float = 900.0, python: str = sys.executable, policy: str = "fail"
+        self,
+        budget_s: float | None = DEFAULT_BUDGET_S,
+        python: str = sys.executable,
+        policy: str = "fail",
+        start: float | None = None,
+        layouts: list[str] | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
+        self.budget_s = budget_s if budget_s and budget_s > 0 else None
         self.policy = policy
+        #: ``--layout`` values for the suite (None: the suite's own default list).
+        self.layouts = layouts
         self.python = python
-        self._records: dict[str, list[dict[str, object]]] = defaultdict(list)
+        self.start = time.monotonic() if start is None else start
+        self._records: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        #: Scenarios the child collected, per connector spec: scenario -> its variants
+        #: ("policy layout", one per pytest item).
+        self._collected: dict[str, dict[str, set[str]]] = defaultdict(dict)
         self._not_run: dict[str, str] = {}
         #: Registry aliases of one class (NixlConnector is NixlPullConnector) run once.
         self._alias: dict[str, str] = {}
+        #: Why scenarios the child collected have no record (budget, stopped, crashed).
+        self._cut: str | None = None
+        self.leftovers: list[str] = []
         self.error: str | None = None
 
-    def prepare(self, targets: list[Target]) -> None:
+    # ------------------------------------------------------------------ parent side
+
+    def prepare(self, targets: list[Target], progress: Progress | None = None) -> None:
         if not SCENARIOS.exists():
             self.error = f"conformance scenarios not found at {SCENARIOS} (a source checkout)"
             return
         specs = [conformance_spec(t) for t in targets if t.installed]
+        now = time.monotonic()
+        if self.budget_s is None:
+            stop_after, kill_at = 0.0, now + HARD_CAP_S
+        else:
+            left = self.budget_s - (now - self.start)
+            stop_after = max(left - RESERVE_S, 0.001)
+            kill_at = self.start + self.budget_s - TERM_GRACE_S - FINISH_S
         with tempfile.TemporaryDirectory(prefix="kvfail-audit-") as tmp:
             cmd = [
                 self.python,
@@ -65,78 +136,464 @@ class ConformanceRunner:
                 tmp,
                 "--policy",
                 self.policy,
+                "--stop-after",
+                f"{stop_after:.3f}",
+                *(a for layout in self.layouts or [] for a in ("--layout", layout)),
                 *specs,
             ]
-            out = self._run_child(cmd)
-            report = Path(tmp) / "report.json"
-            plan = Path(tmp) / "plan.json"
-            if plan.exists():
-                planned = json.loads(plan.read_text())
-                self._not_run = planned["not_run"]
-                self._alias = planned.get("alias", {})
-            if not report.exists():
-                self.error = self.error or f"conformance run wrote no report: {out[-400:]}"
-                return
-            for rec in json.loads(report.read_text()):
-                self._records[str(rec["connector"])].append(rec)
+            tail = self._run_child(cmd, Path(tmp), kill_at, progress or (lambda _text: None))
+            self._read(Path(tmp), tail)
 
-    def _run_child(self, cmd: list[str]) -> str:
-        """Run the suite; past the limit, SIGTERM first so pytest tears down its peers
-        (they live in their own process groups), then SIGKILL. Returns the output tail."""
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=SCENARIOS.parents[1],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    def _read(self, tmp: Path, tail: str) -> None:
+        plan = tmp / "plan.json"
+        if plan.exists():
+            planned = json.loads(plan.read_text())
+            self._not_run = planned["not_run"]
+            self._alias = planned.get("alias", {})
+        collected = tmp / "collected.json"
+        if collected.exists():
+            for item in json.loads(collected.read_text()):
+                by = self._collected[str(item["connector"])]
+                by.setdefault(str(item["scenario"]), set()).add(_variant(item))
+        cut = tmp / "budget.json"
+        if cut.exists():  # the child stopped starting scenarios: the budget, not a crash
+            self._cut = str(json.loads(cut.read_text())["reason"])
+        elif self.error is not None:
+            self._cut = f"not run ({'budget' if self.budget_s else 'stopped'}): {self.error}"
+        report, lines = tmp / "report.json", tmp / RECORDS
+        if report.exists():
+            records = json.loads(report.read_text())
+        elif lines.exists():  # stopped before the session's end: what finished
+            records = []
+            for line in lines.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line cut by SIGKILL
+                    records.append(json.loads(line))
+        else:
+            if self._cut is None or self.error is not None:  # no scenario ran: not an error
+                self.error = self.error or f"conformance run wrote no report: {tail[-400:]}"
+            return
+        for rec in records:
+            self._records[str(rec["connector"])].append(rec)
+
+    def incomplete(self) -> str | None:
+        """One line when some collected scenarios have no result (budget, stop), else None."""
+        done = {(c, str(r["scenario"]), _variant(r)) for c, rs in self._records.items() for r in rs}
+        todo = {(c, s, v) for c, by in self._collected.items() for s, vs in by.items() for v in vs}
+        missing = len(todo - done)
+        if not missing:
+            return None
+        return f"{missing} of {len(todo)} scenario runs {self._cut or 'not run'}"
+
+    def _run_child(self, cmd: list[str], tmp: Path, kill_at: float, progress: Progress) -> str:
+        """Run the suite, relaying its progress; past ``kill_at`` (or on Ctrl-C), stop it
+        and every process it started. Returns the tail of its output."""
+        log = tmp / "child.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=SCENARIOS.parents[1],
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # its own group: SIGKILL reaches it, never us
+            )
+        tracked: dict[int, str] = {}
+        relay = _Relay(tmp / PROGRESS, progress, self.start, self.budget_s)
         try:
-            out, _ = proc.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            self.error = f"conformance run exceeded {self.timeout_s:.0f} s (partial results kept)"
-            proc.send_signal(signal.SIGTERM)
-            try:
-                out, _ = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-        return out or ""
+            while proc.poll() is None:
+                tracked.update(descendants(proc.pid))
+                relay.poll()
+                if time.monotonic() >= kill_at:
+                    limit = f"--budget-s {self.budget_s:g}" if self.budget_s else "its hard cap"
+                    self.error = (
+                        f"the conformance run was stopped at {limit} (a scenario still "
+                        "running; the results of those that finished are kept)"
+                    )
+                    tracked.update(stop_tree(proc, tracked))
+                    break
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C on the audit: never leave the child or a peer
+            tracked.update(stop_tree(proc, tracked))
+            raise
+        finally:
+            relay.poll()
+        self.leftovers = reap(tracked)
+        return log.read_text(errors="replace")[-4000:] if log.exists() else ""
 
     def __call__(self, target: Target) -> list[Finding]:
         spec = conformance_spec(target)
         spec = self._alias.get(spec, spec)
-        if self.error is not None and not self._records:
+        if self.error is not None and not self._records and not self._collected:
             raise RuntimeError(self.error)
-        if self.error is not None:
-            target.notes.append(f"dynamic tier: {self.error}")
         if spec in self._not_run:
             target.notes.append(f"dynamic tier not run: {self._not_run[spec]}")
             return []
-        by_scenario: dict[str, list[dict[str, object]]] = defaultdict(list)
+        if self.error is not None:
+            target.notes.append(f"dynamic tier: {self.error}")
+        if self.leftovers:
+            target.notes.append(
+                f"dynamic tier: killed {len(self.leftovers)} process(es) the run left behind"
+            )
+        by_scenario: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for rec in self._records.get(spec, []):
             by_scenario[str(rec["scenario"])].append(rec)
-        return [_finding(name, recs) for name, recs in sorted(by_scenario.items())]
+        collected = self._collected.get(spec, {})
+        why = self._cut or "not run: the conformance run ended before it"
+        found: list[Finding] = []
+        cut = 0
+        for name in sorted(set(collected) | set(by_scenario)):
+            recs = by_scenario.get(name, [])
+            missing = sorted(collected.get(name, set()) - {_variant(r) for r in recs})
+            cut += len(missing)
+            found.append(_finding(name, recs, missing, why) if recs else _not_run(name, why))
+        if by_scenario:
+            recs = [r for rs in by_scenario.values() for r in rs]
+            seconds = sum(float(r.get("duration_s", 0.0)) for r in recs)
+            variants = ", ".join(sorted({_variant(r) for r in recs}))
+            target.notes.append(
+                f"dynamic tier: {len(recs)} scenario runs ({len(by_scenario)} scenarios; "
+                f"{variants}) in {seconds:.1f} s"
+            )
+        if cut:
+            total = sum(len(v) for v in collected.values())
+            short = "budget; rerun with a larger --budget-s" if "budget" in why else why
+            target.notes.append(f"dynamic tier: {cut} of {total} scenario runs not run ({short})")
+        return found
 
 
-def _finding(scenario: str, recs: list[dict[str, object]]) -> Finding:
+class _Relay:
+    """Turns the child's ``progress.jsonl`` lines into progress text as they appear."""
+
+    def __init__(self, path: Path, progress: Progress, start: float, budget: float | None):
+        self.path, self.progress, self.start, self.budget = path, progress, start, budget
+        self.offset = 0
+        self.total = 0
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self.offset += end
+        for raw in data[:end].splitlines():
+            with contextlib.suppress(ValueError):
+                self._show(json.loads(raw))
+
+    def _show(self, ev: dict[str, Any]) -> None:
+        spent = time.monotonic() - self.start
+        clock = f"{spent:.0f} s" + ("" if self.budget is None else f" of {self.budget:.0f}")
+        if ev.get("event") == "collected":
+            self.total = int(ev["n"])
+            self.progress(f"dynamic tier: {self.total} scenarios over {ev['connectors']} ({clock})")
+        elif ev.get("event") == "start":
+            self.progress(
+                f"dynamic tier {ev['i']}/{self.total} ({clock}): {ev['connector']} "
+                f"{ev['scenario']}[{ev['policy']} {ev.get('layout', 'tp1')}]"
+            )
+        elif ev.get("event") == "budget":
+            self.progress(f"dynamic tier: budget spent, {ev['not_run']} not run ({clock})")
+
+
+def _variant(rec: dict[str, Any]) -> str:
+    """One pytest item of a scenario: its policy and engine layout (``fail tp1``)."""
+    return f"{rec.get('policy', '?')} {rec.get('layout') or 'tp1'}"
+
+
+def _finding(
+    scenario: str, recs: list[dict[str, Any]], missing: list[str] | None = None, why: str = ""
+) -> Finding:
+    """One cell from the scenario's runs: the worst outcome wins; a run that did not
+    happen (``missing`` variants, the budget) turns a pass into unknown, never into pass."""
     worst = max(recs, key=lambda r: _RANK.get(str(r["outcome"]), 0))
     outcome = str(worst["outcome"])
-    clauses = [str(c) for c in worst.get("clauses", []) or []]  # type: ignore[union-attr]
-    guards = " ".join(str(g) for g in worst.get("guards", []) or [])  # type: ignore[union-attr]
+    clauses = [str(c) for c in worst.get("clauses", []) or []]
+    guards = " ".join(str(g) for g in worst.get("guards", []) or [])
     status = {"passed": PASS, "failed": FAIL, "xfailed": FAIL, "skipped": NA}.get(outcome, UNKNOWN)
-    policies = ", ".join(f"{r['policy']}={r['outcome']}" for r in recs)
+    runs = ", ".join(f"{_variant(r)}={r['outcome']}" for r in recs)
     reason = str(worst.get("reason") or "")
     summary = outcome if not reason else f"{outcome}: {reason}"
-    spec = CheckSpec(
+    if len(recs) > 1 or missing:
+        summary = f"{summary} [{_variant(worst)}]"
+    if missing:
+        runs += ", " + ", ".join(f"{v}=not run" for v in missing)
+        if status != FAIL:
+            status = UNKNOWN
+            summary = f"{why} ({', '.join(missing)}); ran: {summary}"
+    spec = _spec(scenario, clauses[0] if clauses else "-", guards or "-")
+    where = Evidence(path=str(worst.get("nodeid", scenario)), line=0, text=runs)
+    return Finding(spec.id, status, summary, [where], tier="DYNAMIC", check_spec=spec)
+
+
+def _not_run(scenario: str, why: str) -> Finding:
+    """A collected scenario the child never reached: an explicit unknown, never a result."""
+    spec = _spec(scenario, "-", "-")
+    return Finding(spec.id, UNKNOWN, why, [], tier="DYNAMIC", check_spec=spec)
+
+
+def _spec(scenario: str, clause: str, resembles: str) -> CheckSpec:
+    return CheckSpec(
         id=f"dyn:{scenario}",
         title=scenario.removeprefix("test_").replace("_", " "),
-        clause=clauses[0] if clauses else "-",
+        clause=clause,
         level="MUST",
-        resembles=guards or "-",
+        resembles=resembles,
     )
-    where = Evidence(path=str(worst.get("nodeid", scenario)), line=0, text=policies)
-    return Finding(spec.id, status, summary, [where], tier="DYNAMIC", check_spec=spec)
+
+
+# ------------------------------------------------------------------ process tree
+
+
+def _stat(pid: int) -> tuple[str, int, str] | None:
+    """(state, parent pid, start time) of ``pid`` from ``/proc``; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) "
+    return fields[0], int(fields[1]), fields[19]
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of ``root`` (pid -> start time), whatever its session: the
+    peers start their own sessions, so a process-group kill alone would orphan them."""
+    parents: dict[int, list[int]] = defaultdict(list)
+    starts: dict[int, str] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # no procfs: only the child's own group can be reached
+        return {}
+    for pid in pids:
+        st = _stat(pid)
+        if st is not None:
+            parents[st[1]].append(pid)
+            starts[pid] = st[2]
+    out: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for kid in parents.get(todo.pop(), []):
+            if kid not in out and kid in starts:
+                out[kid] = starts[kid]
+                todo.append(kid)
+    return out
+
+
+def _alive(pid: int, start: str) -> bool:
+    st = _stat(pid)
+    return st is not None and st[2] == start and st[0] != "Z"  # same start: not recycled
+
+
+def stop_tree(proc: subprocess.Popen[bytes], tracked: dict[int, str]) -> dict[int, str]:
+    """SIGTERM the child (pytest's teardown closes its peers and writes the report), then
+    after :data:`TERM_GRACE_S` SIGKILL its process group and every descendant seen.
+    Returns the descendants seen along the way (for :func:`reap`).
+
+    The child is not reaped before its group is killed (a zombie keeps its pid, so the
+    pid cannot have been recycled); its descendants are re-parented when it exits, which
+    is why they are tracked while it runs."""
+    seen = dict(tracked)
+    if proc.returncode is None:
+        seen.update(descendants(proc.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and _state(proc.pid) not in (None, "Z"):
+            seen.update(descendants(proc.pid))
+            time.sleep(0.2)
+        seen.update(descendants(proc.pid))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid (start_new_session)
+    _kill(seen)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    return seen
+
+
+def _state(pid: int) -> str | None:
+    st = _stat(pid)
+    return None if st is None else st[0]
+
+
+def _kill(procs: dict[int, str]) -> list[str]:
+    """SIGKILL each live process (its group when it leads one); returns their commands."""
+    killed: list[tuple[int, str, str]] = []
+    for pid, start in procs.items():
+        if not _alive(pid, start):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:  # a peer's own group (its TP ranks, forkserver)
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            killed.append((pid, start, _cmdline(pid) or str(pid)))
+    deadline = time.monotonic() + 5.0  # SIGKILL lands when the process is next scheduled
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s, _c in killed):
+        time.sleep(0.05)
+    return [cmd for _p, _s, cmd in killed]
+
+
+def reap(tracked: dict[int, str], grace_s: float = 3.0) -> list[str]:
+    """Kill what the finished child left behind (a peer it failed to close) after a short
+    grace; returns what had to be killed (for the row notes)."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in tracked.items()):
+        time.sleep(0.1)
+    return _kill(tracked)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+
+
+# ------------------------------------------------------------------ child side
+
+
+class _AuditPlugin:
+    """In the child: run connector by connector, report progress, honour the budget."""
+
+    def __init__(self, run: list[str], report: Path, stop_at: float | None) -> None:
+        self.order = {spec: i for i, spec in enumerate(run)}
+        self.report = report
+        self.stop_at = stop_at
+        self.index: dict[str, int] = {}
+        self.total = 0
+        #: nodeid of each connector's last scenario -> the connector (its peers go then).
+        self.last: dict[str, str] = {}
+        self.config: Any = None
+        self.flushed = 0
+        self._progress = (report / PROGRESS).open("a", encoding="utf-8", buffering=1)
+
+    def emit(self, **event: Any) -> None:
+        self._progress.write(json.dumps(event) + "\n")
+
+    @staticmethod
+    def _params(item: Any) -> tuple[str, str, str] | None:
+        """(connector, policy, layout) of a suite item, None for any other item."""
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "kvfail_connector" not in callspec.params:
+            return None
+        layout = callspec.params.get("kvfail_layout")
+        return (
+            str(callspec.params["kvfail_connector"]),
+            str(callspec.params["kvfail_policy"]),
+            str(getattr(layout, "name", layout or "tp1")),
+        )
+
+    def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
+        # Connector-major: pytest's order (scenario by scenario) would start every
+        # connector's peers at once and let a budget cut a bit of every row.
+        def key(pair: tuple[int, Any]) -> tuple[int, int]:
+            params = self._params(pair[1])
+            rank = -1 if params is None else self.order.get(params[0], len(self.order))
+            return rank, pair[0]
+
+        items[:] = [item for _i, item in sorted(enumerate(items), key=key)]
+        collected = []
+        for item in items:
+            params = self._params(item)
+            if params is None:
+                continue
+            self.index[item.nodeid] = len(collected) + 1
+            collected.append(
+                {
+                    "connector": params[0],
+                    "policy": params[1],
+                    "layout": params[2],
+                    "scenario": getattr(item, "originalname", item.name),
+                    "nodeid": item.nodeid,
+                }
+            )
+        self.total = len(collected)
+        self.config = config
+        last = {c["connector"]: c["nodeid"] for c in collected}  # in order: the last wins
+        self.last = {nodeid: spec for spec, nodeid in last.items()}
+        (self.report / "collected.json").write_text(json.dumps(collected))
+        self.emit(event="collected", n=self.total, connectors=len(self.order))
+
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> bool | None:
+        params = self._params(item)
+        if params is None:
+            return None
+        if self.stop_at is not None and time.monotonic() >= self.stop_at:
+            i = self.index.get(item.nodeid, 1)
+            reason = "not run (budget): not started within the audit's --budget-s"
+            (self.report / "budget.json").write_text(json.dumps({"reason": reason}))
+            self.emit(event="budget", not_run=self.total - i + 1)
+            item.session.shouldstop = "kvfail audit: budget spent"
+            return True  # not run; pytest stops after this item
+        self.emit(
+            event="start",
+            i=self.index.get(item.nodeid, 0),
+            connector=params[0],
+            policy=params[1],
+            layout=params[2],
+            scenario=getattr(item, "originalname", item.name),
+        )
+        return None
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
+        self.flush_records()
+        spec = self.last.get(nodeid)
+        if spec is not None:
+            self.release(spec)
+
+    def _state(self) -> Any:
+        """The conformance plugin's session state (its records and drivers), or None."""
+        try:
+            from kvfail.conformance.plugin import _STATE
+
+            return self.config.stash[_STATE]
+        except Exception:  # another plugin version: report.json and its teardown only
+            return None
+
+    def flush_records(self) -> None:
+        """Append the plugin's new records to ``records.jsonl`` as each scenario ends:
+        ``report.json`` is written only at the session's end, which a child stopped by
+        SIGKILL never reaches; what finished must survive that."""
+        state = self._state()
+        records = getattr(state, "records", None)
+        if not records or len(records) <= self.flushed:
+            return
+        with (self.report / RECORDS).open("a", encoding="utf-8") as fh:
+            for rec in records[self.flushed :]:
+                fh.write(json.dumps(dataclasses.asdict(rec), default=str) + "\n")
+        self.flushed = len(records)
+
+    def release(self, spec: str) -> None:
+        """Stop a connector's driver (its P processes) once its last scenario is done,
+        instead of at the end of the session: an idle P still costs CPU (NIXL's polls)
+        while the next connectors run (items run connector by connector, so no later
+        scenario needs it). ``driver.stop()`` is what the plugin's own teardown calls."""
+        state = self._state()
+        if state is None:  # the plugin's unconfigure stops the drivers
+            return
+        driver = state.drivers.get(spec)
+        if driver is None or spec not in state.started:
+            return
+        try:
+            driver.stop()
+        except Exception as exc:  # the session's teardown retries it
+            self.emit(event="release_failed", connector=spec, error=repr(exc)[:200])
+            return
+        state.started.discard(spec)
+        self.emit(event="released", connector=spec)
+
+
+def audit_plugin(run: list[str], report: Path, stop_at: float | None) -> _AuditPlugin:
+    """The child's pytest plugin (``stop_at``: ``time.monotonic()`` after which no scenario
+    starts; None: no budget)."""
+    import pytest
+
+    # Before pytest's runner, which would run the item (this module imports no pytest).
+    pytest.hookimpl(tryfirst=True)(_AuditPlugin.pytest_runtest_protocol)
+    return _AuditPlugin(run, report, stop_at)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +601,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfail.audit.dynamic")
     ap.add_argument("--report", required=True, type=Path)
     ap.add_argument("--policy", choices=("fail", "recompute", "both"), default="fail")
+    ap.add_argument("--layout", action="append", default=[], help="passed to the suite")
+    ap.add_argument(
+        "--stop-after",
+        type=float,
+        default=0.0,
+        help="start no scenario after this many seconds (0: no limit)",
+    )
     ap.add_argument("specs", nargs="*")
     args = ap.parse_args(argv)
+    stop_at = time.monotonic() + args.stop_after if args.stop_after > 0 else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # pytest then tears down fixtures and closes the peers
+
+    signal.signal(signal.SIGTERM, interrupted)
     from kvfail.conformance.driver import DriverUnavailable, GenericDriver, resolve
 
     run: list[str] = []
@@ -176,11 +646,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.report / "plan.json").write_text(
         json.dumps({"run": run, "not_run": not_run, "alias": alias})
     )
-
-    def interrupted(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # pytest then tears down fixtures and closes the peers
-
-    signal.signal(signal.SIGTERM, interrupted)
     if not run:
         (args.report / "report.json").write_text("[]")
         return 0
@@ -197,10 +662,13 @@ def main(argv: list[str] | None = None) -> int:
             str(args.report),
             "--policy",
             args.policy,
+            *(a for layout in args.layout for a in ("--layout", layout)),
             *connectors,
-        ]
+        ],
+        plugins=[audit_plugin(run, args.report, stop_at)],
     )
-    return 0 if rc in (0, 1) else int(rc)
+    # 0/1: ran (failures are findings); 2: interrupted (budget or SIGTERM, report kept).
+    return 0 if rc in (0, 1, 2) else int(rc)
 
 
 def _connector_class(spec: str) -> object | None:

@@ -50,6 +50,8 @@ class Audit:
     columns: list[CheckSpec]
     dynamic_note: str | None = None
     elapsed_s: float = 0.0
+    #: Set when the dynamic tier ran but some scenarios have no result (``--budget-s``).
+    dynamic_incomplete: str | None = None
 
 
 def vllm_version() -> str | None:
@@ -98,19 +100,23 @@ def _shown_columns(audit: Audit) -> list[CheckSpec]:
     return [*static, DYNAMIC_COLUMN]
 
 
-def _dynamic_cell(row: Row, width: int = 0) -> str:
+def _dynamic_cell(row: Row) -> str:
+    """Counts, never cut to the column width (they are short and must stay exact)."""
     dyn = [f for f in row.findings if f.tier == "DYNAMIC"]
     ran = [f for f in dyn if f.status in (PASS, FAIL)]
-    if not ran:
+    not_run = sum(f.status == UNKNOWN for f in dyn)  # collected, never reached (budget)
+    if not ran and not not_run:
         return "-"
     bad = sum(f.status == FAIL for f in ran)
+    if not ran:
+        return f"? {not_run} not run"
     text = f"FAIL {bad}/{len(ran)}" if bad else f"ok {len(ran)}/{len(ran)}"
-    return text[: width - 1] + "~" if width and len(text) > width else text
+    return f"{text} +{not_run} not run" if not_run else text
 
 
 def _row_cells(row: Row, columns: list[CheckSpec], width: int = 0) -> list[str]:
     return [
-        _dynamic_cell(row, width) if c is DYNAMIC_COLUMN else _cell(_lookup(row, c.id), width)
+        _dynamic_cell(row) if c is DYNAMIC_COLUMN else _cell(_lookup(row, c.id), width)
         for c in columns
     ]
 
@@ -153,10 +159,13 @@ def _legend(audit: Audit) -> list[str]:
     if DYNAMIC_COLUMN in _shown_columns(audit):
         lines.append(
             "  dynamic = scenarios passed / run by `pytest conformance/` on the connector's "
-            "transport driver (xfail counts as FAIL); each failure is listed below."
+            "transport driver (xfail counts as FAIL); each failure is listed below; "
+            "'+N not run' = N more scenarios not started within --budget-s (see Rows)."
         )
     if audit.dynamic_note:
         lines.append(f"Dynamic tier: {audit.dynamic_note}")
+    if audit.dynamic_incomplete:
+        lines.append(f"Dynamic tier incomplete: {audit.dynamic_incomplete}")
     return lines
 
 
@@ -228,6 +237,7 @@ def render_json(audit: Audit) -> str:
         "vllm": vllm_version(),
         "elapsed_s": round(audit.elapsed_s, 3),
         "dynamic_tier": audit.dynamic_note or "ran",
+        "dynamic_incomplete": audit.dynamic_incomplete,
         "checks": [
             {
                 "id": c.id,

@@ -135,3 +135,38 @@ def _parser():  # type: ignore[no-untyped-def]
     cli.configure_parser(p)
     p.set_defaults(no_progress=True)
     return p
+
+
+def test_budget_cut_is_reported_not_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    """A runner whose run was cut by the budget: its not-run cells are unknowns (no exit 1
+    from them), and the JSON and stderr say the dynamic tier is incomplete."""
+    from kvfail.audit.static import CheckSpec, Finding
+
+    spec = "tests.audit.fixtures.mixin_good:MixinConnector"
+    dyn = CheckSpec("dyn:test_x", "x", "-", "MUST", "-")
+
+    class CutRunner:
+        def prepare(self, targets: list[object], progress: object = None) -> None:
+            assert callable(progress)
+            progress("dynamic tier 1/1 (1 s of 2): X test_x[fail]")
+
+        def __call__(self, target: object) -> list[Finding]:
+            return [Finding("dyn:test_x", "unknown", "not run", tier="DYNAMIC", check_spec=dyn)]
+
+        def incomplete(self) -> str:
+            return "1 of 1 scenarios not run (budget)"
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        args = _parser().parse_args(["--format", "json", "--connector", spec])
+        assert cli.run(args, dynamic_runner=CutRunner()) == 0
+        out, err = capsys.readouterr()
+        doc = json.loads(out)
+        assert doc["dynamic_incomplete"] == "1 of 1 scenarios not run (budget)"
+        assert doc["connectors"][0]["findings"][-1]["status"] == "unknown"
+        assert "dynamic tier incomplete: 1 of 1 scenarios not run (budget)" in err
+        args = _parser().parse_args(["--connector", spec])
+        cli.run(args, dynamic_runner=CutRunner())
+        assert "? 1 not run" in capsys.readouterr().out
+    finally:
+        sys.path.remove(str(ROOT))

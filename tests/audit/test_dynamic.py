@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm", reason="the dynamic tier drives vLLM's real Scheduler")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _needs_vllm() -> None:
+    pytest.importorskip("vllm", reason="the dynamic tier drives vLLM's real Scheduler")
+
+
 @pytest.mark.vllm
 def test_dynamic_tier_passes_the_toy_and_flags_a_swallowing_connector() -> None:
+    _needs_vllm()
     cmd = [
         sys.executable,
         "-m",
@@ -23,6 +31,8 @@ def test_dynamic_tier_passes_the_toy_and_flags_a_swallowing_connector() -> None:
         "--format",
         "json",
         "--no-progress",
+        "--budget-s",
+        "0",  # a loaded machine must not turn this into a budget test
         "--connector",
         "kvfail.harness.toy:ToyConnector",
         "--connector",
@@ -38,3 +48,303 @@ def test_dynamic_tier_passes_the_toy_and_flags_a_swallowing_connector() -> None:
     assert "dyn:test_failed_load_one_group" in failed
     reason = next(f["summary"] for f in bad if f["check"] == "dyn:test_failed_load_one_group")
     assert "C2" in reason or "liveness" in reason
+
+
+# --------------------------------------------------------------------------- budget, cut
+
+
+def _write(tmp: Path, name: str, obj: object) -> None:
+    (tmp / name).write_text(json.dumps(obj))
+
+
+def _target(name: str = "X") -> Any:
+    from kvfail.audit.inventory import Target
+
+    return Target(name=name, module="pkg.mod", class_name=name, origin="cli")
+
+
+def test_scenarios_the_child_never_reached_are_not_run_cells(tmp_path: Path) -> None:
+    """A cut run: every cell that exists came from report.json; the rest say why not."""
+    from kvfail.audit import dynamic
+    from kvfail.audit.report import Row, _dynamic_cell
+
+    spec = "pkg.mod:X"
+    _write(tmp_path, "plan.json", {"run": [spec], "not_run": {}, "alias": {}})
+    scenarios = ["test_a", "test_b", "test_c"]
+    _write(
+        tmp_path,
+        "collected.json",
+        [{"connector": spec, "policy": "fail", "scenario": s, "nodeid": s} for s in scenarios],
+    )
+    _write(tmp_path, "budget.json", {"reason": "not run (budget): spent"})
+    rec = {"connector": spec, "policy": "fail", "clauses": ["C2"], "duration_s": 1.5}
+    _write(
+        tmp_path,
+        "report.json",
+        [
+            {**rec, "scenario": "test_a", "outcome": "passed", "reason": ""},
+            {**rec, "scenario": "test_b", "outcome": "failed", "reason": "C2 liveness"},
+        ],
+    )
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    runner._read(tmp_path, "")
+    target = _target()
+    found = {f.check: f for f in runner(target)}
+    assert found["dyn:test_a"].status == "pass"
+    assert found["dyn:test_b"].status == "fail" and "liveness" in found["dyn:test_b"].summary
+    assert found["dyn:test_c"].status == "unknown"
+    assert found["dyn:test_c"].summary.startswith("not run (budget)")
+    assert found["dyn:test_c"].violation is None  # not a result either way
+    assert (
+        "dynamic tier: 1 of 3 scenario runs not run (budget; rerun with a larger --budget-s)"
+        in (target.notes)
+    )
+    assert any("2 scenario runs (2 scenarios; fail tp1) in 3.0 s" in n for n in target.notes)
+    assert _dynamic_cell(Row(target, list(found.values()))) == "FAIL 1/2 +1 not run"
+    assert runner.incomplete() == "1 of 3 scenario runs not run (budget): spent"
+
+    # Two layouts, the second cut: a pass in one layout is no pass (unknown); a failure
+    # in one layout is a finding whatever the other would have said.
+    _write(
+        tmp_path,
+        "collected.json",
+        [
+            {"connector": spec, "policy": "fail", "layout": lay, "scenario": s, "nodeid": s}
+            for s in ("test_a", "test_b")
+            for lay in ("tp1", "tp2-g2")
+        ],
+    )
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    runner._read(tmp_path, "")
+    found = {f.check: f for f in runner(_target())}
+    assert found["dyn:test_a"].status == "unknown"
+    assert "(fail tp2-g2); ran: passed [fail tp1]" in found["dyn:test_a"].summary
+    assert found["dyn:test_b"].status == "fail"
+    assert found["dyn:test_b"].evidence[0].text == "fail tp1=failed, fail tp2-g2=not run"
+    assert runner.incomplete() == "2 of 4 scenario runs not run (budget): spent"
+
+    # Budget spent before the first scenario: the plugin writes no report; not an error.
+    (tmp_path / "report.json").unlink()
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    runner._read(tmp_path, "")
+    target = _target()
+    cells = runner(target)
+    assert runner.error is None
+    assert [f.status for f in cells] == ["unknown"] * 2
+    assert _dynamic_cell(Row(target, cells)) == "? 2 not run"
+
+
+FAKE_CHILD = r"""
+import json, os, signal, subprocess, sys, time
+tmp = sys.argv[1]
+with open(os.path.join(tmp, "progress.jsonl"), "a") as fh:
+    fh.write(json.dumps({"event": "collected", "n": 2, "connectors": 1}) + "\n")
+    fh.write(json.dumps({"event": "start", "i": 1, "connector": "c", "policy": "fail",
+                         "scenario": "test_x"}) + "\n")
+# A peer as the suite starts them: its own session, frozen (SIGSTOP) like a frozen P.
+peer = subprocess.Popen(
+    [sys.executable, "-c", "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); "
+     "time.sleep(600)"],
+    start_new_session=True,
+)
+with open(os.path.join(tmp, "pids"), "w") as fh:
+    fh.write(f"{os.getpid()} {peer.pid}")
+if sys.argv[2] == "hang":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a teardown that never ends
+    time.sleep(600)
+time.sleep(3)  # "exit": a run that ends without closing its (frozen) peer
+"""
+
+
+def _gone(pid: int) -> bool:
+    from kvfail.audit.dynamic import _stat
+
+    st = _stat(pid)
+    return st is None or st[0] == "Z"
+
+
+@pytest.mark.parametrize("mode", ["hang", "exit"])
+def test_child_and_its_peers_never_outlive_the_audit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Past the budget the child is stopped (SIGTERM, then SIGKILL) and so is every peer it
+    started in its own session, frozen or not; a peer a finished child left behind is
+    killed too. The child's progress lines reach the progress callback."""
+    from kvfail.audit import dynamic
+
+    monkeypatch.setattr(dynamic, "TERM_GRACE_S", 1.0)
+    script = tmp_path / "child.py"
+    script.write_text(FAKE_CHILD)
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    shown: list[str] = []
+    kill_at = time.monotonic() + (4.0 if mode == "hang" else 60.0)
+    runner._run_child(
+        [sys.executable, str(script), str(tmp_path), mode], tmp_path, kill_at, shown.append
+    )
+    child, peer = (int(p) for p in (tmp_path / "pids").read_text().split())
+    try:
+        assert _gone(child)
+        assert _gone(peer), "the peer outlived the audit"
+        assert any("dynamic tier 1/2" in s and "test_x[fail tp1]" in s for s in shown), shown
+        if mode == "hang":
+            assert runner.error is not None and "stopped" in runner.error
+        else:
+            assert runner.error is None
+            assert len(runner.leftovers) == 1  # the peer it left: killed, and said so
+    finally:
+        for pid in (child, peer):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+FAKE_SUITE = """
+import pytest
+
+PAIRS = [("a", "fail"), ("b", "fail")]
+
+
+@pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
+def test_one(kvfail_connector, kvfail_policy, record):
+    record("one", kvfail_connector)
+
+
+@pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
+def test_two(kvfail_connector, kvfail_policy, record):
+    record("two", kvfail_connector)
+
+
+@pytest.fixture
+def record(request):
+    def rec(name, connector):
+        with open(request.config.rootpath / "ran.txt", "a") as fh:
+            fh.write(f"{name}[{connector}]\\n")
+    return rec
+"""
+
+RUN_FAKE = """
+import sys, time
+from pathlib import Path
+import pytest
+from kvfail.audit.dynamic import audit_plugin
+report, stop = Path(sys.argv[1]), float(sys.argv[2])
+plugin = audit_plugin(["a", "b"], report, time.monotonic() + stop if stop else None)
+args = [str(report / "test_fake.py"), "-q", "-p", "no:kvfail", "-p", "no:cacheprovider"]
+sys.exit(pytest.main([*args, "--rootdir", str(report), "-c", str(report / "tox.ini")],
+                     plugins=[plugin]))
+"""
+
+
+@pytest.mark.parametrize("budget", ["none", "spent"])
+def test_child_plugin_runs_connector_by_connector_within_its_budget(
+    tmp_path: Path, budget: str
+) -> None:
+    """The child's plugin (no vLLM: a fake parametrised suite): connector-major order,
+    a progress line per scenario, and past its budget no scenario starts."""
+    (tmp_path / "test_fake.py").write_text(FAKE_SUITE)
+    (tmp_path / "tox.ini").write_text("[pytest]\n")
+    stop = "0" if budget == "none" else "0.000001"
+    cmd = [sys.executable, "-c", RUN_FAKE, str(tmp_path), stop]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    collected = json.loads((tmp_path / "collected.json").read_text())
+    assert [c["connector"] for c in collected] == ["a", "a", "b", "b"]
+    events = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert events[0] == {"event": "collected", "n": 4, "connectors": 2}
+    ran = tmp_path / "ran.txt"
+    if budget == "none":
+        assert done.returncode == 0, done.stdout[-2000:]
+        assert ran.read_text().split() == ["one[a]", "two[a]", "one[b]", "two[b]"]
+        starts = [(e["i"], e["connector"], e["scenario"]) for e in events[1:]]
+        assert starts == [
+            (1, "a", "test_one"),
+            (2, "a", "test_two"),
+            (3, "b", "test_one"),
+            (4, "b", "test_two"),
+        ]
+        assert not (tmp_path / "budget.json").exists()
+    else:
+        assert done.returncode == 2, done.stdout[-2000:]  # interrupted: the budget
+        assert not ran.exists()  # no scenario started
+        assert events[1:] == [{"event": "budget", "not_run": 4}]
+        assert "budget" in json.loads((tmp_path / "budget.json").read_text())["reason"]
+
+
+def test_a_connectors_peers_are_released_after_its_last_scenario(tmp_path: Path) -> None:
+    """Once a connector's last scenario is done its driver is stopped (its idle P would
+    cost CPU for the rest of the run), exactly once, and the plugin's teardown skips it."""
+    from types import SimpleNamespace
+
+    from kvfail.audit.dynamic import _AuditPlugin
+    from kvfail.conformance.plugin import _STATE
+
+    class Driver:
+        stops = 0
+
+        def stop(self) -> None:
+            self.stops += 1
+
+    class Config:
+        stash = pytest.Stash()
+
+    drivers = {"a": Driver(), "b": Driver()}
+    # The plugin's _State, as far as the audit's plugin reads it.
+    state = SimpleNamespace(drivers=dict(drivers), started=set(drivers), records=[])
+    plugin = _AuditPlugin(["a", "b"], tmp_path, None)
+    plugin.config = Config()
+    plugin.config.stash[_STATE] = state
+    plugin.last = {"t::x[a]": "a", "t::x[b]": "b"}
+    plugin.pytest_runtest_logfinish("t::y[a]", None)  # not a's last: nothing
+    assert drivers["a"].stops == 0
+    plugin.pytest_runtest_logfinish("t::x[a]", None)
+    plugin.pytest_runtest_logfinish("t::x[a]", None)
+    assert (drivers["a"].stops, drivers["b"].stops) == (1, 0)
+    assert state.started == {"b"}
+    events = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert events == [{"event": "released", "connector": "a"}]
+
+
+def test_finished_scenarios_survive_a_killed_child(tmp_path: Path) -> None:
+    """Each record is appended to records.jsonl as its scenario ends; without report.json
+    (a child SIGKILLed before the session's end) the parent reads those, a cut line aside."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from kvfail.audit import dynamic
+    from kvfail.conformance.plugin import _STATE
+
+    @dataclass
+    class Rec:  # the fields of kvfail.conformance.report.Record the audit reads
+        connector: str
+        scenario: str
+        policy: str
+        outcome: str
+        reason: str = ""
+        duration_s: float = 1.0
+
+    class Config:
+        stash = pytest.Stash()
+
+    SPEC = "pkg.mod:X"  # _target()'s spec
+    state = SimpleNamespace(drivers={}, started=set(), records=[])
+    plugin = dynamic._AuditPlugin([SPEC], tmp_path, None)
+    plugin.config = Config()
+    plugin.config.stash[_STATE] = state
+    state.records.append(Rec(SPEC, "test_one", "fail", "passed"))
+    plugin.pytest_runtest_logfinish("t::one[a]", None)
+    state.records.append(Rec(SPEC, "test_two", "fail", "failed", "C2 liveness"))
+    plugin.pytest_runtest_logfinish("t::two[a]", None)
+    plugin.pytest_runtest_logfinish("t::two[a]", None)  # nothing new: nothing written
+    with (tmp_path / dynamic.RECORDS).open("a") as fh:
+        fh.write('{"connector": "a", "scen')  # SIGKILL mid-line
+    _write(
+        tmp_path,
+        "collected.json",
+        [
+            {"connector": SPEC, "policy": "fail", "scenario": s, "nodeid": s}
+            for s in ("test_one", "test_two", "test_three")
+        ],
+    )
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    runner.error = "the conformance run was stopped at --budget-s 10 (...)"
+    runner._read(tmp_path, "")
+    cells = {f.check: f.status for f in runner(_target())}
+    assert cells == {"dyn:test_one": "pass", "dyn:test_two": "fail", "dyn:test_three": "unknown"}
