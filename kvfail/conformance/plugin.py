@@ -386,3 +386,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if driver is not None:
             driver.stop()
     state.started.clear()
+    _sweep_shared_memory()
+
+
+def _sweep_shared_memory() -> None:
+    """Remove the TP worlds' shared memory this session left (killed peers' ranks)."""
+    from kvfail import shm
+
+    if shm.owns_session_prefix():
+        shm.release_shared_memory(shm.session_prefix())

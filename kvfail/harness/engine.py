@@ -79,6 +79,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, SplitForward, run_worker_hooks
 from kvfail.harness.ranks import RankCrash, RankProcess
+from kvfail.shm import new_shm_ident, release_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -387,6 +388,7 @@ class Engine:
         self._worker_build = worker_build
         self._owns_transfer_group = False
         self._closed = False
+        self._shm_ident: str | None = None
         self._crashed: Crash | None = None
         self._next_id = 0
         _ensure_none_hash()
@@ -439,6 +441,8 @@ class Engine:
         """One process per rank, in a gloo world of ``tp_size`` (after the Scheduler, so
         a scheduler-side server the ranks register with is already up)."""
         init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        self._shm_ident = new_shm_ident()
+        env = {**(env or {}), "VLLM_DIST_IDENT": self._shm_ident}
         procs = [RankProcess(self.spec, r, init_method, env) for r in range(self.spec.tp_size)]
         try:
             for proc in procs:
@@ -446,6 +450,7 @@ class Engine:
         except BaseException:
             for proc in procs:
                 proc.close(timeout_s=2.0)
+            release_shared_memory(self._shm_ident)
             raise
         return [Worker(p.rank, process=p, built=self.built) for p in procs]
 
@@ -641,6 +646,8 @@ class Engine:
                     worker.process.close()
                 else:
                     worker.connector.shutdown()
+        if self._shm_ident is not None:
+            release_shared_memory(self._shm_ident)
         if self._owns_transfer_group:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         with contextlib.suppress(Exception):

@@ -143,8 +143,9 @@ def _build_rank(spec: EngineSpec, rank: int, init_method: str) -> RankView:
     group, KV tensors, ``register_kv_caches``."""
     built = build_config(spec)
     vllm_config = built.vllm_config
-    # vLLM's CpuWorker names the ranks' shared-memory group after the init port.
-    os.environ["VLLM_DIST_IDENT"] = init_method.rsplit(":", 1)[-1]
+    # vLLM's CpuWorker names the ranks' shared-memory group after the init port; the
+    # engine gives its ranks a unique name instead (kvfail.shm).
+    os.environ.setdefault("VLLM_DIST_IDENT", init_method.rsplit(":", 1)[-1])
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=spec.tp_size,
