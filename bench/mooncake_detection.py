@@ -165,6 +165,8 @@ class Detection:
 
         request = engine.scheduler.requests.get(c.req_id)
         if request is not None:
+            if self.policy != "recompute":
+                return  # fail: only the terminal state counts
             # recompute: "ended" = rescheduled, i.e. the failure reached the scheduler and
             # the request no longer waits for remote KV (it will be computed locally).
             failed = any(c.req_id in r.failed_requests for r in engine.record.scheduler_reports())
