@@ -698,9 +698,7 @@ class Engine:
         """After a crash mid-step, read (and drop) what the other ranks still owe."""
         for worker in remote:
             assert worker.process is not None
-            with contextlib.suppress(Exception):
-                if worker.process._pending:
-                    worker.process.receive_step(timeout_s=10.0)
+            worker.process.discard_reply()
 
     def _model_runner_output(
         self, so: SchedulerOutput, kv_output: KVConnectorOutput | None

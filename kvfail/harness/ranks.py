@@ -219,6 +219,13 @@ class RankProcess:
         result: StepResult = self._result(timeout_s, "step")
         return result
 
+    def discard_reply(self, timeout_s: float = 10.0) -> None:
+        """Read and drop the reply to a step sent before another rank crashed, so the
+        pipe stays in step; nothing to do when no reply is outstanding."""
+        if self._pending:
+            with contextlib.suppress(Exception):
+                self._receive(timeout_s, "step")
+
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
         """Run ``fn(view, *args)`` on the rank (``fn`` module-level); returns its result."""
         self._send(("call", fn, args))

@@ -27,7 +27,7 @@ from kvfail.faults import PeerProcess
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from kvfail.harness import Engine, EngineSpec, Worker
+    from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
     from kvfail.peers.forwards import RangeItem
 
@@ -306,26 +306,15 @@ class PeerPair:
         from kvfail.peers.forwards import apply_checks
 
         return SplitForward(
-            plan=lambda engine, so: self._plan_check(engine, so, range(len(engine.workers))),
+            plan=self._plan_check,
             apply=apply_checks,
             collect=self._collect_check,
         )
 
-    def _check_loaded(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        """The same check as a plain in-process hook, for one rank."""
-        from kvfail.peers.forwards import apply_checks
-
-        items = self._plan_check(engine, so, [worker.rank])
-        if items:
-            result = apply_checks(worker.view(len(engine.workers)), items)
-            self._collect_check(engine, worker.rank, result)
-
-    def _plan_check(
-        self, engine: Engine, so: SchedulerOutput, ranks: Iterable[int]
-    ) -> list[RangeItem] | None:
+    def _plan_check(self, engine: Engine, so: SchedulerOutput) -> list[RangeItem] | None:
         from kvfail.peers.forwards import RangeItem, request_blocks
 
-        ranks = list(ranks)
+        ranks = [w.rank for w in engine.workers]
         items: list[RangeItem] = []
         for req_id, n in so.num_scheduled_tokens.items():
             rec = self.records.get(req_id)

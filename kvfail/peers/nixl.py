@@ -69,9 +69,7 @@ from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_pa
 from kvfail.peers.nixl_producer import BAD_METADATA, PREFIX, _unpin, restore_affinity
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
-    from kvfail.harness import Engine, RunResult, Worker
+    from kvfail.harness import Engine, RunResult
     from kvfail.harness.hooks import RankView
 
 __all__ = [
@@ -547,12 +545,10 @@ class NixlPair(PeerPair):
             num_kv_cache_groups=self.num_kv_cache_groups,
         )
         mask = os.sched_getaffinity(0)
+        engine = Engine(spec, forward=self.check_forward)
         if spec.tp_mode == "processes":
-            engine = Engine(spec, forward=self.check_forward)
             for worker in engine.workers:  # each rank's NIXL worker pinned its process
                 worker.call(_unpin, mask)
-        else:
-            engine = Engine(spec, forward=self._decode_forward)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
         self._seen[id(engine)] = 0
         return self._register(key, engine)
@@ -704,9 +700,6 @@ class NixlPair(PeerPair):
         start = rec.injected_at if rec.injected_at is not None else rec.added_at
         rec.reported_s = round(now - start, 4)
         rec.reported_steps = report.step + 1 - rec.steps_at_injection
-
-    def _decode_forward(self, engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
-        self._check_loaded(engine, worker, so)
 
     # ------------------------------------------------------------------ faults
 
