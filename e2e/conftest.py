@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvfail import shm
 from kvfail.faults.process import live_peers
 
 #: Filled by the tests with what the client saw, timings and metrics; printed at the end.
@@ -79,11 +80,16 @@ def model_dir(e2e_dir: Path) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftover_peers() -> Iterator[None]:
-    """Every server must be closed by its own fixture; anything left is a leak, closed here."""
+    """Every server must be closed by its own fixture; anything left is a leak, closed here.
+    Then the shared-memory segments of servers that were SIGKILLed (vLLM's message queues;
+    a killed process cannot unlink them) are removed: those created during the session
+    that no live process uses."""
+    before = shm.segment_names()
     yield
     left = live_peers()
     for peer in left:
         peer.close()
+    shm.release_orphans(before)
     assert not left, f"servers left running: {left}"
 
 

@@ -17,7 +17,13 @@ import os
 import uuid
 from pathlib import Path
 
-__all__ = ["new_shm_ident", "release_shared_memory", "session_prefix"]
+__all__ = [
+    "new_shm_ident",
+    "release_orphans",
+    "release_shared_memory",
+    "segment_names",
+    "session_prefix",
+]
 
 PREFIX_ENV = "KVFAIL_SHM_PREFIX"
 _SHM_DIR = Path("/dev/shm")
@@ -45,5 +51,61 @@ def release_shared_memory(ident: str) -> int:
     for path in _SHM_DIR.glob(f"{ident}-*"):
         with contextlib.suppress(OSError):
             path.unlink()
+            removed += 1
+    return removed
+
+
+#: Python's ``multiprocessing.shared_memory`` default name prefix: vLLM's message queues
+#: (scheduler -> workers) use it, so a ``vllm serve`` that is SIGKILLed leaves its
+#: segments behind under random names we cannot predict.
+ANON_PREFIX = "psm_"
+
+
+def segment_names(prefix: str = ANON_PREFIX) -> set[str]:
+    """The /dev/shm names that start with ``prefix`` now."""
+    try:
+        return {p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix)}
+    except OSError:
+        return set()
+
+
+def _segments_in_use() -> set[str]:
+    """Names under /dev/shm that some live process maps or holds open."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                _, _, path = line.partition("/dev/shm/")
+                if path:
+                    used.add(path.split(" ")[0])
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        used.add(target.removeprefix("/dev/shm/"))
+    return used
+
+
+def release_orphans(before: set[str], prefix: str = ANON_PREFIX, settle_s: float = 0.2) -> int:
+    """Unlink segments named ``prefix*`` that appeared since ``before`` was taken and that
+    no live process uses any more: what killed servers left. A segment must be unused in
+    two looks ``settle_s`` apart (a process may be between creating and mapping it; its
+    age says nothing, as a live queue's writes keep its mtime fresh)."""
+    import time
+
+    candidates = segment_names(prefix) - before
+    if not candidates:
+        return 0
+    unused = candidates - _segments_in_use()
+    if unused:
+        time.sleep(settle_s)
+        unused -= _segments_in_use()
+    removed = 0
+    for name in unused:
+        with contextlib.suppress(OSError):
+            (_SHM_DIR / name).unlink()
             removed += 1
     return removed

@@ -1,0 +1,57 @@
+"""``kvfail.shm.release_orphans``: what a SIGKILLed server leaves in /dev/shm goes; what a
+live process still maps and what existed before stay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import pytest
+
+from kvfail import shm
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+
+_HOLD = (
+    "import sys\n"
+    "from multiprocessing import resource_tracker, shared_memory\n"
+    "s = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)\n"
+    "resource_tracker.unregister(s._name, 'shared_memory')\n"
+    "print('up', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def _segment(name: str) -> None:
+    """Create a segment and drop every handle to it, as a killed process would."""
+    seg = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    from multiprocessing import resource_tracker
+
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    seg.close()
+
+
+def test_only_new_unused_segments_go() -> None:
+    tag = f"kvfailtest{os.getpid()}_"
+    existing, orphan, held = (f"{tag}{k}" for k in ("old", "orphan", "held"))
+    _segment(existing)
+    before = shm.segment_names(tag)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, held], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == b"up"
+        _segment(orphan)
+        removed = shm.release_orphans(before, prefix=tag)
+        left = shm.segment_names(tag)
+        assert removed == 1
+        assert left == {existing, held}
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        for path in Path("/dev/shm").glob(f"{tag}*"):
+            path.unlink()
