@@ -364,7 +364,7 @@ class PeerProcess:
             self._wait_group_gone(timeout_s)
         return rc
 
-    def freeze(self, *, group: bool = True, timeout_s: float = 2.0) -> None:
+    def freeze(self, *, group: bool = True, timeout_s: float = 10.0) -> None:
         """SIGSTOP: a hung peer whose sockets stay open.
 
         Returns only once the kernel shows every targeted process stopped ('T'): signal
@@ -376,14 +376,19 @@ class PeerProcess:
         self.send_signal(signal.SIGSTOP, group=group)
         self._wait_stopped(True, group, timeout_s)
 
-    def thaw(self, *, group: bool = True, timeout_s: float = 2.0) -> None:
+    def thaw(self, *, group: bool = True, timeout_s: float = 10.0) -> None:
         """SIGCONT; returns once no targeted process is still in the stopped state."""
         self.send_signal(signal.SIGCONT, group=group)
         self._wait_stopped(False, group, timeout_s)
 
     def _wait_stopped(self, stopped: bool, group: bool, timeout_s: float) -> None:
+        """Wait for the kernel to show the new state; a member still pending is signalled
+        again now and then: one forked after the group was signalled (a server's helper
+        process) missed it, and resending SIGSTOP/SIGCONT is idempotent."""
         what = "stopped" if stopped else "continued"
+        sig = signal.SIGSTOP if stopped else signal.SIGCONT
         deadline = time.monotonic() + timeout_s
+        resend_at = time.monotonic() + 0.1
         while True:
             leader = proc_state(self.pid)
             if leader is None or leader in "ZXx":
@@ -397,10 +402,16 @@ class PeerProcess:
             }
             if not pending:
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise TimeoutError(
                     f"peer {self.name} not {what} after {timeout_s}s (states {pending})"
                 )
+            if now >= resend_at:
+                resend_at = now + 0.1
+                for pid in pending:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
             time.sleep(0.005)
 
     def _wait_group_gone(self, timeout_s: float) -> bool:
