@@ -142,20 +142,23 @@ def through_proxy(proxy: PDProxy, model: str, prompts: list[list[int]],
     return asyncio.run(complete_all(proxy.url, model, prompts, first_idx))
 
 
-def wait_idle(server: VllmServer, baseline_usage: float, timeout_s: float) -> dict[str, float]:
-    """Poll D's /metrics until nothing waits or runs and KV usage is back to its baseline."""
+def wait_idle(server: VllmServer, baseline_usage: float | None,
+              timeout_s: float) -> dict[str, float]:
+    """Poll the server's /metrics until nothing waits or runs and (unless
+    ``baseline_usage`` is None) KV usage is back to its baseline."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
         waiting = metric(m, "vllm:num_requests_waiting")
         running = metric(m, "vllm:num_requests_running")
         usage = metric(m, "vllm:kv_cache_usage_perc")
-        if waiting == 0 and running == 0 and usage <= baseline_usage + 1e-9:
+        if waiting == 0 and running == 0 and (
+                baseline_usage is None or usage <= baseline_usage + 1e-9):
             return {"waiting": waiting, "running": running, "kv_usage": usage}
         if time.monotonic() > deadline:
             raise AssertionError(
-                f"D not idle after {timeout_s}s: waiting={waiting} running={running} "
-                f"kv_usage={usage} (baseline {baseline_usage})")
+                f"{server.spec.name} not idle after {timeout_s}s: waiting={waiting} "
+                f"running={running} kv_usage={usage} (baseline {baseline_usage})")
         time.sleep(0.5)
 
 

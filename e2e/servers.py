@@ -35,6 +35,12 @@ BASE_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # Three servers share 2 cores: one compute thread each, and no OpenMP spin-wait after
+    # a parallel region (Intel OpenMP spins 200 ms by default). Spinning threads starved
+    # the other servers' engine loops for seconds, enough to pass a 5 s KV deadline.
+    "OMP_NUM_THREADS": "1",
+    "KMP_BLOCKTIME": "0",
+    "OMP_WAIT_POLICY": "PASSIVE",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "VLLM_HOST_IP": HOST,
