@@ -304,6 +304,8 @@ def test_abort_while_waiting(kvfail: Any) -> None:
         late = "success" if point is None else point.value
         engine = kvfail.engine()
         rid = kvfail.rid(f"abort-then-{late}")
+        if point is not None:
+            kvfail.expect_failed_load()
         kvfail.add_loading(engine, rid, fault=point)
         kvfail.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
         engine.run_until_idle(max_steps=3, timeout_s=5.0)

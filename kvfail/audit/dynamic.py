@@ -458,8 +458,16 @@ def _cmdline(pid: int) -> str:
 class _AuditPlugin:
     """In the child: run connector by connector, report progress, honour the budget."""
 
-    def __init__(self, run: list[str], report: Path, stop_at: float | None) -> None:
+    def __init__(
+        self,
+        run: list[str],
+        report: Path,
+        stop_at: float | None,
+        kinds: dict[str, str] | None = None,
+    ) -> None:
         self.order = {spec: i for i, spec in enumerate(run)}
+        #: Driver kind (class name) of each connector: one kind can share a peer.
+        self.kinds = kinds or {}
         self.report = report
         self.stop_at = stop_at
         self.index: dict[str, int] = {}
@@ -579,6 +587,13 @@ class _AuditPlugin:
             return
         try:
             driver.stop()
+            # The P it handed off waits for the next connector of its kind; after the
+            # last one (the run is grouped by kind) nothing will pull from it.
+            later = [s for s, i in self.order.items() if i > self.order.get(spec, -1)]
+            if not any(self.kinds.get(s) == self.kinds.get(spec) for s in later):
+                from kvfail.conformance.driver import close_shared_producers
+
+                close_shared_producers(handed_off_by=type(driver))
         except Exception as exc:  # the session's teardown retries it
             self.emit(event="release_failed", connector=spec, error=repr(exc)[:200])
             return
@@ -586,14 +601,16 @@ class _AuditPlugin:
         self.emit(event="released", connector=spec)
 
 
-def audit_plugin(run: list[str], report: Path, stop_at: float | None) -> _AuditPlugin:
+def audit_plugin(
+    run: list[str], report: Path, stop_at: float | None, kinds: dict[str, str] | None = None
+) -> _AuditPlugin:
     """The child's pytest plugin (``stop_at``: ``time.monotonic()`` after which no scenario
-    starts; None: no budget)."""
+    starts; None: no budget; ``kinds``: each connector's driver kind)."""
     import pytest
 
     # Before pytest's runner, which would run the item (this module imports no pytest).
     pytest.hookimpl(tryfirst=True)(_AuditPlugin.pytest_runtest_protocol)
-    return _AuditPlugin(run, report, stop_at)
+    return _AuditPlugin(run, report, stop_at, kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     not_run: dict[str, str] = {}
     alias: dict[str, str] = {}
     seen: dict[object, str] = {}
+    family: dict[str, list[str]] = {}
     for spec in args.specs:
         try:
             driver = resolve(spec)
@@ -642,6 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         if cls is not None:
             seen[cls] = spec
         run.append(spec)
+        family.setdefault(type(driver).__name__, []).append(spec)
+    # Connectors of one driver kind run back to back: they can share a peer (every NIXL
+    # driver pulls from upstream's P, handed from one driver to the next).
+    run = [spec for specs in family.values() for spec in specs]
     args.report.mkdir(parents=True, exist_ok=True)
     (args.report / "plan.json").write_text(
         json.dumps({"run": run, "not_run": not_run, "alias": alias})
@@ -665,7 +687,11 @@ def main(argv: list[str] | None = None) -> int:
             *(a for layout in args.layout for a in ("--layout", layout)),
             *connectors,
         ],
-        plugins=[audit_plugin(run, args.report, stop_at)],
+        plugins=[
+            audit_plugin(
+                run, args.report, stop_at, {s: k for k, specs in family.items() for s in specs}
+            )
+        ],
     )
     # 0/1: ran (failures are findings); 2: interrupted (budget or SIGTERM, report kept).
     return 0 if rc in (0, 1, 2) else int(rc)

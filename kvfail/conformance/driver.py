@@ -29,6 +29,8 @@ returns a :class:`Driver`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import importlib.metadata
 import json
@@ -58,10 +60,44 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
 
-#: One P process per P configuration, shared by the Mooncake drivers of a session (e.g.
-#: ``mooncake`` and the real negative controls, which all pull from kvfail's P): each P
-#: costs a vLLM import. The driver that started it owns it (closes it in ``stop``).
+#: One P process per P configuration, shared by the drivers of a session that want the
+#: same P (``mooncake`` and the real negative controls pull from kvfail's P; every NIXL
+#: driver pulls from upstream's): each P costs a vLLM import (10-60 s here). A pair that
+#: finds a live P here borrows it. The driver that started it owns it and closes it in
+#: ``stop``, unless the driver hands it off (``PairDriver.hand_off_p``): then this registry
+#: keeps it for the next driver and :func:`close_shared_producers` closes it at the end.
 _SHARED_P: dict[str, Any] = {}
+
+
+def shared_producer(key: str) -> Any | None:
+    """The live P registered under ``key``, if any."""
+    shared = _SHARED_P.get(key)
+    if shared is None or not shared.process.alive:
+        return None
+    return shared
+
+
+def register_producer(key: str, producer: Any) -> None:
+    """Offer a P its starter owns to the drivers that want the same P (they borrow it)."""
+    _SHARED_P[key] = producer
+
+
+#: Registry keys whose P a stopped driver handed off, by that driver's class.
+_HANDED_OFF: dict[str, type] = {}
+
+
+def close_shared_producers(handed_off_by: type | None = None) -> None:
+    """Close the registered P's (only those handed off by drivers of ``handed_off_by``
+    when given: a P an idle registry keeps still costs CPU); idempotent."""
+    keys = [
+        k for k in list(_SHARED_P) if handed_off_by is None or _HANDED_OFF.get(k) is handed_off_by
+    ]
+    for key in keys:
+        with contextlib.suppress(Exception):
+            _SHARED_P[key].close()
+        _SHARED_P.pop(key, None)
+        _HANDED_OFF.pop(key, None)
+
 
 Declared = dict[str, tuple[Any, str]]
 
@@ -579,6 +615,9 @@ class PairDriver(Driver):
 
     #: The (tp_size, groups) layouts this driver's pairs can be built in.
     layouts: frozenset[tuple[int, int]] = frozenset({(1, 1)})
+    #: At ``stop``, leave a healthy P to the session's registry for the next driver that
+    #: wants the same P, instead of closing it (see ``_SHARED_P``).
+    hand_off_p: bool = False
 
     def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
         """A started pair whose P and D have this layout."""
@@ -607,9 +646,28 @@ class PairDriver(Driver):
 
     def stop(self) -> None:
         for pair in self._pairs():
+            if self.hand_off_p:
+                self._hand_off(pair)
             pair.close()
         self._pair = None
         self._layout_pairs.clear()
+
+    def _hand_off(self, pair: Any) -> None:
+        """Leave ``pair``'s own, healthy P to the session registry (see ``_SHARED_P``)
+        instead of closing it, unless another live P already serves its key."""
+        key = getattr(pair, "kvfail_share_key", None)
+        producer = pair.p
+        if key is None or producer is None or not pair.owns_p:
+            return
+        proc = producer.process
+        if not proc.alive or proc.frozen or self._p_crashed(pair):
+            return
+        current = shared_producer(key)
+        if current is not None and current is not producer:
+            return
+        _SHARED_P[key] = producer
+        _HANDED_OFF[key] = type(self)
+        pair.owns_p = False
 
     def _p_replaced(self, pair: Any) -> None:
         """Hook: ``pair`` gets a new P (forget what pointed at the old one)."""
@@ -618,9 +676,23 @@ class PairDriver(Driver):
         """``pair`` with a live P (a P shared with another driver may have been killed
         by that driver's scenario: this driver then starts its own; the next use waits)."""
         if pair.p is None or not pair.p.process.alive:
-            self._p_replaced(pair)
-            pair.restart_p(wait=False)
+            self._replace_p(pair)
         return pair
+
+    def _replace_p(self, pair: Any, *, wait: bool = False) -> None:
+        """Give ``pair`` a live P: the replacement another driver already registered for
+        the same P (borrowed), else a new one of its own (registered for the others)."""
+        self._p_replaced(pair)
+        key = getattr(pair, "kvfail_share_key", None)
+        shared = shared_producer(key) if key is not None else None
+        if shared is not None and shared is not pair.p:
+            pair.p, pair.owns_p = shared, False
+            if wait:
+                shared.wait_ready(pair.ready_timeout_s)
+            return
+        pair.restart_p(wait=wait)
+        if key is not None:
+            register_producer(key, pair.p)
 
     @staticmethod
     def _p_crashed(pair: Any) -> bool:
@@ -632,10 +704,27 @@ class PairDriver(Driver):
         except Exception:
             return True
 
+    def _forget_closed_engines(self) -> None:
+        """Drop the pairs' references to D engines a scenario closed, and collect them.
+
+        Why: a closed engine's transport can outlive its close (NIXL's agent, whose
+        progress thread polls a core, goes only with the object), and every scenario
+        builds a fresh D: 19 pollers had piled up in one NIXL session.
+        """
+        dropped = 0
+        for pair in self._pairs():
+            for name, engine in list(pair.decoders.items()):
+                if engine.closed:
+                    del pair.decoders[name]
+                    dropped += 1
+        if dropped:
+            gc.collect()
+
     def _repair_peers(self) -> None:
         """After a scenario: thaw a frozen P; kill what is left of a P that lost a rank
         (on purpose, or a rank that died after a fault) so a driver sharing it sees it
         dead rather than half-working; replace a dead P without waiting for its import."""
+        self._forget_closed_engines()
         for pair in self._pairs():
             if pair.p is None:
                 continue
@@ -646,8 +735,7 @@ class PairDriver(Driver):
                 self._broken.discard(id(pair))
                 pair.kill_p()
             if not proc.alive:
-                self._p_replaced(pair)
-                pair.restart_p(wait=False)
+                self._replace_p(pair)
 
     def after_scenario(self) -> None:
         self._repair_peers()
@@ -749,9 +837,7 @@ class MooncakeDriver(PairDriver):
         else:  # P runs D's connector (as MooncakePair decides)
             p_side = [self._connector, self._module]
         key = json.dumps([*p_side, tp_size, num_kv_cache_groups])
-        shared = _SHARED_P.get(key)
-        if shared is not None and not shared.process.alive:
-            shared = None
+        shared = shared_producer(key)
         pair = MooncakePair(
             policy="fail",
             connector=self._connector,
@@ -765,7 +851,7 @@ class MooncakeDriver(PairDriver):
             producer=shared,
         )
         if shared is None:
-            _SHARED_P[key] = pair.p
+            register_producer(key, pair.p)
         return pair
 
     def _p_replaced(self, pair: Any) -> None:

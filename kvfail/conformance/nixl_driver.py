@@ -47,12 +47,18 @@ the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the p
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvfail.conformance.driver import Declared, PairDriver
+from kvfail.conformance.driver import (
+    Declared,
+    PairDriver,
+    register_producer,
+    shared_producer,
+)
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -86,7 +92,8 @@ class NixlDriver(PairDriver):
 
     pair_module = "kvfail.peers.nixl"
     pair_name = "NixlPair"
-    layouts = frozenset({(1, 1), (2, 1)})
+    layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
+    hand_off_p = True
     #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
     BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
         FaultPoint.PEER_BAD_METADATA: "garbled",
@@ -131,15 +138,25 @@ class NixlDriver(PairDriver):
         return nixl_bases()
 
     def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """A pair whose P has this layout. P always runs upstream's connector, so every
+        NIXL driver of a session can pull from the same P: a driver that stops hands its
+        healthy P on (``hand_off_p``) and the next one starts warm."""
         from kvfail.peers.nixl import NixlPair
 
+        key = json.dumps(["nixl-P", tp_size, num_kv_cache_groups])
+        shared = shared_producer(key)
         pair = NixlPair(
             connector=self._connector,
             connector_module=self._module,
             ready_timeout_s=240.0,
             build_default_consumer=False,
             tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
+            producer=shared,
         )
+        pair.kvfail_share_key = key
+        if shared is None:
+            register_producer(key, pair.p)
         self._warm_p(pair)
         return pair
 
@@ -152,7 +169,7 @@ class NixlDriver(PairDriver):
             if "P crashed" not in str(exc):
                 raise
             pair.kill_p()
-            pair.restart_p(wait=True)
+            self._replace_p(pair, wait=True)
             self._warm_p(pair)
             params = pair.prefill(request_id, prompt_len)
         return params
@@ -221,9 +238,9 @@ class NixlDriver(PairDriver):
             "sync_load": (False, "NIXL only advertises asynchronous loads"),
             "remote_prefill": (True, "a real P process prefills; D READs its blocks"),
             "two_groups": (
-                False,
-                "NixlDriver builds one-group pairs only (upstream NixlConnector is SupportsHMA; "
-                "a two-group NIXL pair is not built or tested here yet)",
+                True,
+                "P and D both built with two full-attention KV-cache groups "
+                "(NixlConnector is SupportsHMA)",
             ),
             "has_deadline": (
                 kvfail,

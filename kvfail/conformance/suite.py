@@ -92,6 +92,10 @@ class ScenarioContext:
     node: pytest.Item | None = None
     #: The layout this run of the scenario is in (``--layout``); ``engine()`` defaults to it.
     layout: Layout = DEFAULT_LAYOUT
+    #: A known upstream finding for every failed load in this layout (see
+    #: ``plugin.LAYOUT_FINDINGS``): a scenario that expects a failed load becomes a strict
+    #: xfail with this reason when it checks its outcome.
+    failed_load_finding: str | None = None
     engines: list[Engine] = field(default_factory=list)
     _seq: int = 0
 
@@ -116,6 +120,12 @@ class ScenarioContext:
             return self.caps.require_fault(*candidates)
         except CapabilityMissing as exc:
             pytest.skip(str(exc))
+
+    def expect_failed_load(self) -> None:
+        """This scenario makes a load fail: a known finding for every failed load in its
+        layout (``failed_load_finding``) makes it a strict xfail."""
+        if self.failed_load_finding is not None:
+            self.expect_failure(self.failed_load_finding)
 
     def expect_failure(self, reason: str) -> None:
         """Record a known gap as a STRICT xfail: it is reported, and a pass is an error."""
@@ -258,6 +268,8 @@ class ScenarioContext:
         policy_outcome: bool = True,
     ) -> None:
         """Run every oracle (plus ``extra`` findings); raise on any violation."""
+        if failed:
+            self.expect_failed_load()
         out = self.violations(engine, request_ids, failed=failed, policy_outcome=policy_outcome)
         self.assert_clean([*out, *extra])
 

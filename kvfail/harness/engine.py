@@ -635,6 +635,10 @@ class Engine:
             Engine.is_idle, max_steps=max_steps, timeout_s=timeout_s, poll_s=poll_s
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Shut the connectors down; idempotent. Leaves the process's world of one alone."""
         if self._closed:

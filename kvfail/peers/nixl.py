@@ -66,7 +66,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
 from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
-from kvfail.peers.nixl_producer import BAD_METADATA, PREFIX, _unpin, restore_affinity
+from kvfail.peers.nixl_producer import (
+    BAD_METADATA,
+    PREFIX,
+    _unpin,
+    restore_affinity,
+    yield_spinning_threads,
+)
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine, RunResult
@@ -473,7 +479,10 @@ class NixlPair(PeerPair):
         build_default_consumer: bool = True,
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
+        producer: NixlProducerHandle | None = None,
     ) -> None:
+        """``producer``: a running P (started with the same P settings) to pull from
+        instead of starting one; this pair then does not close it."""
         reason = nixl_available()
         if reason is not None:
             raise RuntimeError(reason)
@@ -500,9 +509,10 @@ class NixlPair(PeerPair):
         self._rank_faults: dict[int, RankNotificationFaults] = {}
         self.p: NixlProducerHandle | None = None
         self.d: Engine | None = None
+        self.owns_p = producer is None
         try:
             # P imports vLLM in its own process while D builds here: overlap the two.
-            self.p = NixlProducerHandle(**self._p_kwargs)
+            self.p = producer if producer is not None else NixlProducerHandle(**self._p_kwargs)
             if build_default_consumer:
                 self.d = self.consumer(policy)
             self.p.wait_ready(ready_timeout_s)
@@ -550,6 +560,7 @@ class NixlPair(PeerPair):
             for worker in engine.workers:  # each rank's NIXL worker pinned its process
                 worker.call(_unpin, mask)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
+        yield_spinning_threads()  # this D's NIXL poller; earlier D's were lowered already
         self._seen[id(engine)] = 0
         return self._register(key, engine)
 
@@ -559,9 +570,10 @@ class NixlPair(PeerPair):
         ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
         next call that needs P waits for it (:meth:`producer`).
         """
-        if self.p is not None:
+        if self.p is not None and self.owns_p:
             self.p.close()
         self.p = NixlProducerHandle(**self._p_kwargs)
+        self.owns_p = True
         return self.p.wait_ready(self.ready_timeout_s) if wait else None
 
     def producer(self) -> NixlProducerHandle:

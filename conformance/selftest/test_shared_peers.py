@@ -1,0 +1,111 @@
+"""P hand-off between drivers: a driver that stops leaves its healthy P to the session's
+registry (the next driver wanting the same P starts warm); a frozen, dead or second P is
+closed as before, and the registry closes what is left at the session's end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.conformance import driver as drivers
+from kvfail.conformance.nixl_driver import NixlDriver
+
+
+class _Proc:
+    def __init__(self, alive: bool = True, frozen: bool = False) -> None:
+        self.alive, self.frozen = alive, frozen
+
+
+class _Producer:
+    """A P that never started its engine (``ready`` None: never probed as crashed)."""
+
+    def __init__(self, **state: bool) -> None:
+        self.process = _Proc(**state)
+        self.ready = None
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.process.alive = False
+
+
+class _Pair:
+    def __init__(self, producer: _Producer, owns: bool = True, key: str = "k") -> None:
+        self.p, self.owns_p, self.kvfail_share_key = producer, owns, key
+
+    def close(self) -> None:
+        if self.owns_p:
+            self.p.close()
+
+
+@pytest.fixture
+def registry() -> Iterator[dict[str, Any]]:
+    saved = dict(drivers._SHARED_P)
+    drivers._SHARED_P.clear()
+    yield drivers._SHARED_P
+    drivers._SHARED_P.clear()
+    drivers._SHARED_P.update(saved)
+
+
+def _stop(pair: _Pair) -> None:
+    driver = NixlDriver("nixl-test")
+    assert driver.hand_off_p
+    driver._pair = pair
+    driver.stop()
+
+
+def test_a_healthy_own_p_is_handed_off_and_closed_at_the_end(
+    registry: dict[str, Any],
+) -> None:
+    p = _Producer()
+    _stop(_Pair(p))
+    assert not p.closed and drivers.shared_producer("k") is p
+    drivers.close_shared_producers()
+    assert p.closed and not registry
+
+
+@pytest.mark.parametrize("state", [{"frozen": True}, {"alive": False}])
+def test_a_frozen_or_dead_p_is_never_handed_off(
+    registry: dict[str, Any], state: dict[str, bool]
+) -> None:
+    p = _Producer(**state)
+    _stop(_Pair(p))
+    assert drivers.shared_producer("k") is None
+
+
+def test_a_borrowed_p_stays_registered_and_a_second_own_p_is_closed(
+    registry: dict[str, Any],
+) -> None:
+    first, second = _Producer(), _Producer()
+    registry["k"] = first
+    _stop(_Pair(first, owns=False))
+    assert not first.closed and drivers.shared_producer("k") is first
+    _stop(_Pair(second))
+    assert second.closed and drivers.shared_producer("k") is first
+
+
+def test_a_dead_p_is_replaced_by_the_registered_replacement_first(
+    registry: dict[str, Any],
+) -> None:
+    """Two drivers pulling from one P: when a scenario kills it, the first driver to need
+    a P starts (and registers) one; the other borrows that one instead of a third."""
+    started: list[_Producer] = []
+
+    class _Restartable(_Pair):
+        ready_timeout_s = 1.0
+
+        def restart_p(self, *, wait: bool = True) -> None:
+            self.p, self.owns_p = _Producer(), True
+            started.append(self.p)
+
+    dead = _Producer(alive=False)
+    a, b = _Restartable(dead, owns=False), _Restartable(dead, owns=False)
+    driver = NixlDriver("nixl-test")
+    driver._replace_p(a)
+    assert started == [a.p] and a.owns_p and drivers.shared_producer("k") is a.p
+    driver._replace_p(b)
+    assert started == [a.p] and b.p is a.p and not b.owns_p
