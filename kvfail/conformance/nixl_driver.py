@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -79,6 +80,10 @@ def nixl_bases() -> tuple[type, type | None] | None:
     except Exception:
         return NixlConnector, None
     return NixlConnector, KvfailNixlConnector
+
+
+#: The P processes a throwaway pull has warmed (see ``NixlDriver._warm_p``).
+_WARM_P: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class NixlDriver(PairDriver):
@@ -163,6 +168,7 @@ class NixlDriver(PairDriver):
     def _prefill(self, pair: Any, request_id: str, prompt_len: int) -> dict[str, Any]:
         """P's params; a P whose engine crashed since the last scenario (a rank died late,
         after the fault that killed it) is replaced once, then asked again."""
+        self._warm_p(pair)  # a P started since (a replacement) is still cold
         try:
             params: dict[str, Any] = pair.prefill(request_id, prompt_len)
         except RuntimeError as exc:
@@ -177,12 +183,19 @@ class NixlDriver(PairDriver):
     def _warm_p(self, pair: Any) -> None:
         """One throwaway pull through a throwaway D, so P's first-handshake costs (zmq
         listener, UCX endpoints; seconds on a loaded machine, against a 5 s handshake
-        timeout) are not charged to the first scenario. A failure here is not fatal: the
-        scenarios report what the pair really does."""
+        timeout) are not charged to the first scenario that uses it. Once per P process
+        (a replacement P is warmed before its first scenario; a P shared with another
+        driver is warm already). A failure here is not fatal: the scenarios report what
+        the pair really does."""
+        producer = pair.producer()
+        if producer in _WARM_P:
+            return
+        _WARM_P.add(producer)
         engine = pair.consumer("fail", name="driver-warmup")
+        rid = f"driver-warmup-{producer.engine_id}"
         try:
-            pair.prefill_and_add("driver-warmup", 40, consumer=engine)
-            pair.run(["driver-warmup"], consumer=engine, timeout_s=30.0)
+            pair.prefill_and_add(rid, 40, consumer=engine)
+            pair.run([rid], consumer=engine, timeout_s=30.0)
         except Exception:
             pass
         finally:
