@@ -148,7 +148,12 @@ def wait_idle(server: VllmServer, baseline_usage: float | None,
     ``baseline_usage`` is None) KV usage is back to its baseline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = server.metrics()
+        m = server.metrics_or_none()
+        if m is None:  # not answering yet: keep polling until the deadline
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{server.spec.name}: /metrics unanswered for {timeout_s}s")
+            time.sleep(0.5)
+            continue
         waiting = metric(m, "vllm:num_requests_waiting")
         running = metric(m, "vllm:num_requests_running")
         usage = metric(m, "vllm:kv_cache_usage_perc")

@@ -140,6 +140,14 @@ class VllmServer:
         r.raise_for_status()
         return parse_prometheus(r.text)
 
+    def metrics_or_none(self) -> dict[str, float] | None:
+        """:meth:`metrics`, or None while the server does not answer in time (a P just
+        thawed works through its backlog first: seen > 10 s in CI)."""
+        try:
+            return self.metrics()
+        except httpx.HTTPError:
+            return None
+
     def tail(self, n: int = 60) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
