@@ -100,11 +100,20 @@ def warm_up(proxy: PDProxy, d: VllmServer, model: str, tries: int = 8) -> int:
     """
     ps = prompts(tries, length=140, seed=99)
     for i, p in enumerate(ps):
-        before = external_tokens(d)
+        # A D that does not answer /metrics in time (seen right after a thaw) costs a try.
+        before = _external_tokens_or_none(d)
         ok = asyncio.run(complete(proxy.url, model, p, i)).ok
-        if ok and external_tokens(d) > before:
+        after = _external_tokens_or_none(d)
+        if ok and before is not None and after is not None and after > before:
             return i + 1
     raise RuntimeError(f"no P/D request through {proxy.url} transferred KV in {tries} tries")
+
+
+def _external_tokens_or_none(d: VllmServer) -> float | None:
+    m = d.metrics_or_none()
+    if m is None:
+        return None
+    return metric(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 def external_tokens(d: VllmServer) -> float:
