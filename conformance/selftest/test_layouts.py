@@ -72,3 +72,21 @@ def test_a_layout_finding_marks_only_failed_load_checks_in_its_layouts() -> None
             ctx.close()
         assert [m.kwargs["reason"] for m in node.marks] == expected
         assert all(m.name == "xfail" and m.kwargs["strict"] for m in node.marks)
+
+    # A scenario that builds its own two-group engine in the tp1 layout meets it too.
+    node = Node()
+    ctx = ScenarioContext(
+        driver=driver,
+        caps=driver.capabilities(),
+        policy="fail",
+        scenario="test_x",
+        node=node,  # type: ignore[arg-type]
+        layout_findings=lambda layout: reason if layout.num_kv_cache_groups > 1 else None,
+    )
+    try:
+        ctx.check(ctx.engine(), [], failed=True)
+        assert node.marks == []
+        ctx.check(ctx.engine(num_kv_cache_groups=2), [], failed=True)
+    finally:
+        ctx.close()
+    assert [m.kwargs["reason"] for m in node.marks] == [reason]

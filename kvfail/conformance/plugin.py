@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
@@ -282,6 +283,7 @@ def kvfail(
         node=request.node,
         layout=kvfail_layout,
         failed_load_finding=per_layout,
+        layout_findings=None if finding is not None else partial(layout_finding, caps.connector),
     )
     ctx.require(*kvfail_layout.requires)
     try:

@@ -10,7 +10,7 @@ fails. Putting that here keeps each scenario a short, readable story.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,9 @@ class ScenarioContext:
     #: ``plugin.LAYOUT_FINDINGS``): a scenario that expects a failed load becomes a strict
     #: xfail with this reason when it checks its outcome.
     failed_load_finding: str | None = None
+    #: The known finding for failed loads in any layout (an engine a scenario builds in
+    #: another layout than its own, e.g. two groups at ``tp1``, picks it up).
+    layout_findings: Callable[[Layout], str | None] | None = None
     engines: list[Engine] = field(default_factory=list)
     _seq: int = 0
 
@@ -148,12 +151,13 @@ class ScenarioContext:
         A connector whose module cannot be imported here (its transport library is not
         installed) makes the driver unavailable, which is a named skip, not a failure.
         """
+        groups = num_kv_cache_groups or self.layout.num_kv_cache_groups
+        tp = tp_size or self.layout.tp_size
+        if self.failed_load_finding is None and self.layout_findings is not None:
+            self.failed_load_finding = self.layout_findings(Layout(tp, groups))
         try:
             engine = self.driver.build_engine(
-                self.policy,
-                num_kv_cache_groups=num_kv_cache_groups or self.layout.num_kv_cache_groups,
-                tp_size=tp_size or self.layout.tp_size,
-                deadline=deadline,
+                self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline
             )
         except ImportError as exc:
             pytest.skip(
