@@ -71,7 +71,6 @@ from kvfail.peers.nixl_producer import (
     PREFIX,
     _unpin,
     restore_affinity,
-    yield_spinning_threads,
 )
 
 if TYPE_CHECKING:
@@ -560,7 +559,6 @@ class NixlPair(PeerPair):
             for worker in engine.workers:  # each rank's NIXL worker pinned its process
                 worker.call(_unpin, mask)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
-        yield_spinning_threads()  # this D's NIXL poller; earlier D's were lowered already
         self._seen[id(engine)] = 0
         return self._register(key, engine)
 

@@ -70,7 +70,6 @@ __all__ = [
     "bad_payload",
     "main",
     "restore_affinity",
-    "yield_spinning_threads",
 ]
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
@@ -157,49 +156,9 @@ def _handshake_payload(view: RankView) -> Any:
     return view.connector.get_handshake_metadata()
 
 
-def _thread_ticks() -> dict[int, int]:
-    """CPU time (clock ticks) of each thread of this process."""
-    out: dict[int, int] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                stat = fh.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(tid)] = int(fields[11]) + int(fields[12])
-    return out
-
-
-def yield_spinning_threads(window_s: float = 0.2, share: float = 0.5) -> list[int]:
-    """Lower the priority of this process's threads that spin (busy over ``window_s``).
-
-    Why: NIXL's UCX progress thread polls without pause (``nixl_agent`` sets
-    ``pthrDelay = 0``), a full core per agent even when idle. P and one D are the whole of
-    this 2-core machine, and the threads doing the work (P's steps, D's scheduler, the
-    suite) queue behind the pollers: runs slowed several-fold and waits grew past their
-    bounds. At nice 19 a poller still runs whenever a core is free, so a transfer never
-    waits on it for long; the scheduling changes, not what the code under test does.
-    Returns the thread ids it lowered. Call when idle (right after the engine is built).
-    """
-    before = _thread_ticks()
-    time.sleep(window_s)
-    after = _thread_ticks()
-    hz = os.sysconf("SC_CLK_TCK")
-    busy = [t for t, n in after.items() if t in before and (n - before[t]) / hz >= share * window_s]
-    for tid in busy:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-        except OSError:
-            continue
-    return busy
-
-
 def _unpin(view: RankView, mask: set[int]) -> None:
-    """Undo the NIXL CPU worker's pinning on this rank (see :func:`restore_affinity`) and
-    let its transport pollers yield (:func:`yield_spinning_threads`)."""
+    """Undo the NIXL CPU worker's pinning on this rank (see :func:`restore_affinity`)."""
     restore_affinity(mask)
-    yield_spinning_threads()
 
 
 def _record_notifications(view: RankView) -> None:
@@ -276,7 +235,6 @@ class _Producer:
         for worker in self.engine.workers:
             if worker.remote:
                 worker.call(_unpin, mask)
-        yield_spinning_threads()
         sched_conn = self.engine.scheduler.connector
         assert sched_conn is not None
         # What EngineCore does after KV registration: gather every rank's metadata, keyed
