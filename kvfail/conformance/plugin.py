@@ -198,6 +198,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from kvfail import shm
+
+    _SHM_BEFORE.update(shm.segment_names())
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
     policy = config.getoption("--policy", default="both")
@@ -421,9 +424,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _sweep_shared_memory()
 
 
+#: /dev/shm ``psm_*`` names that existed when the session started (see the sweep).
+_SHM_BEFORE: set[str] = set()
+
+
 def _sweep_shared_memory() -> None:
-    """Remove the TP worlds' shared memory this session left (killed peers' ranks)."""
+    """Remove the TP worlds' shared memory this session left (killed peers' ranks), and
+    the ``psm_*`` message-queue segments of killed vLLM processes created since the session
+    began that no live process uses (one default run had left 17, 24 MB each)."""
     from kvfail import shm
 
     if shm.owns_session_prefix():
+        shm.release_orphans(_SHM_BEFORE)
         shm.release_shared_memory(shm.session_prefix())
