@@ -109,17 +109,18 @@ def warm_up(proxy: PDProxy, d: VllmServer, model: str, tries: int = 8) -> int:
     raise RuntimeError(f"no P/D request through {proxy.url} transferred KV in {tries} tries")
 
 
+def _external_of(m: dict[str, float]) -> float:
+    return metric(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
 def _external_tokens_or_none(d: VllmServer) -> float | None:
     m = d.metrics_or_none()
-    if m is None:
-        return None
-    return metric(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    return None if m is None else _external_of(m)
 
 
 def external_tokens(d: VllmServer) -> float:
     """Prompt tokens D took from a KV transfer so far (its Prometheus counter)."""
-    return metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
-                  source="external_kv_transfer")
+    return _external_of(d.metrics())
 
 
 def watched_metrics(server: VllmServer) -> dict[str, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvfail.conformance.layout import ALL_LAYOUTS, DEFAULT_LAYOUT, Layout, parse_layouts
@@ -55,16 +57,20 @@ def test_a_layout_finding_marks_only_failed_load_checks_in_its_layouts() -> None
             self.marks.append(mark.mark)
 
     driver = ToyDriver()
-    for failed, expected in ((False, []), (None, []), (True, [reason])):
-        node = Node()
-        ctx = ScenarioContext(
+
+    def context(node: Node, **findings: Any) -> ScenarioContext:
+        return ScenarioContext(
             driver=driver,
             caps=driver.capabilities(),
             policy="fail",
             scenario="test_x",
             node=node,  # type: ignore[arg-type]
-            failed_load_finding=reason,
+            **findings,
         )
+
+    for failed, expected in ((False, []), (None, []), (True, [reason])):
+        node = Node()
+        ctx = context(node, failed_load_finding=reason)
         engine = ctx.engine()
         try:
             ctx.check(engine, [], failed=failed)
@@ -75,13 +81,8 @@ def test_a_layout_finding_marks_only_failed_load_checks_in_its_layouts() -> None
 
     # A scenario that builds its own two-group engine in the tp1 layout meets it too.
     node = Node()
-    ctx = ScenarioContext(
-        driver=driver,
-        caps=driver.capabilities(),
-        policy="fail",
-        scenario="test_x",
-        node=node,  # type: ignore[arg-type]
-        layout_findings=lambda layout: reason if layout.num_kv_cache_groups > 1 else None,
+    ctx = context(
+        node, layout_findings=lambda layout: reason if layout.num_kv_cache_groups > 1 else None
     )
     try:
         ctx.check(ctx.engine(), [], failed=True)
