@@ -31,6 +31,7 @@ SUMMARY: dict[str, Any] = {}
 CI_CONNECTOR = "nixl"
 CI_TESTS = frozenset({
     "test_listeners_loopback_only",
+    "test_stack_dumps_reach_every_server_process",
     "test_pd_matches_local_and_is_deterministic",
     "test_freeze_p_mid_run",
     "test_kill_p_mid_run",

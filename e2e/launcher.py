@@ -12,7 +12,10 @@ Usage: ``python -m e2e.launcher serve <model dir> --host 127.0.0.1 ...``
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.metadata
+import logging
+import signal
 import sys
 from collections.abc import Callable
 
@@ -27,6 +30,30 @@ def _version(name: str) -> str:
 
 
 importlib.metadata.version = _version
+
+#: ``kill -USR1`` any process of a server (API server, engine core, worker: each re-imports
+#: this module) writes every thread's Python stack to the server's log. faulthandler writes
+#: from the signal handler without taking the GIL, so this shows where a thread blocked in
+#: a C call that holds it (the NIXL stall in e2e/README.md) actually is.
+DUMP_STACKS_SIGNAL = signal.SIGUSR1
+faulthandler.register(DUMP_STACKS_SIGNAL, all_threads=True)
+
+
+def _timestamp_kvfail_logs() -> None:
+    """kvfail's lines (``kvfail: load failed ...``) otherwise reach the log through logging's
+    last-resort handler, without a time: give them one, so a failure can be placed among
+    vLLM's own lines when judging how late it was noticed."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "(kvfail pid=%(process)d) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
+        "%m-%d %H:%M:%S"))
+    log = logging.getLogger("kvfail")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+_timestamp_kvfail_logs()
 
 
 def main(argv: list[str]) -> None:

@@ -7,10 +7,12 @@ not the API process. Every listener is bound to 127.0.0.1; `listeners_of` lets a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import time
@@ -158,8 +160,41 @@ class VllmServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def dump_stacks(self, settle_s: float = 1.0) -> str:
+        """Every thread's Python stack, from every process of this server that catches
+        SIGUSR1 (``e2e.launcher`` registers faulthandler for it; a process that does not,
+        like multiprocessing's resource tracker, would die of it and is left alone).
+        Returns the dump as written to the log."""
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        sent = [pid for pid in self.proc.group_members() if _catches(pid, signal.SIGUSR1)]
+        for pid in sent:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(settle_s)
+        with self.log_path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(_STACK_LINES)]
+        return f"{self.spec.name} pids {sent}:\n" + "\n".join(lines)
+
     def close(self) -> None:
         self.proc.close(grace_s=3.0, timeout_s=15.0)
+
+
+#: How faulthandler's dump lines begin.
+_STACK_LINES = ("Thread 0x", "Current thread 0x", '  File "', "  <no Python frame>")
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

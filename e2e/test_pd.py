@@ -130,6 +130,18 @@ def test_listeners_loopback_only(dep: Deployment) -> None:
     assert not bad, f"listeners not on loopback: {bad}"
 
 
+def test_stack_dumps_reach_every_server_process(dep: Deployment) -> None:
+    """The evidence a late silent-P detection relies on: SIGUSR1 makes the API server, the
+    engine core and the worker of a D (each re-imports ``e2e.launcher``) write every
+    thread's stack to D's log, even from a thread blocked in C holding the GIL."""
+    dump = dep.d["fail"].dump_stacks()
+    pids = dump.split(":", 1)[0]
+    dumped = dump.count("Current thread 0x")
+    assert dumped >= 3, f"{dumped} processes dumped their stacks ({pids}), expected API " \
+        f"server, engine core and worker:\n{dump}"
+    assert '  File "' in dump, dump
+
+
 def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, Any],
                                                summary: dict[str, Any]) -> None:
     """P/D through the proxy gives the same greedy tokens as D computing alone, and repeats
@@ -153,33 +165,54 @@ def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, 
     _record(summary, dep, "determinism", "ok: local x2 == P/D for both Ds")
 
 
-def _fault_run(dep: Deployment, tag: int, fault: Any, n_held: int = N_HELD
+def _fault_run(dep: Deployment, tag: int, fault: Any, n_held: int = N_HELD,
+               stacks: dict[str, str] | None = None
                ) -> dict[Policy, tuple[list[Outcome], float, list]]:
     """Run the held scenario on both Ds at once (one fault hits both), once ``n_held``
-    decodes wait at each proxy's gate."""
+    decodes wait at each proxy's gate.
+
+    With ``stacks``, a run still going when a silent fault should have been noticed
+    (deadline plus slack after the fault) gets each D's thread stacks dumped into it
+    while the fault still holds: evidence of where D was stuck, for the failure message.
+    """
     ps = _prompt_set(tag)
     refs = {pol: local_reference(dep.d[pol], ps) for pol in POLICIES}
     for pol in POLICIES:
         assert all(r is not None for r in refs[pol])
+    done = threading.Event()
+
+    def dump_if_late() -> None:
+        if stacks is not None and not done.wait(DEADLINE_S + DETECT_SLACK_S):
+            for pol in POLICIES:
+                stacks[pol] = dep.d[pol].dump_stacks()
+
+    def fault_then_watch() -> None:
+        fault()
+        threading.Thread(target=dump_if_late, name="late-stacks", daemon=True).start()
 
     # Each proxy waits until it holds N_HELD decodes, then waits at the barrier; the
     # barrier's action injects the fault once, and both gates open after it.
-    barrier = threading.Barrier(len(POLICIES), action=fault, timeout=300)
+    barrier = threading.Barrier(len(POLICIES), action=fault_then_watch, timeout=300)
 
     async def both() -> list[tuple[list[Outcome], float]]:
         return list(await asyncio.gather(*(
             held_run(dep.proxies[pol], dep.d[pol].model, ps, 0, n_held, barrier.wait)
             for pol in POLICIES)))
 
-    results = asyncio.run(both())
+    try:
+        results = asyncio.run(both())
+    finally:
+        done.set()
     return {pol: (outs, rel, refs[pol]) for pol, (outs, rel) in zip(POLICIES, results,
                                                                      strict=True)}
 
 
 def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Outcome], float,
                                                                         list]],
-                            name: str, summary: dict[str, Any], silent: bool) -> None:
+                            name: str, summary: dict[str, Any], silent: bool,
+                            stacks: dict[str, str] | None = None) -> None:
     report: dict[str, Any] = {}
+    late = "\n".join((stacks or {}).values())
     for pol, (outs, released, ref) in results.items():
         _check_no_wrong_tokens(outs, ref)
         held = [o for o in outs if o.done_at >= released]  # decodes released after the fault
@@ -199,7 +232,8 @@ def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Ou
             if silent:
                 worst = max(failed_after)
                 assert worst <= DEADLINE_S + DETECT_SLACK_S, (
-                    f"silent P noticed after {worst:.1f}s (deadline {DEADLINE_S}s)")
+                    f"silent P noticed after {worst:.1f}s (deadline {DEADLINE_S}s): "
+                    f"{report[pol]}\nD stacks while late:\n{late}")
         else:
             # A request whose prefill P never answered cannot be recomputed by D (it never
             # got there): the proxy's 502 is its right answer. Every one that reached D
@@ -214,7 +248,8 @@ def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Ou
                 # recompute), not at some socket or proxy timeout (120 s).
                 worst = max(o.done_at - released for o in held)
                 assert worst <= DEADLINE_S + 2 * DETECT_SLACK_S, (
-                    f"recompute after a silent P took {worst:.1f}s (deadline {DEADLINE_S}s)")
+                    f"recompute after a silent P took {worst:.1f}s (deadline {DEADLINE_S}s): "
+                    f"{report[pol]}\nD stacks while late:\n{late}")
     _record(summary, dep, name, report)
 
 
@@ -226,11 +261,14 @@ def test_freeze_p_mid_run(dep: Deployment, refs: dict[str, Any], summary: dict[s
     try:
         # Every prompt is prefilled and waits at the gate first: the freeze must meet KV
         # pulls only (a prefill caught by it would end at the proxy's 60 s timeout).
-        results = _fault_run(dep, 1, dep.p.proc.freeze, n_held=N_PROMPTS)
+        stacks: dict[str, str] = {}
+        results = _fault_run(dep, 1, dep.p.proc.freeze, n_held=N_PROMPTS, stacks=stacks)
     finally:
         if dep.p.proc.alive:
             dep.p.proc.thaw()
-    _assert_policy_outcomes(dep, results, "freeze", summary, silent=True)
+    if stacks:
+        _record(summary, dep, "freeze_late_stacks", stacks)
+    _assert_policy_outcomes(dep, results, "freeze", summary, silent=True, stacks=stacks)
     idle = {pol: wait_idle(dep.d[pol], usage0[pol], 60.0) for pol in POLICIES}
     # P catches up after SIGCONT (its stalled steps, the pulls D abandoned) before it is
     # judged on new requests; its KV usage stays up until its send leases end.
