@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
@@ -65,6 +66,7 @@ from kvfail.vllm_stats import KvfailMetricsConnector
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlAgentMetadata,
         NixlConnectorMetadata,
         ReqMeta,
     )
@@ -153,6 +155,36 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
             logger.warning("kvfail: not starting a read for fenced load req_id=%r", req_id)
             return
         super()._read_blocks_for_req(req_id, meta)
+
+    # ------------------------------------------------------------------ handshake
+
+    def _validate_remote_agent_handshake(
+        self,
+        nixl_agent_meta: NixlAgentMetadata,
+        remote_tp_size: int,
+        remote_dcp_size: int = 1,
+    ) -> None:
+        """Upstream's checks, then kvfail's layout checks, which ``python -O`` keeps.
+
+        Upstream's are mostly ``assert`` statements; a P with another block length would
+        otherwise be read into D's blocks and reported a success. A mismatch raises in
+        the handshake thread, so every load waiting on this P fails at ``handshake``.
+        """
+        super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
+        topo = self.transfer_topo
+        regions = self._transfer_layer_region_indices or range(len(self.block_len_per_layer))
+        check_remote_layout(
+            [self.block_len_per_layer[i] for i in regions],
+            RemoteLayout(
+                nixl_agent_meta.kv_caches_base_addr,
+                nixl_agent_meta.block_lens,
+                nixl_agent_meta.block_strides,
+            ),
+            same_geometry=topo is not None
+            and remote_tp_size == topo.tp_size
+            and nixl_agent_meta.block_size == topo.block_size,
+            has_mamba=self._has_mamba,
+        )
 
     # ------------------------------------------------------------------ failures
 
