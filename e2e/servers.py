@@ -44,6 +44,13 @@ BASE_ENV: dict[str, str] = {
     "KMP_BLOCKTIME": "0",
     "OMP_WAIT_POLICY": "PASSIVE",
     "VLLM_NO_USAGE_STATS": "1",
+    # The worker runs inside the engine core process (no VLLM::Worker): the CPU platform
+    # keeps the multiprocess executor unless this is 0, and with it, the engine core and
+    # its worker hand every step over a shared-memory queue whose reader can miss a
+    # wake-up and then sleeps up to 5 s (SHM_READER_RECHECK_INTERVAL_MS). On two busy
+    # cores that stalled a D 23 s with both sides waiting (stacks in e2e/README.md),
+    # long enough to hide a 5 s deadline. The API server stays a process of its own.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "DO_NOT_TRACK": "1",
     "VLLM_HOST_IP": HOST,
     "UCX_TLS": "tcp,self",
@@ -272,6 +279,8 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
         "--host", HOST, "--port", str(port),
         "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
         "--enforce-eager", "--no-enable-prefix-caching",
+        # The worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING).
+        "--distributed-executor-backend", "uni",
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec)),
     ]
     # PeerProcess pipes stdout; redirect it into the log file through a tiny shell-free trick:

@@ -131,15 +131,17 @@ def test_listeners_loopback_only(dep: Deployment) -> None:
 
 
 def test_stack_dumps_reach_every_server_process(dep: Deployment) -> None:
-    """The evidence a late silent-P detection relies on: SIGUSR1 makes the API server, the
-    engine core and the worker of a D (each re-imports ``e2e.launcher``) write every
-    thread's stack to D's log, even from a thread blocked in C holding the GIL."""
+    """The evidence a late silent-P detection relies on: SIGUSR1 makes the API server and
+    the engine core of a D (the worker runs inside it; each re-imports ``e2e.launcher``)
+    write every thread's stack to D's log, even from a thread blocked in C holding the
+    GIL."""
     dump = dep.d["fail"].dump_stacks()
     pids = dump.split(":", 1)[0]
     dumped = dump.count("Current thread 0x")
-    assert dumped >= 3, f"{dumped} processes dumped their stacks ({pids}), expected API " \
-        f"server, engine core and worker:\n{dump}"
-    assert '  File "' in dump, dump
+    assert dumped >= 2, (
+        f"{dumped} processes dumped their stacks ({pids}), expected the API server and the "
+        f"engine core:\n{dump}")
+    assert "in run_engine_core" in dump, f"the engine core did not dump:\n{dump}"
 
 
 def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, Any],
@@ -275,10 +277,10 @@ def test_freeze_p_mid_run(dep: Deployment, refs: dict[str, Any], summary: dict[s
     idle["p"] = wait_idle(dep.p, None, 60.0)
     after = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
     _record(summary, dep, "freeze_metrics", {"before": base, "after": after, "idle": idle})
-    # The first pull after the thaw may open a new transport connection, which is as
-    # slow as a cold one (NIXL over UCX TCP: seen to block D's engine 9-28 s inside
-    # getXferStatus until the idle P's engine stepped; e2e/README.md). P/D must work
-    # again within a few tries (warm_up counts only a real transfer), then exactly.
+    # The first pull after the thaw was seen to take 26-30 s while the worker ran in a
+    # process of its own (vLLM's engine-worker queue losing wake-ups, e2e/README.md); it
+    # no longer does, but P/D must work again within a few tries (warm_up counts only a
+    # real transfer), then give exactly the fault-free tokens.
     tries = {pol: warm_up(dep.proxies[pol], dep.d[pol], dep.model) for pol in POLICIES}
     _record(summary, dep, "thaw_warmup_tries", tries)
     ps = _prompt_set(2)[:2]

@@ -99,6 +99,7 @@ class NixlDriver(PairDriver):
     pair_name = "NixlPair"
     layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
     hand_off_p = True
+    collect_closed_engines = True
     #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
     BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
         FaultPoint.PEER_BAD_METADATA: "garbled",
