@@ -24,8 +24,9 @@ from kvfail.faults.process import live_peers
 SUMMARY: dict[str, Any] = {}
 
 
-#: The CI subset (marker ``e2e_ci``): one deployment (NIXL: P + a ``fail`` D + a
-#: ``recompute`` D, started together), every fault that needs no second P start.
+#: The quick subset (marker ``e2e_ci``; CI's subset while the tier took 11 min): one
+#: deployment (NIXL: P + a ``fail`` D + a ``recompute`` D, started together), every fault
+#: that needs no second P start.
 #: Left out: ``test_restart_p`` (a fourth server start, 1.5-3 min here) and every
 #: Mooncake test (a second deployment). Measured in e2e/README.md.
 CI_CONNECTOR = "nixl"
@@ -44,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "e2e: real vllm serve P/D on CPU (minutes per server); run with -m e2e"
     )
     config.addinivalue_line(
-        "markers", "e2e_ci: the e2e subset CI runs (NIXL, no P restart); run with -m e2e_ci"
+        "markers", "e2e_ci: quick e2e subset (NIXL, no P restart); run with -m e2e_ci"
     )
 
 

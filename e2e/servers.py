@@ -167,17 +167,18 @@ class VllmServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def dump_stacks(self, settle_s: float = 1.0) -> str:
+    def dump_stacks(self, settle_s: float = 0.5) -> str:
         """Every thread's Python stack, from every process of this server that catches
         SIGUSR1 (``e2e.launcher`` registers faulthandler for it; a process that does not,
         like multiprocessing's resource tracker, would die of it and is left alone).
-        Returns the dump as written to the log."""
+        One process at a time, ``settle_s`` apart: they share the log file, and dumps
+        written at once interleave. Returns the dumps as written to the log."""
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         sent = [pid for pid in self.proc.group_members() if _catches(pid, signal.SIGUSR1)]
         for pid in sent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-        time.sleep(settle_s)
+            time.sleep(settle_s)
         with self.log_path.open("rb") as f:
             f.seek(start)
             text = f.read().decode(errors="replace")
