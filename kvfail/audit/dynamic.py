@@ -630,10 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     stop_at = time.monotonic() + args.stop_after if args.stop_after > 0 else None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    def interrupted(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # pytest then tears down fixtures and closes the peers
+    from kvfail.faults.process import close_peers_on_sigterm
 
-    signal.signal(signal.SIGTERM, interrupted)
+    close_peers_on_sigterm()  # the budget's SIGTERM: pytest tears down and closes the peers
     from kvfail.conformance.driver import DriverUnavailable, GenericDriver, resolve
 
     run: list[str] = []

@@ -199,7 +199,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     from kvfail import shm
+    from kvfail.faults.process import close_peers_on_sigterm
 
+    close_peers_on_sigterm()  # a run stopped with SIGTERM still closes its peers
     _SHM_BEFORE.update(shm.segment_names())
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")

@@ -532,6 +532,26 @@ def close_all(grace_s: float = 0.5) -> None:
 atexit.register(close_all)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # pytest then tears its fixtures down, closing the peers
+
+
+def close_peers_on_sigterm() -> bool:
+    """Make SIGTERM unwind like Ctrl-C, so fixtures and ``atexit`` close the peers.
+
+    Why: Python's default SIGTERM ends the process at once, skipping both, and every
+    peer (its own process group, by design) is orphaned; ``timeout`` and CI runners stop
+    a run with SIGTERM. Installed only over the default handler, from the main thread.
+    Returns whether it was installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _interrupted)
+    return True
+
+
 # ---------------------------------------------------------------------- ports
 
 

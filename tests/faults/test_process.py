@@ -257,3 +257,46 @@ def test_atexit_hook_kills_leaked_peers() -> None:
     )
     child, grandchild = (int(x) for x in out.stdout.split())
     assert wait_until(lambda: gone(child) and gone(grandchild)), out.stderr
+
+
+#: A runner that starts one peer and waits; argv[1] says whether it installs the handler.
+RUNNER_WITH_PEER = textwrap.dedent(
+    """
+    import sys, time
+    from kvfail.faults import PeerProcess
+    from kvfail.faults.process import close_peers_on_sigterm
+    if sys.argv[1] == "install":
+        assert close_peers_on_sigterm()
+    peer = PeerProcess([sys.executable, '-c', 'import time; time.sleep(60)'], name='orphan?')
+    print('PEER', peer.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("install", [True, False], ids=["handler", "default-sigterm"])
+def test_sigterm_to_the_runner_closes_its_peers(install: bool) -> None:
+    """``timeout`` and CI stop a test run with SIGTERM. With the handler the run unwinds
+    and ``atexit`` closes its peers; with Python's default SIGTERM (the control) the peer,
+    in its own process group, is orphaned."""
+    runner = PeerProcess(
+        [sys.executable, "-c", RUNNER_WITH_PEER, "install" if install else "plain"],
+        name="runner",
+        cwd=REPO_ROOT,
+    )
+    peer_pid = None
+    try:
+        line = runner.wait_ready(READY_S, line=re.compile(r"^PEER \d+$"))
+        assert line is not None
+        peer_pid = int(line.split()[1])
+        os.kill(runner.pid, signal.SIGTERM)  # the runner only, as `timeout` does
+        assert wait_until(lambda: not runner.alive, 10.0)
+        if install:
+            assert wait_until(lambda: gone(peer_pid), 10.0), "SIGTERM orphaned the peer"
+        else:
+            time.sleep(0.5)
+            assert not gone(peer_pid), "the control lost its peer: the test proves nothing"
+    finally:
+        runner.close()
+        if peer_pid is not None and not gone(peer_pid):
+            os.kill(peer_pid, signal.SIGKILL)
