@@ -30,6 +30,14 @@ ACTIVE = (
     FaultPoint.REFUSE,
     FaultPoint.UNKNOWN_ENGINE,
 )
+#: Least time a deadline scenario lets a connector that has a deadline take to report,
+#: and least slack over its deadline before the report counts as late. A short deadline
+#: (the toy's 0.5 s) made ``3 * deadline + 1`` a 2.5 s window: on a loaded 2-core machine
+#: (steps of ~0.5 s) the toy was still waiting after 5 steps (fresh clone, 2026-12-01).
+#: A connector that reports ends the run at once, so only a failing one waits this long.
+DEADLINE_BUDGET_FLOOR_S = 5.0
+DEADLINE_MARGIN_FLOOR_S = 3.0
+
 #: Faults only the connector's own deadline can end; the generic silent scenario takes
 #: the first (the others have their own scenarios).
 SILENT = (
@@ -146,7 +154,7 @@ def _failure_by_deadline(kvfail: Any, point: FaultPoint, *, warm: bool = False) 
 
     D is built with the connector's deadline on (``kvfail_deadline_s`` for kvfail's); with
     ``warm`` it first loads once from the same peer. The suite waits a bounded time:
-    min(``--kvfail-silent-wait``, 3 x deadline + 1 s). A connector without a deadline, or
+    min(``--kvfail-silent-wait``, max(3 x deadline + 1 s, 5 s)). A connector without a deadline, or
     with one beyond that wait, is a strict xfail (unless a known finding already names
     it), never a hang. The report must come within the deadline + a generous margin (the
     contract); the measured time goes into the report.
@@ -172,12 +180,16 @@ def _failure_by_deadline(kvfail: Any, point: FaultPoint, *, warm: bool = False) 
     rid = kvfail.rid(point.value)
     blocks = kvfail.add_loading(engine, rid, fault=point)
     kvfail.driver.provoke(engine, rid, point)
-    budget = wait if caps.deadline_s is None else min(wait, 3 * caps.deadline_s + 1.0)
+    budget = (
+        wait
+        if caps.deadline_s is None
+        else min(wait, max(3 * caps.deadline_s + 1.0, DEADLINE_BUDGET_FLOOR_S))
+    )
     kvfail.run(engine, timeout_s=budget)
     extra = check_not_late(engine, rid, blocks)
     seconds = _note_detection(kvfail, engine, rid)
     if seconds is not None and caps.deadline_s is not None:
-        margin = max(2.0, caps.deadline_s)
+        margin = max(DEADLINE_MARGIN_FLOOR_S, caps.deadline_s)
         if seconds > caps.deadline_s + margin:
             extra.append(
                 f"C10 past deadline: reported after {seconds:.1f} s; deadline "
