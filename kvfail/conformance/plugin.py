@@ -202,6 +202,10 @@ def pytest_configure(config: pytest.Config) -> None:
     from kvfail.faults.process import close_peers_on_sigterm
 
     close_peers_on_sigterm()  # a run stopped with SIGTERM still closes its peers
+    # Claim the shared-memory prefix before any peer starts, so peers inherit it and the
+    # end-of-session sweep (which only the owner runs) covers their TP worlds too: a NIXL
+    # producer started first had taken a prefix of its own, left behind after the run.
+    shm.session_prefix()
     _SHM_BEFORE.update(shm.segment_names())
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
