@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -31,6 +32,10 @@ from types import TracebackType
 from typing import IO, Literal
 
 from kvfail.faults._net import LOOPBACK, require_loopback
+
+#: Its own generator, seeded from the OS: processes that import this at the same moment
+#: still pick different ports.
+_PORT_RANDOM = random.SystemRandom()
 
 __all__ = [
     "PeerExitedError",
@@ -555,16 +560,49 @@ def close_peers_on_sigterm() -> bool:
 # ---------------------------------------------------------------------- ports
 
 
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct ports that were free a moment ago.
+#: Ports are picked at or above this and below the kernel's ephemeral range.
+_FIXED_PORT_FLOOR = 10_000
 
-    All are held open together so they differ; another process can still take one before
-    the caller binds it, so prefer letting the peer bind port 0 and report it when possible.
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` distinct ports that were free a moment ago, below the ephemeral range.
+
+    Why below it: a port from ``bind(port 0)`` comes from the same range the kernel uses
+    for every outgoing connection's local port, so once released it can be taken by any
+    ``connect()`` on the machine before the peer binds it (seen in CI: a replacement
+    Mooncake P failing its bootstrap bind). Ports under the range are never handed out
+    implicitly; only another explicit bind can race us, and peers that bind the ports we
+    pick retry on a fresh one (:class:`kvfail.peers.base.ProducerHandleBase`).
+    All are held open together so they differ. Falls back to ``bind(0)`` if the range
+    leaves no room under it.
     """
     require_loopback(host)
-    socks = []
+    low, _high = _ephemeral_range()
+    tries = 64 * n if low - _FIXED_PORT_FLOOR >= 1024 else 0
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(tries):
+            if len(socks) == n:
+                break
+            port = _PORT_RANDOM.randrange(_FIXED_PORT_FLOOR, low)
+            if any(s.getsockname()[1] == port for s in socks):
+                continue
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))  # no SO_REUSEADDR: TIME_WAIT leftovers count as taken
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
             s.bind((host, 0))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import PeerProcess
+from kvfail.faults import PeerExitedError, PeerProcess, free_port
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -31,7 +32,15 @@ if TYPE_CHECKING:
     from kvfail.harness.hooks import SplitForward
     from kvfail.peers.forwards import RangeItem
 
-__all__ = ["PeerPair", "ProducerHandleBase", "closed_port", "with_param"]
+_log = logging.getLogger("kvfail.peers")
+
+__all__ = [
+    "PeerPair",
+    "ProducerHandleBase",
+    "closed_port",
+    "producer_engine_id",
+    "with_param",
+]
 
 
 def closed_port() -> int:
@@ -39,6 +48,14 @@ def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_P_SEQ = itertools.count(1)
+
+
+def producer_engine_id(transport: str) -> str:
+    """A P engine id unique across this machine's test processes (pid + a counter)."""
+    return f"P-{transport}-{os.getpid()}-{next(_P_SEQ)}"
 
 
 def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -60,6 +77,11 @@ class ProducerHandleBase:
 
     prefix: str = ""
     ready_key: str = "engine_id"
+    #: Respawns on a fresh port when P dies because its port was taken between our pick
+    #: and its bind (a race no pick can close; see :func:`kvfail.faults.free_ports`).
+    bind_retries: int = 2
+
+    port: int
 
     def _spawn(
         self,
@@ -67,6 +89,7 @@ class ProducerHandleBase:
         name: str,
         env: Mapping[str, str],
         *,
+        port_env: str,
         connector: str,
         connector_module: str | None,
         extra_config: Mapping[str, Any] | None,
@@ -76,6 +99,7 @@ class ProducerHandleBase:
     ) -> None:
         """Start P with the config every producer module reads (``self.engine_id`` set).
 
+        P listens on a port picked here (``self.port``), passed to it in ``port_env``.
         ``tp_size`` > 1 runs P's ranks as processes in a real TP world (their pids are in
         P's ready event, ``rank_pids``, for one-rank faults)."""
         config = {
@@ -87,27 +111,46 @@ class ProducerHandleBase:
             "tp_size": tp_size,
             "num_kv_cache_groups": num_kv_cache_groups,
         }
+        self._launch = (module, name, dict(env), port_env, json.dumps(config))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._start_process()
+
+    def _start_process(self) -> None:
+        module, name, env, port_env, config = self._launch
+        self.port = free_port()
         self.started_at = time.monotonic()
         self.process = PeerProcess(
-            [sys.executable, "-m", module, "--config", json.dumps(config)],
-            name=name,
-            env=dict(env),
+            [sys.executable, "-m", module, "--config", config],
+            name=f"{name}-{self.port}",
+            env={**env, port_env: str(self.port)},
             stdin=True,
         )
         self.ready: dict[str, Any] | None = None
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
 
     def _parse(self, line: str) -> dict[str, Any]:
         parsed: dict[str, Any] = json.loads(line[line.index(self.prefix) + len(self.prefix) :])
         return parsed
 
     def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
-        """Block until P printed its ready event (vLLM import: 10-80 s on a busy machine)."""
-        if self.ready is None:
-            line = self.process.wait_ready(
-                timeout_s, line=self.prefix + '{"' + self.ready_key + '"'
-            )
+        """Block until P printed its ready event (vLLM import: 10-80 s on a busy machine).
+
+        A P that died of ``EADDRINUSE`` is started again on a fresh port (at most
+        :attr:`bind_retries` times); anything else it died of is raised."""
+        retries = self.bind_retries
+        while self.ready is None:
+            try:
+                line = self.process.wait_ready(
+                    timeout_s, line=self.prefix + '{"' + self.ready_key + '"'
+                )
+            except PeerExitedError as exc:
+                if retries <= 0 or "Address already in use" not in str(exc):
+                    raise
+                retries -= 1
+                _log.warning("P %s lost its port to another bind; restarting it", self.engine_id)
+                self.process.close()
+                self._start_process()
+                continue
             assert line is not None
             self.ready = self._parse(line)
             self.ready["ready_s"] = round(time.monotonic() - self.started_at, 3)

@@ -41,8 +41,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import FaultProxy, free_port
-from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
+from kvfail.faults import FaultProxy
+from kvfail.peers.base import (
+    PeerPair,
+    ProducerHandleBase,
+    closed_port,
+    producer_engine_id,
+    with_param,
+)
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
 
 if TYPE_CHECKING:
@@ -107,15 +113,14 @@ class ProducerHandle(ProducerHandleBase):
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
     ) -> None:
-        self.bootstrap_port = free_port()
-        self.engine_id = engine_id or f"P-mooncake-{self.bootstrap_port}"
+        self.engine_id = engine_id or producer_engine_id("mooncake")
         full_env = dict(MOONCAKE_ENV)
         full_env.update(env or {})
-        full_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
         self._spawn(
             "kvfail.peers.producer",
-            f"mooncake-P-{self.bootstrap_port}",
+            "mooncake-P",
             full_env,
+            port_env="VLLM_MOONCAKE_BOOTSTRAP_PORT",
             connector=connector,
             connector_module=connector_module,
             extra_config=extra_config,
@@ -123,6 +128,10 @@ class ProducerHandle(ProducerHandleBase):
             tp_size=tp_size,
             num_kv_cache_groups=num_kv_cache_groups,
         )
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.port
 
     @property
     def bootstrap_addr(self) -> str:

@@ -65,7 +65,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
-from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
+from kvfail.peers.base import (
+    PeerPair,
+    ProducerHandleBase,
+    closed_port,
+    producer_engine_id,
+    with_param,
+)
 from kvfail.peers.nixl_producer import (
     BAD_METADATA,
     PREFIX,
@@ -232,17 +238,13 @@ class NixlProducerHandle(ProducerHandleBase):
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
     ) -> None:
-        self.port = free_port()
-        self.engine_id = engine_id or f"P-nixl-{self.port}"
-        env = {
-            **NIXL_ENV,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
-            "PYTHONPATH": _pythonpath(),
-        }
+        self.engine_id = engine_id or producer_engine_id("nixl")
+        env = {**NIXL_ENV, "PYTHONPATH": _pythonpath()}
         self._spawn(
             "kvfail.peers.nixl_producer",
-            f"nixl-P-{self.port}",
+            "nixl-P",
             env,
+            port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
             connector=connector,
             connector_module=connector_module,
             extra_config=extra_config,
