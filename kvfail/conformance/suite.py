@@ -39,6 +39,9 @@ ACTIVE_BUDGET: dict[str, Any] = {"max_steps": 60, "timeout_s": 15.0}
 #: below kvfail's default 30 s deadline so that a swallowed failure (which only that
 #: deadline would end) is a liveness violation, not a slow pass.
 REAL_BUDGET_S = 10.0
+#: A wall-clock run also steps D at least this often before it may end on its timeout
+#: (see ``Engine.run_until``): a verdict needs the connector to have had its drains.
+MIN_STEPS = 20
 #: Request ids are unique in the process: a real P (possibly shared by several drivers)
 #: must never see an id twice.
 _RIDS = itertools.count(1)
@@ -227,7 +230,11 @@ class ScenarioContext:
         budget = dict(ACTIVE_BUDGET)
         if timeout_s is not None or self.driver.poll_s:
             # Wall-clock bound: a deadline or a real transport progresses in real time.
-            budget = {"max_steps": 1_000_000, "timeout_s": timeout_s or REAL_BUDGET_S}
+            budget = {
+                "max_steps": 1_000_000,
+                "timeout_s": timeout_s or REAL_BUDGET_S,
+                "min_steps": MIN_STEPS,
+            }
         driver = self.driver
 
         def idle(e: Engine) -> bool:

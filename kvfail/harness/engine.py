@@ -606,10 +606,15 @@ class Engine:
         max_steps: int = 200,
         timeout_s: float = 30.0,
         poll_s: float = 0.0,
+        min_steps: int = 0,
     ) -> RunResult:
         """Step until ``predicate(self)``; bounded by ``max_steps`` AND ``timeout_s``.
 
         ``poll_s`` sleeps between steps, for real transports that progress in threads.
+        ``min_steps``: the timeout does not end the run before this many steps (up to twice
+        ``timeout_s``). Why: a connector acts only when D steps (its deadline is checked
+        at a drain), so a test process starved of CPU that stepped 5 times in its window
+        has not given the connector a fair chance (seen in CI at load ~50 on 2 cores).
         Never raises for a crash: returns ``reason="crash"`` (see ``record.crashes``).
         """
         start = time.monotonic()
@@ -621,7 +626,8 @@ class Engine:
                 return RunResult(True, "predicate", steps, time.monotonic() - start)
             if steps >= max_steps:
                 return RunResult(False, "max_steps", steps, time.monotonic() - start)
-            if time.monotonic() - start >= timeout_s:
+            elapsed = time.monotonic() - start
+            if elapsed >= timeout_s and (steps >= min_steps or elapsed >= 2 * timeout_s):
                 return RunResult(False, "timeout", steps, time.monotonic() - start)
             self.step()
             steps += 1

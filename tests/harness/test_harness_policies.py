@@ -125,6 +125,18 @@ def test_wall_clock_bound_applies_even_when_steps_remain(make_engine: Any) -> No
     assert result.steps < 10_000
 
 
+def test_min_steps_outlasts_the_timeout_but_is_itself_bounded(make_engine: Any) -> None:
+    # A starved process must still step D enough for a connector's drains to run; but a
+    # step that never returns quickly cannot stretch the run past twice its timeout.
+    engine = make_engine(engine_id="D-min", extra_config={"toy_mode": "hold"})
+    engine.add_request("held", kv_transfer_params=PD)
+    result = engine.run_until(lambda e: False, timeout_s=0.0, min_steps=7)
+    assert (result.reason, result.steps) == ("timeout", 7)
+    result = engine.run_until(lambda e: False, timeout_s=0.2, min_steps=10**9, poll_s=0.05)
+    assert result.reason == "timeout" and 0.4 <= result.elapsed_s < 3.0
+    assert result.steps < 10**9
+
+
 def test_reporter_deadline_turns_silence_into_a_reported_failure(make_engine: Any) -> None:
     # The toy's reporter has a deadline (C10): the harness must deliver the watchdog's
     # failure like any other, ending the request under `fail` instead of stalling.
