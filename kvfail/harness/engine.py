@@ -76,6 +76,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvfail import nixl_progress
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, SplitForward, run_worker_hooks
 from kvfail.harness.ranks import RankCrash, RankProcess
@@ -415,6 +416,7 @@ class Engine:
         self._hasher = get_request_block_hasher(spec.block_size, sha256)
 
     def _build_worker(self, rank: int) -> Worker:
+        nixl_progress.apply_from_env()
         if self._worker_build == "transfer_group":
             if kv_transfer_state.has_kv_transfer_group():
                 raise RuntimeError("a KV transfer group already exists in this process")

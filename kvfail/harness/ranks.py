@@ -42,6 +42,7 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvfail import nixl_progress
 from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
@@ -141,6 +142,7 @@ def _describe(exc: BaseException) -> tuple[str, str, str]:
 def _build_rank(spec: EngineSpec, rank: int, init_method: str) -> RankView:
     """What a real worker process does before serving: distributed init, the transfer
     group, KV tensors, ``register_kv_caches``."""
+    nixl_progress.apply_from_env()
     built = build_config(spec)
     vllm_config = built.vllm_config
     # vLLM's CpuWorker names the ranks' shared-memory group after the init port; the

@@ -1,0 +1,77 @@
+"""NIXL's progress thread on a CPU test rig: a short sleep between polls, not a busy spin.
+
+Why: NIXL's Python API creates every agent with the C++ config field ``pthrDelay``
+pinned to 0, so the agent's progress thread polls the transport without pause. That is
+the right call on a GPU host, where the thread owns a core. On this project's 2-core CPU
+rig every agent (each P, each D engine, each TP rank) then takes a whole core: measured
+0.99 CPU-seconds per second for an idle agent, and a NIXL P left idle while the Mooncake
+scenarios ran made the audit CPU-bound (183 % CPU over 260 s). Starved engines step
+late, and a deadline check that runs at a drain runs late with them. With a 100 µs delay
+the same thread uses 0.02 CPU-seconds per second, and a transfer waits at most that
+long for the thread's next poll.
+
+The rig opts in with ``KVFAIL_NIXL_PTHR_DELAY_US`` (set in ``kvfail.peers.nixl.NIXL_ENV``
+and in the e2e servers' environment; unset or ``0`` keeps NIXL's own behaviour). It sets
+that one public field of ``nixlAgentConfig`` as each later agent is created; no code path
+of NIXL or vLLM changes. No vLLM import, and NIXL is imported only when the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+__all__ = ["ENV", "apply_from_env", "set_progress_delay"]
+
+ENV = "KVFAIL_NIXL_PTHR_DELAY_US"
+
+
+class _DelayedAgents:
+    """NIXL's binding module as its Python API sees it, except that ``nixlAgent`` gives a
+    spinning progress thread (``pthrDelay == 0``) the rig's delay."""
+
+    def __init__(self, binding: Any, delay_us: int) -> None:
+        self._binding = binding
+        self.delay_us = delay_us
+
+    def nixlAgent(self, name: str, config: Any) -> Any:
+        if getattr(config, "useProgThread", False) and config.pthrDelay == 0:
+            config.pthrDelay = self.delay_us
+        return self._binding.nixlAgent(name, config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._binding, name)
+
+
+def set_progress_delay(delay_us: int) -> bool:
+    """Give agents created from now on a ``delay_us`` progress-thread delay; idempotent
+    (a second call changes the delay). False when NIXL is not importable here."""
+    if delay_us <= 0:
+        raise ValueError(f"{ENV}: the delay must be a positive number of µs, got {delay_us}")
+    try:
+        from nixl._api import nixl_agent
+    except Exception:  # ImportError, or a missing native library: no agents to tune
+        return False
+    api = sys.modules[nixl_agent.__module__]
+    binding = api.nixlBind
+    if isinstance(binding, _DelayedAgents):
+        binding.delay_us = delay_us
+    else:
+        api.nixlBind = _DelayedAgents(binding, delay_us)
+    return True
+
+
+def apply_from_env() -> bool:
+    """Apply ``$KVFAIL_NIXL_PTHR_DELAY_US`` if set and positive; True iff now in effect.
+
+    Called where an engine builds its workers (the harness, a TP rank process, an e2e
+    server), before any agent exists. A value that is not an integer is an error."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return False
+    try:
+        delay = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV} must be an integer number of µs, got {raw!r}") from None
+    return set_progress_delay(delay) if delay > 0 else False
