@@ -609,18 +609,22 @@ class Engine:
         timeout_s: float = 30.0,
         poll_s: float = 0.0,
         min_steps: int = 0,
+        min_steps_cap_s: float | None = None,
     ) -> RunResult:
         """Step until ``predicate(self)``; bounded by ``max_steps`` AND ``timeout_s``.
 
         ``poll_s`` sleeps between steps, for real transports that progress in threads.
-        ``min_steps``: the timeout does not end the run before this many steps (up to twice
-        ``timeout_s``). Why: a connector acts only when D steps (its deadline is checked
-        at a drain), so a test process starved of CPU that stepped 5 times in its window
-        has not given the connector a fair chance (seen in CI at load ~50 on 2 cores).
+        ``min_steps``: the timeout does not end the run before this many steps, for at most
+        ``min_steps_cap_s`` more seconds (default: ``timeout_s``, at least 10 s). Why: a
+        connector acts only when D steps (its deadline is checked at a drain), so a test
+        process starved of CPU that stepped 5 times in its window has not given the
+        connector a fair chance (seen on fresh-clone runs at load ~50 on 2 cores); the cap
+        keeps steps that block from stretching the run without end.
         Never raises for a crash: returns ``reason="crash"`` (see ``record.crashes``).
         """
         start = time.monotonic()
         steps = 0
+        cap = max(timeout_s, 10.0) if min_steps_cap_s is None else min_steps_cap_s
         while True:
             if self._crashed is not None:
                 return RunResult(False, "crash", steps, time.monotonic() - start)
@@ -629,7 +633,7 @@ class Engine:
             if steps >= max_steps:
                 return RunResult(False, "max_steps", steps, time.monotonic() - start)
             elapsed = time.monotonic() - start
-            if elapsed >= timeout_s and (steps >= min_steps or elapsed >= 2 * timeout_s):
+            if elapsed >= timeout_s and (steps >= min_steps or elapsed >= timeout_s + cap):
                 return RunResult(False, "timeout", steps, time.monotonic() - start)
             self.step()
             steps += 1

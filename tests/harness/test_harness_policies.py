@@ -132,8 +132,10 @@ def test_min_steps_outlasts_the_timeout_but_is_itself_bounded(make_engine: Any) 
     engine.add_request("held", kv_transfer_params=PD)
     result = engine.run_until(lambda e: False, timeout_s=0.0, min_steps=7)
     assert (result.reason, result.steps) == ("timeout", 7)
-    result = engine.run_until(lambda e: False, timeout_s=0.2, min_steps=10**9, poll_s=0.05)
-    assert result.reason == "timeout" and 0.4 <= result.elapsed_s < 3.0
+    result = engine.run_until(
+        lambda e: False, timeout_s=0.2, min_steps=10**9, min_steps_cap_s=0.3, poll_s=0.05
+    )
+    assert result.reason == "timeout" and 0.5 <= result.elapsed_s < 3.0
     assert result.steps < 10**9
 
 
