@@ -75,11 +75,7 @@ class Detection:
     def warm(self, side: str, name: str) -> str:
         """A D engine that already pulled from P once (it holds P's agent)."""
         key = self.consumer(side, name)
-        rid = self.rid(f"{key}-warmup")
-        self.pair.prefill_and_add(rid, prompt_len=40, consumer=key)
-        run = self.pair.run([rid], consumer=key, timeout_s=30)
-        if not run.ok or not self.pair.verify(rid):
-            raise RuntimeError(f"warm-up of {key} failed: {run}")
+        self.pair.warm(key)
         return key
 
     def rid(self, stem: str) -> str:

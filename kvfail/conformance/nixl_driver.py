@@ -193,10 +193,8 @@ class NixlDriver(PairDriver):
             return
         _WARM_P.add(producer)
         engine = pair.consumer("fail", name="driver-warmup")
-        rid = f"driver-warmup-{producer.engine_id}"
         try:
-            pair.prefill_and_add(rid, 40, consumer=engine)
-            pair.run([rid], consumer=engine, timeout_s=30.0)
+            pair.warm(engine)
         except Exception:
             pass
         finally:

@@ -51,6 +51,9 @@ def closed_port() -> int:
 
 
 _P_SEQ = itertools.count(1)
+#: Warm-up pulls' ids: unique in the process, as a P shared by several pairs must never
+#: see an id twice.
+_WARM_SEQ = itertools.count(1)
 
 
 def producer_engine_id(transport: str) -> str:
@@ -315,6 +318,24 @@ class PeerPair:
             max_tokens=max_tokens,
             consumer=consumer,
         )
+
+    def warm(
+        self, consumer: str | Engine | None = None, *, tries: int = 1, timeout_s: float = 30.0
+    ) -> str:
+        """One verified real pull for ``consumer``, so it is a warm D (it has P's address
+        and transport endpoints, and a handshake is out of what it measures next).
+
+        Returns the id of the pull that verified; raises ``RuntimeError`` after ``tries``
+        pulls that did not (a cold first pull includes the handshake, which a short
+        deadline may fail on a loaded machine: hence the retries)."""
+        last: Any = None
+        for _ in range(tries):
+            rid = f"warm-{os.getpid()}-{next(_WARM_SEQ)}"
+            self.prefill_and_add(rid, prompt_len=40, consumer=consumer)
+            last = self.run([rid], consumer=consumer, timeout_s=timeout_s)  # type: ignore[attr-defined]
+            if last.ok and self.verify(rid):
+                return rid
+        raise RuntimeError(f"no verified pull from P for {consumer!r} in {tries} tries ({last})")
 
     # ------------------------------------------------------------------ observation
 

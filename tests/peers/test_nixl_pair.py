@@ -70,25 +70,14 @@ def pair(request: pytest.FixtureRequest) -> Iterator[NixlPair]:
             connector_module="connectors.nixl",
             extra_config={"kvfail_deadline_s": DEADLINE_S},
         )
-        _warm(p, KVFAIL)
+        # One real pull first: this D's deadline (3 s) is shorter than a cold first pull,
+        # which includes the handshake (5.1 s measured at a load average of 30; a
+        # fresh-clone run failed the happy path on it). Tests that need a cold D build one.
+        p.warm(KVFAIL, tries=3)
         yield p
     finally:
         p.close()
         print("\nNIXL detection times (s):", DETECTION)
-
-
-def _warm(pair: NixlPair, consumer: str, tries: int = 3) -> None:
-    """One real pull before the tests, for the D whose deadline (3 s) is shorter than a cold
-    first pull: that includes the handshake, measured at 5.1 s at a load average of 30, and
-    a fresh-clone run failed the happy path on it (2026-12-01). Tests that need a cold D
-    build their own."""
-    for i in range(tries):
-        rid = f"warm-{consumer}-{i}"
-        pair.prefill_and_add(rid, prompt_len=40, consumer=consumer)
-        pair.run([rid], consumer=consumer, timeout_s=30)
-        if pair.verify(rid):
-            return
-    raise RuntimeError(f"{consumer}: no verified pull from P in {tries} tries")
 
 
 def _finish(pair: NixlPair, consumer: str, req_id: str, timeout_s: float = 20.0) -> None:
