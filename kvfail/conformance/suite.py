@@ -39,6 +39,8 @@ ACTIVE_BUDGET: dict[str, Any] = {"max_steps": 60, "timeout_s": 15.0}
 #: below kvfail's default 30 s deadline so that a swallowed failure (which only that
 #: deadline would end) is a liveness violation, not a slow pass.
 REAL_BUDGET_S = 10.0
+#: Loads a warm-up may take to succeed once (see ``ScenarioContext.warm_up``).
+WARM_UP_TRIES = 3
 #: A wall-clock run also steps D at least this often before it may end on its timeout
 #: (see ``Engine.run_until``): a verdict needs the connector to have had its drains.
 MIN_STEPS = 20
@@ -184,15 +186,28 @@ class ScenarioContext:
         if self.node is not None:
             self.node.user_properties.append((key, value))
 
-    def warm_up(self, engine: Engine) -> None:
-        """One good load on ``engine`` first, so this D has talked to the peer ("warm")."""
-        rid = self.rid("warmup")
-        self.add_loading(engine, rid)
-        self.driver.settle(engine, rid)
-        self.run(engine)
-        found = self.violations(engine, [rid], failed=False)
-        if found:
-            raise ConformanceViolation(self.scenario, [f"warm-up load: {v}" for v in found])
+    def warm_up(self, engine: Engine, *, tries: int = WARM_UP_TRIES) -> None:
+        """One good load on ``engine`` first, so this D has talked to the peer ("warm").
+
+        Up to ``tries`` loads: a deadline scenario's D has a short deadline, and a cold
+        first load includes the handshake (a TP 2 NIXL D's took over 3 s on this machine,
+        and its deadline failed the warm-up, not the scenario). Being warm is the
+        precondition, not the thing under test; ``test_successful_load`` tests a cold load.
+        A D that never loads well in ``tries`` is a violation."""
+        found: list[str] = []
+        for _ in range(tries):
+            rid = self.rid("warmup")
+            self.add_loading(engine, rid)
+            self.driver.settle(engine, rid)
+            self.run(engine)
+            found = self.violations(engine, [rid], failed=False)
+            if not found:
+                return
+            if engine.crashed is not None:  # no retry on a dead engine
+                break
+        raise ConformanceViolation(
+            self.scenario, [f"warm-up load ({tries} tries): {v}" for v in found]
+        )
 
     def rid(self, stem: str) -> str:
         """A request id unique in this session: a real P must never see an id twice."""
