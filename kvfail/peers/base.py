@@ -80,11 +80,48 @@ class ProducerHandleBase:
 
     prefix: str = ""
     ready_key: str = "engine_id"
+    #: What a subclass names: the module P runs (``python -m``), the transport (in P's
+    #: names), the variable that hands P its port, and the connector P runs by default.
+    module: str = ""
+    transport: str = ""
+    port_env: str = ""
+    default_connector: str = ""
     #: Respawns on a fresh port when P dies because its port was taken between our pick
     #: and its bind (a race no pick can close; see :func:`kvfail.faults.free_ports`).
     bind_retries: int = 2
 
     port: int
+
+    def __init__(
+        self,
+        *,
+        connector: str | None = None,
+        connector_module: str | None = None,
+        engine_id: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        num_blocks: int = 64,
+        tp_size: int = 1,
+        num_kv_cache_groups: int = 1,
+    ) -> None:
+        """Start P (it comes up in the background; :meth:`wait_ready` waits for it)."""
+        self.engine_id = engine_id or producer_engine_id(self.transport)
+        self._spawn(
+            self.module,
+            f"{self.transport}-P",
+            {**self._base_env(), **(env or {})},
+            port_env=self.port_env,
+            connector=connector or self.default_connector,
+            connector_module=connector_module,
+            extra_config=extra_config,
+            num_blocks=num_blocks,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
+        )
+
+    def _base_env(self) -> dict[str, str]:
+        """The environment every P of this transport needs (``env=`` adds to it)."""
+        return {}
 
     def _spawn(
         self,

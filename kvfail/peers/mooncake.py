@@ -46,7 +46,6 @@ from kvfail.peers.base import (
     PeerPair,
     ProducerHandleBase,
     closed_port,
-    producer_engine_id,
     with_param,
 )
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
@@ -101,33 +100,13 @@ class ProducerHandle(ProducerHandleBase):
     prefix = PREFIX
     ready_key = "bootstrap_addr"
 
-    def __init__(
-        self,
-        *,
-        connector: str = "MooncakeConnector",
-        connector_module: str | None = None,
-        engine_id: str | None = None,
-        extra_config: Mapping[str, Any] | None = None,
-        env: Mapping[str, str] | None = None,
-        num_blocks: int = 64,
-        tp_size: int = 1,
-        num_kv_cache_groups: int = 1,
-    ) -> None:
-        self.engine_id = engine_id or producer_engine_id("mooncake")
-        full_env = dict(MOONCAKE_ENV)
-        full_env.update(env or {})
-        self._spawn(
-            "kvfail.peers.producer",
-            "mooncake-P",
-            full_env,
-            port_env="VLLM_MOONCAKE_BOOTSTRAP_PORT",
-            connector=connector,
-            connector_module=connector_module,
-            extra_config=extra_config,
-            num_blocks=num_blocks,
-            tp_size=tp_size,
-            num_kv_cache_groups=num_kv_cache_groups,
-        )
+    module = "kvfail.peers.producer"
+    transport = "mooncake"
+    port_env = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+    default_connector = "MooncakeConnector"
+
+    def _base_env(self) -> dict[str, str]:
+        return dict(MOONCAKE_ENV)
 
     @property
     def bootstrap_port(self) -> int:

@@ -69,7 +69,6 @@ from kvfail.peers.base import (
     PeerPair,
     ProducerHandleBase,
     closed_port,
-    producer_engine_id,
     with_param,
 )
 from kvfail.peers.nixl_producer import (
@@ -230,31 +229,13 @@ class NixlProducerHandle(ProducerHandleBase):
     prefix = PREFIX
     ready_key = "engine_id"
 
-    def __init__(
-        self,
-        *,
-        connector: str = "NixlConnector",
-        connector_module: str | None = None,
-        engine_id: str | None = None,
-        extra_config: Mapping[str, Any] | None = None,
-        num_blocks: int = 64,
-        tp_size: int = 1,
-        num_kv_cache_groups: int = 1,
-    ) -> None:
-        self.engine_id = engine_id or producer_engine_id("nixl")
-        env = {**NIXL_ENV, "PYTHONPATH": _pythonpath()}
-        self._spawn(
-            "kvfail.peers.nixl_producer",
-            "nixl-P",
-            env,
-            port_env="VLLM_NIXL_SIDE_CHANNEL_PORT",
-            connector=connector,
-            connector_module=connector_module,
-            extra_config=extra_config,
-            num_blocks=num_blocks,
-            tp_size=tp_size,
-            num_kv_cache_groups=num_kv_cache_groups,
-        )
+    module = "kvfail.peers.nixl_producer"
+    transport = "nixl"
+    port_env = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+    default_connector = "NixlConnector"
+
+    def _base_env(self) -> dict[str, str]:
+        return {**NIXL_ENV, "PYTHONPATH": _pythonpath()}
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""

@@ -22,19 +22,13 @@ PORT_ENV = "KVFAIL_TEST_BIND_PORT"
 
 class BindPeer(ProducerHandleBase):
     prefix = "BINDPEER "
+    module = "tests.peers.bind_peer"
+    transport = "bind"
+    port_env = PORT_ENV
+    default_connector = "none"
 
-    def __init__(self) -> None:
-        self.engine_id = "bind-peer"
-        self._spawn(
-            "tests.peers.bind_peer",
-            "bind-peer",
-            {"KVFAIL_TEST_PORT_ENV": PORT_ENV},
-            port_env=PORT_ENV,
-            connector="none",
-            connector_module=None,
-            extra_config=None,
-            num_blocks=1,
-        )
+    def _base_env(self) -> dict[str, str]:
+        return {"KVFAIL_TEST_PORT_ENV": PORT_ENV}
 
 
 @pytest.fixture
