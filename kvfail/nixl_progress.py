@@ -22,9 +22,11 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["ENV", "apply_from_env", "set_progress_delay"]
+__all__ = ["ENV", "apply_from_env", "current_delay_us", "set_progress_delay"]
 
 ENV = "KVFAIL_NIXL_PTHR_DELAY_US"
+#: The NIXL API module whose binding was wrapped (``nixl_cu12._api``), once set.
+_api_module: str | None = None
 
 
 class _DelayedAgents:
@@ -53,13 +55,23 @@ def set_progress_delay(delay_us: int) -> bool:
         from nixl._api import nixl_agent
     except Exception:  # ImportError, or a missing native library: no agents to tune
         return False
-    api = sys.modules[nixl_agent.__module__]
+    global _api_module
+    _api_module = nixl_agent.__module__
+    api = sys.modules[_api_module]
     binding = api.nixlBind
     if isinstance(binding, _DelayedAgents):
         binding.delay_us = delay_us
     else:
         api.nixlBind = _DelayedAgents(binding, delay_us)
     return True
+
+
+def current_delay_us() -> int | None:
+    """The delay agents created now get in this process (None: NIXL's own busy poll, or
+    never set here). Reads state only; imports nothing."""
+    module = sys.modules.get(_api_module) if _api_module else None
+    binding = getattr(module, "nixlBind", None)
+    return binding.delay_us if isinstance(binding, _DelayedAgents) else None
 
 
 def apply_from_env() -> bool:

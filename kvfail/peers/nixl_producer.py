@@ -58,6 +58,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvfail import nixl_progress
 from kvfail.peers.protocol import dispatch, serve
 
 if TYPE_CHECKING:
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
             "engine_id": p.engine_id,
             "side_channel_port": p.port,
             "rank_pids": [w.process.pid if w.process else os.getpid() for w in p.engine.workers],
+            # The progress-thread delay this process's agents got (None: NIXL's busy poll).
+            "nixl_pthr_delay_us": nixl_progress.current_delay_us(),
         },
         idle=lambda p: p.idle(),
     )

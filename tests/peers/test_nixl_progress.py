@@ -66,6 +66,7 @@ def test_a_real_agent_is_created_with_the_delay(
     agent_mod, spy = nixl_api
     monkeypatch.setenv(ENV, "250")
     assert apply_from_env() is True
+    assert nixl_progress.current_delay_us() == 250
     agent = agent_mod.nixl_agent("kvfail-delay", agent_mod.nixl_agent_config())
     assert agent.name == "kvfail-delay"
     assert spy.seen == [(True, 250)]
@@ -81,3 +82,17 @@ def test_an_agent_without_a_progress_thread_is_left_as_is(
     assert set_progress_delay(100) is True
     agent_mod.nixl_agent("kvfail-noprog", agent_mod.nixl_agent_config(enable_prog_thread=False))
     assert spy.seen == [(False, 0)]
+
+
+def test_the_rig_p_reports_the_delay_its_agents_got() -> None:
+    """End to end: NIXL_ENV's setting reaches the agent a real NIXL P process creates."""
+    from kvfail.peers.nixl import NIXL_ENV, NixlProducerHandle, nixl_available
+
+    if (why := nixl_available()) is not None:
+        pytest.skip(why)
+    p = NixlProducerHandle()
+    try:
+        ready = p.wait_ready(timeout_s=240.0)
+        assert ready["nixl_pthr_delay_us"] == int(NIXL_ENV[ENV]) > 0
+    finally:
+        p.close()
