@@ -18,6 +18,9 @@ READ stuck in ``PROC``: upstream has no deadline, reported as ``>cap s (not reac
 when the READ is posted); ``kill_warm`` (a D that pulled before adds its request after P
 died).
 
+A load reported as a success is checked against P's bytes: ``ok`` means they matched,
+``ok,wrong`` that the connector reported success on a failed load.
+
 Run: ``.venv/bin/python -m bench.nixl_detection [--quick] 2>/dev/null`` (NIXL and vLLM log
 to stderr; the table and the figures go to stdout). The process ends with ``os._exit``
 (the nixl teardown segfault, see ``kvfail.peers.nixl``).
@@ -118,7 +121,10 @@ class Detection:
         c.steps = engine.record.steps - c.steps0
         outputs = engine.record.outputs_for(c.req_id)
         reason = outputs[-1].finish_reason if outputs else None
-        c.outcome = "failed" if reason is not None and reason.name == "ERROR" else "ok"
+        if reason is not None and reason.name == "ERROR":
+            c.outcome = "failed"
+        else:  # a success must carry P's bytes; one that does not is success on failure
+            c.outcome = "ok" if self.pair.verify(c.req_id) else "ok,wrong"
         c.stage = _stage(engine)
 
     def close(self) -> None:
