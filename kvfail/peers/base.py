@@ -74,8 +74,8 @@ def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any
 class ProducerHandleBase:
     """The P process and its line protocol (see :mod:`kvfail.peers.protocol`).
 
-    A subclass says which module runs P, the protocol line ``prefix`` and what P's ready
-    event starts with (``ready_key``), and spawns P with :meth:`_spawn`.
+    A subclass says which module runs P, the protocol line ``prefix``, what P's ready
+    event starts with (``ready_key``), and the class attributes below.
     """
 
     prefix: str = ""
@@ -104,66 +104,41 @@ class ProducerHandleBase:
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
     ) -> None:
-        """Start P (it comes up in the background; :meth:`wait_ready` waits for it)."""
+        """Start P (it comes up in the background; :meth:`wait_ready` waits for it).
+
+        P gets the config every producer module reads, and listens on a port picked here
+        (``self.port``, passed in :attr:`port_env`). ``tp_size`` > 1 runs P's ranks as
+        processes in a real TP world (their pids are in P's ready event, ``rank_pids``,
+        for one-rank faults)."""
         self.engine_id = engine_id or producer_engine_id(self.transport)
-        self._spawn(
-            self.module,
-            f"{self.transport}-P",
-            {**self._base_env(), **(env or {})},
-            port_env=self.port_env,
-            connector=connector or self.default_connector,
-            connector_module=connector_module,
-            extra_config=extra_config,
-            num_blocks=num_blocks,
-            tp_size=tp_size,
-            num_kv_cache_groups=num_kv_cache_groups,
+        self._env = {**self._base_env(), **(env or {})}
+        self._config = json.dumps(
+            {
+                "connector": connector or self.default_connector,
+                "connector_module": connector_module,
+                "engine_id": self.engine_id,
+                "extra_config": dict(extra_config or {}),
+                "num_blocks": num_blocks,
+                "tp_size": tp_size,
+                "num_kv_cache_groups": num_kv_cache_groups,
+            }
         )
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._start_process()
 
     def _base_env(self) -> dict[str, str]:
         """The environment every P of this transport needs (``env=`` adds to it)."""
         return {}
 
-    def _spawn(
-        self,
-        module: str,
-        name: str,
-        env: Mapping[str, str],
-        *,
-        port_env: str,
-        connector: str,
-        connector_module: str | None,
-        extra_config: Mapping[str, Any] | None,
-        num_blocks: int,
-        tp_size: int = 1,
-        num_kv_cache_groups: int = 1,
-    ) -> None:
-        """Start P with the config every producer module reads (``self.engine_id`` set).
-
-        P listens on a port picked here (``self.port``), passed to it in ``port_env``.
-        ``tp_size`` > 1 runs P's ranks as processes in a real TP world (their pids are in
-        P's ready event, ``rank_pids``, for one-rank faults)."""
-        config = {
-            "connector": connector,
-            "connector_module": connector_module,
-            "engine_id": self.engine_id,
-            "extra_config": dict(extra_config or {}),
-            "num_blocks": num_blocks,
-            "tp_size": tp_size,
-            "num_kv_cache_groups": num_kv_cache_groups,
-        }
-        self._launch = (module, name, dict(env), port_env, json.dumps(config))
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._start_process()
-
     def _start_process(self) -> None:
-        module, name, env, port_env, config = self._launch
+        """(Re)start P's process on a freshly picked port."""
         self.port = free_port()
         self.started_at = time.monotonic()
         self.process = PeerProcess(
-            [sys.executable, "-m", module, "--config", config],
-            name=f"{name}-{self.port}",
-            env={**env, port_env: str(self.port)},
+            [sys.executable, "-m", self.module, "--config", self._config],
+            name=f"{self.transport}-P-{self.port}",
+            env={**self._env, self.port_env: str(self.port)},
             stdin=True,
         )
         self.ready: dict[str, Any] | None = None

@@ -42,12 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
-from kvfail.peers.base import (
-    PeerPair,
-    ProducerHandleBase,
-    closed_port,
-    with_param,
-)
+from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
 
 if TYPE_CHECKING:

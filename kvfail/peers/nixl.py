@@ -65,12 +65,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
-from kvfail.peers.base import (
-    PeerPair,
-    ProducerHandleBase,
-    closed_port,
-    with_param,
-)
+from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
 from kvfail.peers.nixl_producer import (
     BAD_METADATA,
     PREFIX,
