@@ -26,7 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 
 from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
-from connectors.mooncake.worker import KvfailMooncakeWorker
+from connectors.mooncake.worker import DEFAULT_DEADLINE_S, KvfailMooncakeWorker
+from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ class KvfailMooncakeConnector(KvfailMetricsConnector, MooncakeConnector):
         transfer_config = vllm_config.kv_transfer_config
         assert transfer_config is not None and transfer_config.engine_id is not None
         self.engine_id: str = transfer_config.engine_id
+        #: The load deadline the worker enforces, declared for the conformance suite.
+        self.kv_load_deadline_s = seconds_from(
+            transfer_config.kv_connector_extra_config, DEADLINE_KEY, DEFAULT_DEADLINE_S
+        )
         self.connector_scheduler: KvfailMooncakeScheduler | None = None
         self.connector_worker: KvfailMooncakeWorker | None = None  # type: ignore[assignment]
         if role == KVConnectorRole.SCHEDULER:

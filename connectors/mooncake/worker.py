@@ -68,6 +68,7 @@ from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage
 from kvfail.cpu_shim import cpu_accelerator_index_shim
+from kvfail.deadline import DEADLINE_KEY, seconds_from
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -171,13 +172,13 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         self._mc_closed = False
         assert vllm_config.kv_transfer_config is not None
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        deadline = _seconds(extra, "kvfail_deadline_s", DEFAULT_DEADLINE_S)
-        self._mc_grace_s = _seconds(extra, "kvfail_fence_grace_s", 0.0) or 0.0
-        self._mc_probe_s = _seconds(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
+        deadline = seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
+        self._mc_grace_s = seconds_from(extra, "kvfail_fence_grace_s", 0.0) or 0.0
+        self._mc_probe_s = seconds_from(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"{type(self).__name__}[{engine_id}]",
-            default_deadline_s=deadline or None,
+            default_deadline_s=deadline,
         )
         self._xfer_resp_decoder = _ReplyDecoder(self._xfer_resp_decoder)
         #: Guards the task registry below; never held while calling the tracker.
@@ -646,13 +647,3 @@ async def _connect_probe(host: str, port: int, timeout_s: float) -> str:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
         sock.close()
     return "alive"
-
-
-def _seconds(extra: Any, key: str, default: float) -> float | None:
-    """A non-negative number of seconds from the extra config; None/0 mean "off"."""
-    value = extra.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be seconds >= 0, got {value!r}")
-    return float(value)

@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.stats import KvfailNixlStats
+from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_stats import KvfailMetricsConnector
@@ -74,12 +75,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvfail.nixl")
 
-#: Extra-config key for the D-side deadline of one load, in seconds, from the step the
-#: worker first sees it to the step it can be reported. ``null`` or <= 0 disables it.
-DEADLINE_KEY: Final = "kvfail_deadline_s"
-#: Default deadline. Upstream has none for a transfer stuck in ``PROC``; 30 s matches
-#: upstream's P-side ``kv_lease_duration`` default, after which P frees the blocks anyway,
-#: so a load still unfinished at that point cannot complete correctly.
+#: Default D-side deadline of one load (extra config ``kvfail_deadline_s``), from the step
+#: the worker first sees it to the step it can be reported; ``null`` or 0 disables it.
+#: Upstream has none for a transfer stuck in ``PROC``; 30 s matches upstream's P-side
+#: ``kv_lease_duration`` default, after which P frees the blocks anyway, so a load still
+#: unfinished at that point cannot complete correctly.
 DEFAULT_DEADLINE_S: Final = 30.0
 #: How often a fence whose handle release failed is retried (each drain after this).
 FENCE_RETRY_S: Final = 0.1
@@ -106,15 +106,8 @@ FAILURE_STAGES: Final[dict[str, Stage]] = {
 
 def _deadline_from(vllm_config: VllmConfig) -> float | None:
     kv_config = vllm_config.kv_transfer_config
-    raw = (
-        DEFAULT_DEADLINE_S
-        if kv_config is None
-        else kv_config.get_from_extra_config(DEADLINE_KEY, DEFAULT_DEADLINE_S)
-    )
-    if raw is None:
-        return None
-    value = float(raw)
-    return value if value > 0 else None
+    extra = None if kv_config is None else kv_config.kv_connector_extra_config
+    return seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
 
 
 class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
@@ -290,6 +283,8 @@ class KvfailNixlConnector(KvfailMetricsConnector, NixlPullConnector):
         # NixlPullConnector.__init__ would build upstream's worker, i.e. a second NIXL
         # agent; build the base and pick the two halves ourselves.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        #: The load deadline the worker enforces, declared for the conformance suite.
+        self.kv_load_deadline_s = _deadline_from(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfail import FailureReporterMixin, Stage
+from kvfail.deadline import seconds_from
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,12 +152,13 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         self._raw_invalid: set[int] = set()
         #: Every load this worker ever started, in order (tests inspect it).
         self.started: list[str] = []
+        #: The watchdog deadline of the worker's loads, declared for the conformance suite.
+        self.kv_load_deadline_s = seconds_from(extra, "toy_deadline_s", None)
         if role == KVConnectorRole.WORKER:
-            deadline = extra.get("toy_deadline_s")
             self.init_failure_reporter(
                 num_kv_cache_groups=self.num_groups,
                 name=f"toy[{self.engine_id}]",
-                default_deadline_s=None if deadline is None else float(deadline),
+                default_deadline_s=self.kv_load_deadline_s,
             )
 
     # ------------------------------------------------------------ scheduler side
