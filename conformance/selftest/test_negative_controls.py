@@ -38,7 +38,6 @@ SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 CONTROLS = sorted(negative.EXPECTED_FLAGS)
 REAL_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL)
-UNKNOWN = "no_such_module:NoSuchConnector"
 #: What a real control must still pass (broken in ONE way), next to what it must fail.
 REAL_SCENARIOS = (
     "test_local_request_untouched",
@@ -56,14 +55,14 @@ def _warm_up() -> None:
 
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]], str]:
-    """One inner run of the suite against toy, every control and an unknown connector."""
+    """One inner run of the suite against toy and every control."""
     _warm_up()
     out = tmp_path_factory.mktemp("kvfail-report")
     # The controls are each built to break one clause in the basic layout (tp1); the
     # project's ini adds tp2-g2 to the default run, so the layout is pinned here.
     args = [str(SUITE), "-p", "no:cacheprovider", "--kvfail-report", str(out), "-q"]
     args += ["--layout", "tp1"]
-    for spec in ["toy", *(f"kvfail.conformance.negative:{c}" for c in CONTROLS), UNKNOWN]:
+    for spec in ["toy", *(f"kvfail.conformance.negative:{c}" for c in CONTROLS)]:
         args += ["--connector", spec]
     # pytester is function-scoped; one module-wide inner session runs through pytest.main.
     ret = pytest.main(args)
@@ -179,14 +178,33 @@ def test_real_controls_resolve_to_the_mooncake_driver() -> None:
     for control in REAL_CONTROLS:
         driver = resolve(f"kvfail.conformance.negative:{control}")
         assert isinstance(driver, MooncakeDriver), (control, type(driver).__name__)
-        assert driver.kvfail_connector, control
 
 
-def test_unknown_connector_is_a_named_skip_not_an_error(suite_run: Any) -> None:
-    recs = _records(suite_run, UNKNOWN)
-    assert recs and {r["outcome"] for r in recs} == {"skipped"}
-    assert all(r["reason"].startswith("driver unavailable: ") for r in recs)
-    assert all("no_such_module" in r["reason"] for r in recs)
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--connector", "garbage"], "--connector garbage: unknown connector; accepted: "),
+        (
+            ["--connector", "no_such_module:NoSuchConnector"],
+            "--connector no_such_module:NoSuchConnector: no_such_module:NoSuchConnector cannot "
+            "be imported (ModuleNotFoundError",
+        ),
+        (["--connector", "toy", "--layout", "tp9"], "--layout: unknown layout 'tp9'"),
+        (["--connector", "toy", "--policy", "sometimes"], "invalid choice: 'sometimes'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    pytester: pytest.Pytester, args: list[str], says: str
+) -> None:
+    """A typo stops the run with one line saying what is wrong and what is accepted: never
+    a run of skips (which exits 0), never an INTERNALERROR traceback."""
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_which=_ONE_SCENARIO)
+    result = pytester.runpytest_inprocess(*args, "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
+    out = result.stdout.str() + result.stderr.str()
+    assert says in out, out
+    assert "Traceback" not in out and "INTERNALERROR" not in out, out
 
 
 def test_capabilities_are_derived_from_the_class() -> None:

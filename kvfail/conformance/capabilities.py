@@ -5,7 +5,7 @@ anything; gating by *capability* (SQLAlchemy's requirements, ADBC's feature mode
 each skip a statement about the connector that can be checked. Whatever can be read from
 the class itself is read from it (which hooks it overrides below ``KVConnectorBase_V1``,
 whether it implements ``SupportsHMA``); only what introspection cannot see (async vs sync
-loads, whether a real transport is behind it, the deadline it enforces) comes from the
+loads, whether a real transport is behind it) comes from the
 driver, which must say so explicitly. Every ``False`` carries the reason that is printed in
 the skip: ``requires hma: ToyConnector does not implement SupportsHMA``.
 """
@@ -57,8 +57,6 @@ def derive_from_class(cls: type) -> dict[str, tuple[bool, str]]:
         SupportsHMA,
     )
 
-    from kvfail.reporter import FailureReporterMixin
-
     name = cls.__name__
     out: dict[str, tuple[bool, str]] = {}
     if not issubclass(cls, KVConnectorBase_V1):
@@ -83,13 +81,6 @@ def derive_from_class(cls: type) -> dict[str, tuple[bool, str]]:
         hma,
         f"{name} implements SupportsHMA" if hma else f"{name} does not implement SupportsHMA",
     )
-    mixin = issubclass(cls, FailureReporterMixin)
-    out["kvfail_reporter"] = (
-        mixin,
-        f"{name} uses kvfail.FailureReporterMixin"
-        if mixin
-        else f"{name} does not use kvfail.FailureReporterMixin",
-    )
     return out
 
 
@@ -104,15 +95,13 @@ class Capabilities:
 
     connector: str
     driver: str
+    #: The exact class, ``module:qualname`` (what a baseline entry names).
+    connector_path: str = ""
     async_load: bool = False
     sync_load: bool = False
     request_level_failures: bool = False
     block_level_failures: bool = False
     hma: bool = False
-    kvfail_reporter: bool = False
-    has_deadline: bool = False
-    #: The connector's load deadline in seconds, when it has one (suite waits longer).
-    deadline_s: float | None = None
     #: The driver can set up a remote prefill this connector loads from (a peer P).
     remote_prefill: bool = False
     #: The driver can build D with two KV-cache groups (HMA layouts).
@@ -149,7 +138,13 @@ class Capabilities:
         if clash:
             raise ValueError(f"driver {driver!r} may not declare introspected {sorted(clash)}")
         merged = {**declared, **derived}
-        known = {f.name for f in fields(cls)} - {"connector", "driver", "faults", "reasons"}
+        known = {f.name for f in fields(cls)} - {
+            "connector",
+            "connector_path",
+            "driver",
+            "faults",
+            "reasons",
+        }
         kwargs: dict[str, Any] = {}
         reasons: dict[str, str] = {}
         for key, (value, why) in merged.items():
@@ -157,13 +152,11 @@ class Capabilities:
                 raise ValueError(f"unknown capability {key!r} from driver {driver!r}")
             kwargs[key] = value
             reasons[key] = why
-        if "deadline_s" in kwargs:  # declared as (seconds or None, why)
-            seconds = kwargs.pop("deadline_s")
-            kwargs["deadline_s"] = None if seconds in (None, False) else float(seconds)
-        for name in known - set(kwargs) - {"deadline_s"}:
+        for name in known - set(kwargs):
             reasons.setdefault(name, f"driver {driver!r} does not declare {name}")
         return cls(
             connector=connector_cls.__name__,
+            connector_path=f"{connector_cls.__module__}:{connector_cls.__qualname__}",
             driver=driver,
             faults=frozenset(faults),
             reasons=reasons,
@@ -199,9 +192,9 @@ class Capabilities:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view for ``report.json``."""
         out: dict[str, Any] = {name: getattr(self, name) for name in CAPABILITY_NAMES}
-        out["deadline_s"] = self.deadline_s
         out["faults"] = sorted(p.value for p in self.faults)
         out["connector"], out["driver"] = self.connector, self.driver
+        out["connector_path"] = self.connector_path
         out["reasons"] = dict(self.reasons)
         return out
 
@@ -210,5 +203,5 @@ class Capabilities:
 CAPABILITY_NAMES: tuple[str, ...] = tuple(
     f.name
     for f in fields(Capabilities)
-    if f.name not in ("connector", "driver", "deadline_s", "faults", "reasons")
+    if f.name not in ("connector", "connector_path", "driver", "faults", "reasons")
 )

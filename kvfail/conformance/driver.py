@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.capabilities import Capabilities
+from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ __all__ = [
     "PairDriver",
     "ToyDriver",
     "resolve",
+    "spec_problem",
 ]
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
@@ -266,22 +268,12 @@ class ToyDriver(Driver):
         )
 
     def declared(self) -> Declared:
-        from kvfail.reporter import FailureReporterMixin
-
         cls = self.connector_cls.__name__
-        deadline = issubclass(self.connector_cls, FailureReporterMixin)
         return {
             "async_load": (True, f"{cls} loads asynchronously (load_kv_async=True)"),
             "sync_load": (False, f"{cls} only advertises asynchronous loads"),
             "remote_prefill": (True, "the toy transport plays P in memory"),
             "two_groups": (True, "the harness builds D with two KV-cache groups"),
-            "has_deadline": (
-                deadline,
-                f"toy_deadline_s={self.DEADLINE_S} (kvfail reporter watchdog)"
-                if deadline
-                else f"{cls} has no load deadline",
-            ),
-            "deadline_s": (self.DEADLINE_S if deadline else None, "toy_deadline_s"),
             "real_transport": (False, f"{cls} is an in-memory test double, not a transport"),
             "tp2": (True, "harness simulates TP=2; the toy's reporting is rank-independent"),
             "byte_verification": (True, "D's blocks are compared with P's seeded pattern"),
@@ -419,7 +411,6 @@ class GenericDriver(Driver):
             "sync_load": (False, why),
             "remote_prefill": (False, why),
             "two_groups": (False, why),
-            "has_deadline": (False, why),
             "real_transport": (False, why),
             "tp2": (False, why),
             "byte_verification": (False, why),
@@ -459,11 +450,10 @@ class GenericDriver(Driver):
         tp_size: int = 1,
         deadline: bool = False,
     ) -> Engine:
-        """Build in a helper thread, bounded; a connector that cannot be built here is a
-        named skip (``driver unavailable``), not a contract failure."""
+        """Build in a helper thread, bounded; a connector that cannot be built here is
+        :class:`DriverUnavailable` (a named skip, or a failure where drivers are required),
+        not a contract failure."""
         import threading
-
-        import pytest
 
         built: list[Engine] = []
         error: list[BaseException] = []
@@ -485,17 +475,17 @@ class GenericDriver(Driver):
         worker.start()
         worker.join(self.BUILD_TIMEOUT_S)
         if worker.is_alive():
-            pytest.skip(
-                f"driver unavailable: {self.connector_cls.__name__} did not finish "
+            raise DriverUnavailable(
+                f"{self.connector_cls.__name__} did not finish "
                 f"construction within {self.BUILD_TIMEOUT_S:.0f} s in the generic harness "
                 "(it blocks on a service that is absent here)"
             )
         if error:
             exc = error[0]
-            pytest.skip(
-                f"driver unavailable: {self.connector_cls.__name__} cannot be constructed in "
+            raise DriverUnavailable(
+                f"{self.connector_cls.__name__} cannot be constructed in "
                 f"the generic harness ({type(exc).__name__}: {exc})"
-            )
+            ) from exc
         return built[0]
 
     def add_remote_request(
@@ -534,7 +524,9 @@ class PairDriver(Driver):
     """
 
     poll_s = 0.005
-    #: ``kvfail_deadline_s`` for kvfail's connector in the deadline scenarios.
+    #: The deadline a deadline scenario asks D's connector for, through the configuration
+    #: key kvfail's connectors read (:data:`kvfail.deadline.DEADLINE_KEY`); a connector that
+    #: does not read it ignores it. The suite judges by what the connector declares.
     SCENARIO_DEADLINE_S = 3.0
     #: ``kvfail.peers.<transport>``: holds the pair and ``<transport>_available``.
     pair_module = ""
@@ -580,13 +572,6 @@ class PairDriver(Driver):
     def _connector_bases() -> tuple[type, type | None] | None:
         """(upstream connector, kvfail's connector or None); None without the transport."""
         raise NotImplementedError
-
-    @property
-    def kvfail_connector(self) -> bool:
-        """D runs kvfail's connector (or a subclass): it has ``kvfail_deadline_s``."""
-        bases = self._connector_bases()
-        kvfail_cls = None if bases is None else bases[1]
-        return kvfail_cls is not None and issubclass(self.connector_cls, kvfail_cls)
 
     def unavailable(self) -> str | None:
         return self._why
@@ -806,8 +791,6 @@ class MooncakeDriver(PairDriver):
     pair_module = "kvfail.peers.mooncake"
     pair_name = "MooncakePair"
     layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
-    #: Upstream D's socket timeout: P's abort timeout (set to 5 s here) + 60 s, hard-coded.
-    UPSTREAM_DEADLINE_S = 65.0
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
 
@@ -886,8 +869,6 @@ class MooncakeDriver(PairDriver):
         )
 
     def declared(self) -> Declared:
-        kvfail = self.kvfail_connector
-        deadline = self.SCENARIO_DEADLINE_S if kvfail else self.UPSTREAM_DEADLINE_S
         return {
             "async_load": (True, "Mooncake pulls asynchronously"),
             "sync_load": (False, "Mooncake only advertises asynchronous loads"),
@@ -896,13 +877,6 @@ class MooncakeDriver(PairDriver):
                 True,
                 "P and D both built with two KV-cache groups (MooncakeConnector is SupportsHMA)",
             ),
-            "has_deadline": (
-                True,
-                f"kvfail_deadline_s={deadline:g}"
-                if kvfail
-                else f"D socket timeout {deadline:g} s (abort timeout 5 s + 60 s upstream)",
-            ),
-            "deadline_s": (deadline, "driver"),
             "real_transport": (True, "Mooncake TransferEngine over TCP loopback"),
             "tp2": (
                 True,
@@ -917,8 +891,8 @@ class MooncakeDriver(PairDriver):
 
     def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
         base = pair.extra_config
-        if deadline and self.kvfail_connector:
-            pair.extra_config = {**base, "kvfail_deadline_s": self.SCENARIO_DEADLINE_S}
+        if deadline:
+            pair.extra_config = {**base, DEADLINE_KEY: self.SCENARIO_DEADLINE_S}
         try:
             engine = pair.consumer(policy, name=name)
         finally:
@@ -1093,6 +1067,23 @@ def _mooncake_bases() -> tuple[type, type | None] | None:
     except Exception:
         return MooncakeConnector, None
     return MooncakeConnector, KvfailMooncakeConnector
+
+
+def spec_problem(spec: str) -> str | None:
+    """What is wrong with a ``--connector`` value by its form alone (None: nothing yet);
+    cheap, imports nothing, so a typo stops the run before any vLLM import."""
+    accepted = (
+        f"accepted: one of {sorted({*BUILTIN, *_entry_point_drivers()})} (built-in or a "
+        f"{ENTRY_POINT_GROUP!r} entry point), vllm:<RegistryName> or module:Class"
+    )
+    if spec in BUILTIN or spec in _entry_point_drivers():
+        return None
+    if spec.startswith("vllm:"):
+        return None if spec.removeprefix("vllm:") else f"no registry name after 'vllm:'; {accepted}"
+    module, sep, qualname = spec.partition(":")
+    if sep and module and qualname:
+        return None
+    return f"unknown connector; {accepted}"
 
 
 def resolve(spec: str) -> Driver:

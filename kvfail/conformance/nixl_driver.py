@@ -9,9 +9,9 @@ are real with NIXL here:
 * ``kill_before_pull``: SIGKILL P after D's handshake, before its READ (warm D: right
   away; cold D: D is stepped once and the driver waits for the handshake): the READ post
   raises ``nixlRemoteDisconnectError`` at once;
-* ``freeze_peer``: SIGSTOP P after the handshake: the READ stays in ``PROC``. Upstream's D
-  has no deadline for it (``has_deadline`` False: the silent scenarios are strict xfails,
-  bounded by the suite's wait); kvfail's connector reports at ``kvfail_deadline_s``;
+* ``freeze_peer``: SIGSTOP P after the handshake: the READ stays in ``PROC``. Only D's own
+  deadline can end it (the suite's wait bounds the scenario); kvfail's connector declares
+  and enforces ``kvfail_deadline_s``;
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
   silently, the handshake fails at its 5 s ``RCVTIMEO``;
 * ``unknown_engine``: P's real params naming another engine id;
@@ -60,6 +60,7 @@ from kvfail.conformance.driver import (
     register_producer,
     shared_producer,
 )
+from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -105,11 +106,6 @@ class NixlDriver(PairDriver):
         FaultPoint.PEER_BAD_METADATA: "garbled",
         FaultPoint.PEER_METADATA_MISMATCH: "layout",
     }
-    #: Why upstream has no deadline (the strict xfail's reason).
-    NO_DEADLINE = (
-        "stuck in PROC: no D-side deadline (upstream NIXL times out only the handshake, "
-        "zmq RCVTIMEO 5 s; a READ to a silent P is never abandoned)"
-    )
 
     def __init__(
         self,
@@ -243,8 +239,6 @@ class NixlDriver(PairDriver):
         )
 
     def declared(self) -> Declared:
-        kvfail = self.kvfail_connector
-        deadline = self.SCENARIO_DEADLINE_S if kvfail else None
         return {
             "async_load": (True, "NIXL pulls asynchronously (READ, polled each step)"),
             "sync_load": (False, "NIXL only advertises asynchronous loads"),
@@ -254,11 +248,6 @@ class NixlDriver(PairDriver):
                 "P and D both built with two full-attention KV-cache groups "
                 "(NixlConnector is SupportsHMA)",
             ),
-            "has_deadline": (
-                kvfail,
-                f"kvfail_deadline_s={self.SCENARIO_DEADLINE_S:g}" if kvfail else self.NO_DEADLINE,
-            ),
-            "deadline_s": (deadline, "driver"),
             "real_transport": (True, "nixl agent, UCX over TCP loopback, DRAM"),
             "tp2": (
                 True,
@@ -274,11 +263,7 @@ class NixlDriver(PairDriver):
         }
 
     def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
-        extra = (
-            {"kvfail_deadline_s": self.SCENARIO_DEADLINE_S}
-            if deadline and self.kvfail_connector
-            else {}
-        )
+        extra = {DEADLINE_KEY: self.SCENARIO_DEADLINE_S} if deadline else {}
         engine: Engine = pair.consumer(policy, name=name, extra_config=extra)
         return engine
 

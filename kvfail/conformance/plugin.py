@@ -17,75 +17,20 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import pytest
 
+from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
+from kvfail.conformance.driver import spec_problem
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layouts
 from kvfail.conformance.report import Outcome, Record, render_durations, render_matrix
 
-__all__ = ["KNOWN_FINDINGS", "LAYOUT_FINDINGS"]
+__all__ = ["POLICIES"]
 
 POLICIES = ("fail", "recompute")
 DEFAULT_CONNECTOR = "toy"
-
-#: Upstream findings, recorded as STRICT xfails (never hidden): (connector class, scenario)
-#: -> reason; ``{wait}`` is replaced by the suite's bounded wait (``--kvfail-silent-wait``).
-_SOCKET_TIMEOUT = (
-    "not detected within {wait} s (upstream D socket timeout is "
-    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT+60 s, #35943)"
-)
-KNOWN_FINDINGS: dict[tuple[str, str], str] = {
-    ("MooncakeConnector", "test_silent_peer_caught_by_deadline"): (
-        "C10 / #35943: upstream MooncakeConnector's D side gives up on a silent bootstrap "
-        "only after 3 x VLLM_MOONCAKE_CONNECTOR_TIMEOUT (90 s), far beyond the suite's "
-        "wait of {wait} s"
-    ),
-    ("MooncakeConnector", "test_frozen_peer_caught_by_deadline"): "C10: " + _SOCKET_TIMEOUT,
-    ("MooncakeConnector", "test_peer_killed_after_warm_pull"): (
-        "C10: ZMQ never notices a dead peer; " + _SOCKET_TIMEOUT
-    ),
-    ("MooncakeConnector", "test_params_missing_transfer_id"): (
-        "C1/C10: upstream 0.32.0 accepts kv_transfer_params without transfer_id; the "
-        "request stays in WAITING_FOR_REMOTE_KVS with its blocks held and is not reported "
-        "within {wait} s (observed)"
-    ),
-    ("MooncakeConnector", "test_tp2_failure_on_one_rank"): (
-        "C10/C11: P's TP rank 1 SIGKILLed (rank 0 serves its pull): upstream's D rank 1 "
-        "waits on a ZMQ socket that never notices the dead peer; the request stays in "
-        "WAITING_FOR_REMOTE_KVS past the suite's bound (socket timeout "
-        "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT+60 s, #35943)"
-    ),
-    ("MooncakeConnector", "test_peer_finishes_without_result"): (
-        "C1/C10: upstream 0.32.0 leaves the pull loop on a FINISH reply that names no "
-        "request and never reports it: the request is stranded (not reported within "
-        "{wait} s; the socket timeout no longer applies)"
-    ),
-}
-
-
-#: Upstream findings that hit every failed load in a layout, whatever the scenario:
-#: (connector class, capability the layout requires) -> reason. Each scenario that
-#: expects a failed load in such a layout is a STRICT xfail with this reason.
-LAYOUT_FINDINGS: dict[tuple[str, str], str] = {
-    ("NixlPullConnector", "two_groups"): (
-        "C5 / HMA TODO: upstream NixlConnector (class NixlPullConnector) picks "
-        "block-level reporting by 'the model has a non-full-attention layer', not by "
-        "KV-cache group count; with two full-attention groups a failed load is reported "
-        "in invalid_block_ids as well as failed_recving, and the scheduler raises "
-        "RuntimeError (the engine dies)"
-    ),
-}
-
-
-def layout_finding(connector: str, layout: Layout) -> str | None:
-    """The known finding every failed load of ``connector`` meets in ``layout``, if any."""
-    for (name, needs), reason in LAYOUT_FINDINGS.items():
-        if name == connector and needs in layout.requires:
-            return reason
-    return None
 
 
 @dataclass
@@ -95,18 +40,24 @@ class _State:
     layouts: list[Layout]
     report_dir: str | None
     silent_wait_s: float
-    finding_wait_s: float = 3.0
+    #: ``--kvfail-require-drivers``: a driver that cannot run here fails, never skips.
+    require_drivers: bool = False
+    baseline: Baseline | None = None
+    write_baseline: str | None = None
     drivers: dict[str, Any] = field(default_factory=dict)
+    #: Drivers that cannot run here (their transport is absent): spec -> why.
     unavailable: dict[str, str] = field(default_factory=dict)
+    #: Drivers that should run but broke (start or capabilities raised): spec -> why.
+    broken: dict[str, str] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     caps: dict[str, Capabilities] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     session_start: float = field(default_factory=time.monotonic)
 
-    def driver(self, spec: str) -> Any:
-        """Resolve and start the driver once; None (with ``unavailable[spec]``) if it cannot run."""
-        if spec in self.unavailable:
-            return None
+    def resolve(self, spec: str) -> Any:
+        """The driver for ``spec``, resolved once (not started). Raises
+        :class:`pytest.UsageError` when ``spec`` names no connector: a typo must stop the
+        run, not turn into a row of skips."""
         if spec in self.drivers:
             return self.drivers[spec]
         from kvfail.conformance.driver import DriverUnavailable, resolve
@@ -114,22 +65,36 @@ class _State:
         try:
             driver = resolve(spec)
         except DriverUnavailable as exc:
-            self.unavailable[spec] = str(exc)
-            return None
-        why = driver.unavailable()
-        if why is None:
-            try:
-                driver.start()
-                self.started.add(spec)
-            except Exception as exc:
-                why = f"{spec} failed to start ({type(exc).__name__}: {exc})"
-        self.drivers[spec] = driver
-        try:
-            self.caps[spec] = driver.capabilities()
+            raise pytest.UsageError(f"--connector {spec}: {exc}") from None
         except Exception as exc:
-            why = why or f"capabilities of {spec} cannot be derived ({type(exc).__name__}: {exc})"
+            raise pytest.UsageError(
+                f"--connector {spec}: cannot be resolved ({type(exc).__name__}: {exc})"
+            ) from None
+        self.drivers[spec] = driver
+        return driver
+
+    def driver(self, spec: str) -> Any:
+        """The started driver; None (with ``unavailable`` or ``broken`` set) if it cannot run.
+
+        Why two outcomes: a transport that is not installed here is a fact about this
+        machine (a named skip, or a failure under ``--kvfail-require-drivers``); a driver
+        whose start raises is a broken rig or a crashing peer, which must never look like
+        a skip."""
+        if spec in self.unavailable or spec in self.broken:
+            return None
+        driver = self.resolve(spec)
+        if spec in self.caps:
+            return driver
+        why = driver.unavailable()
         if why is not None:
             self.unavailable[spec] = why
+            return None
+        try:
+            driver.start()
+            self.started.add(spec)
+            self.caps[spec] = driver.capabilities()
+        except Exception as exc:
+            self.broken[spec] = f"{spec}: driver failed to start ({type(exc).__name__}: {exc})"
             return None
         return driver
 
@@ -182,18 +147,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write report.json, report.md and capabilities.json to DIR",
     )
     group.addoption(
-        "--kvfail-finding-wait",
-        type=float,
-        default=3.0,
-        help="seconds the suite waits in a scenario marked by a known finding (a strict "
-        "xfail: if the connector now passes within this wait, the run fails; default 3)",
+        "--kvfail-baseline",
+        metavar="FILE",
+        default=None,
+        help="TOML file of known violations to accept, each pinned to a connector class, "
+        "scenario, policy, layout and its clauses (see kvfail.conformance.baseline); an "
+        "entry that no longer fails fails the run",
+    )
+    group.addoption(
+        "--kvfail-write-baseline",
+        metavar="FILE",
+        default=None,
+        help="write this run's contract violations as a baseline file",
+    )
+    group.addoption(
+        "--kvfail-require-drivers",
+        action="store_true",
+        default=None,
+        help="a driver that cannot run here (transport absent) fails its scenarios instead "
+        "of skipping them (also the ini option kvfail_require_drivers)",
+    )
+    parser.addini(
+        "kvfail_require_drivers",
+        type="bool",
+        default=False,
+        help="as --kvfail-require-drivers",
     )
     group.addoption(
         "--kvfail-silent-wait",
         type=float,
         default=6.0,
-        help="seconds the suite waits for a connector's own deadline on a silent peer, and "
-        "for a known finding to show (default 6)",
+        help="seconds the suite waits for a connector's own deadline on a silent peer (default 6)",
     )
 
 
@@ -210,13 +194,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
     policy = config.getoption("--policy", default="both")
+    try:
+        layouts = parse_layouts(_layouts(config))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--layout: {exc}") from None
+    connectors = _connectors(config)
+    for spec in connectors:
+        problem = spec_problem(spec)
+        if problem is not None:
+            raise pytest.UsageError(f"--connector {spec}: {problem}")
+    baseline = None
+    path = config.getoption("--kvfail-baseline", default=None)
+    if path:
+        try:
+            baseline = Baseline.load(path)
+        except BaselineError as exc:
+            raise pytest.UsageError(f"--kvfail-baseline: {exc}") from None
+    require = config.getoption("--kvfail-require-drivers", default=None)
+    if require is None:
+        try:
+            require = bool(config.getini("kvfail_require_drivers"))
+        except ValueError:  # the option is not registered (plugin loaded late)
+            require = False
     config.stash[_STATE] = _State(
-        connectors=_connectors(config),
+        connectors=connectors,
         policies=list(POLICIES) if policy == "both" else [policy],
-        layouts=parse_layouts(_layouts(config)),
+        layouts=layouts,
         report_dir=config.getoption("--kvfail-report", default=None),
         silent_wait_s=float(config.getoption("--kvfail-silent-wait", default=6.0)),
-        finding_wait_s=float(config.getoption("--kvfail-finding-wait", default=3.0)),
+        require_drivers=require,
+        baseline=baseline,
+        write_baseline=config.getoption("--kvfail-write-baseline", default=None),
     )
 
 
@@ -271,34 +279,44 @@ def kvfail(
     state = request.config.stash[_STATE]
     driver = state.driver(kvfail_connector)
     if driver is None:
-        pytest.skip(f"driver unavailable: {state.unavailable[kvfail_connector]}")
-    caps = state.caps[kvfail_connector]
-    scenario = request.node.originalname
-    finding = KNOWN_FINDINGS.get((caps.connector, scenario))
-    wait = state.silent_wait_s
-    if finding is not None:
-        # A known finding only has to show again: wait less (strict, so a fix still shows).
-        wait = min(wait, state.finding_wait_s)
-        reason = finding.format(wait=f"{wait:g}")
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
-    # A scenario-specific finding already makes it a strict xfail.
-    per_layout = None if finding is not None else layout_finding(caps.connector, kvfail_layout)
+        if kvfail_connector in state.broken:
+            pytest.fail(state.broken[kvfail_connector], pytrace=False)
+        why = f"driver unavailable: {state.unavailable[kvfail_connector]}"
+        if state.require_drivers:
+            pytest.fail(f"{why} (--kvfail-require-drivers)", pytrace=False)
+        pytest.skip(why)
     ctx = ScenarioContext(
         driver=driver,
-        caps=caps,
+        caps=state.caps[kvfail_connector],
         policy=kvfail_policy,  # type: ignore[arg-type]
-        scenario=scenario,
-        silent_wait_s=wait,
+        scenario=request.node.originalname,
+        silent_wait_s=state.silent_wait_s,
         node=request.node,
         layout=kvfail_layout,
-        failed_load_finding=per_layout,
-        layout_findings=None if finding is not None else partial(layout_finding, caps.connector),
+        require_drivers=state.require_drivers,
     )
     ctx.require(*kvfail_layout.requires)
     try:
         yield ctx
     finally:
         ctx.close()
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Resolve every connector the collected scenarios use, before any of them runs: a
+    ``module:Class`` that cannot be imported is a usage error, not a run of skips."""
+    state = config.stash.get(_STATE, None)
+    if state is None:
+        return
+    specs = {
+        str(item.callspec.params["kvfail_connector"])
+        for item in items
+        if _is_suite_item(item) and hasattr(item, "callspec")
+    }
+    for spec in sorted(specs):
+        state.resolve(spec)
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -327,8 +345,13 @@ def pytest_runtest_makereport(
                 f"unexplained skip (a conformance skip must name a missing capability: "
                 f"'requires <capability>: ...'): {reason}"
             )
+    if call.when == "call":
+        _judge_against_baseline(item, call, report)
     if report.failed and call.excinfo is not None:
         item.stash.setdefault(_FAILURE, str(call.excinfo.value).strip()[:2000])
+        violations = getattr(call.excinfo.value, "violations", None)
+        if violations is not None:
+            item.stash[_VIOLATIONS] = list(violations)
     item.stash.setdefault(_PHASES, []).append((call.when, report))
     if call.when == "teardown":
         _record(item)
@@ -336,6 +359,65 @@ def pytest_runtest_makereport(
 
 
 _FAILURE = pytest.StashKey[str]()
+#: The oracles' findings of a scenario that failed on them (not on an error).
+_VIOLATIONS = pytest.StashKey[list[str]]()
+
+
+def _judge_against_baseline(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
+    """Apply the user's baseline to one scenario's call phase (see ``baseline``).
+
+    Only a :class:`ConformanceViolation` whose every finding cites clauses the entry names
+    is absorbed; an error, or a finding of another clause, fails as it would without the
+    entry. An entry whose scenario passed is *fixed* and fails the run until removed.
+    """
+    state = item.config.stash[_STATE]
+    entry = _baseline_entry(item, state)
+    if entry is None:
+        return
+    if report.passed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"baseline entry fixed: {entry.describe()}, but the scenario passed; remove the "
+            f"entry from {state.baseline.path}"
+        )
+        return
+    if not report.failed or call.excinfo is None:
+        return
+    from kvfail.conformance.suite import ConformanceViolation
+
+    exc = call.excinfo.value
+    if not isinstance(exc, ConformanceViolation):
+        return  # an error inside the scenario is never a known violation
+    uncovered = entry.absorbs(exc.violations)
+    if uncovered:
+        report.longrepr = (
+            f"{report.longrepr}\n\nbaseline entry {entry.describe()} does not cover: "
+            + "; ".join(uncovered)
+        )
+        return
+    entry.matched = True
+    report.outcome = "skipped"
+    report.wasxfail = f"baseline: {entry.reason or entry.describe()} | observed: " + "; ".join(
+        exc.violations
+    )
+
+
+def _baseline_entry(item: pytest.Item, state: _State) -> Entry | None:
+    callspec = getattr(item, "callspec", None)
+    if state.baseline is None or callspec is None:
+        return None
+    spec = str(callspec.params["kvfail_connector"])
+    caps = state.caps.get(spec)
+    if caps is None:
+        return None
+    return state.baseline.lookup(
+        caps.connector_path,
+        getattr(item, "originalname", item.name),
+        str(callspec.params["kvfail_policy"]),
+        callspec.params["kvfail_layout"].name,
+    )
 
 
 def _record(item: pytest.Item) -> None:
@@ -372,6 +454,7 @@ def _record(item: pytest.Item) -> None:
             guards=guards,
             nodeid=item.nodeid,
             details={str(k): v for k, v in getattr(item, "user_properties", [])},
+            violations=item.stash.get(_VIOLATIONS, []) if outcome == "failed" else [],
         )
     )
 
@@ -391,7 +474,6 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 "request_level_failures",
                 "block_level_failures",
                 "hma",
-                "has_deadline",
                 "real_transport",
                 "tp2",
                 "byte_verification",
@@ -401,8 +483,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"{spec}: {caps.connector} via driver {caps.driver}; has {', '.join(have)}")
     for spec, why in state.unavailable.items():
         tr.write_line(f"{spec}: driver unavailable: {why}")
+    for spec, why in state.broken.items():
+        tr.write_line(f"{spec}: DRIVER BROKEN: {why}")
     tr.write_line("")
     tr.write_line(render_matrix(state.records))
+    if state.baseline is not None:
+        matched = [e for e in state.baseline.entries.values() if e.matched]
+        tr.write_line(
+            f"kvfail baseline {state.baseline.path}: {len(matched)} of "
+            f"{len(state.baseline.entries)} entries matched by their clauses in this run"
+        )
+    if state.write_baseline:
+        path = _write_baseline(state)
+        tr.write_line(f"kvfail baseline written: {path}")
     tr.write_sep("-", "kvfail scenario durations")
     tr.write_line(render_durations(state.records))
     if state.report_dir:
@@ -411,6 +504,39 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         caps_json = {spec: c.as_dict() for spec, c in state.caps.items()}
         json_path, md_path = write_report(state.report_dir, state.records, caps_json)
         tr.write_line(f"kvfail report: {json_path} {md_path}")
+
+
+def _write_baseline(state: _State) -> str:
+    """One entry per scenario run that failed on the oracles' findings, every finding
+    citing a clause (an error, or a finding with no clause, is not a known violation)."""
+    from pathlib import Path
+
+    from kvfail.conformance.baseline import render_baseline
+
+    entries = []
+    for r in state.records:
+        caps = state.caps.get(r.connector)
+        cited = [clauses_of(v) for v in r.violations]
+        if r.outcome == "xfailed" and state.baseline is not None and caps is not None:
+            kept = state.baseline.lookup(caps.connector_path, r.scenario, r.policy, r.layout)
+            if kept is not None:
+                entries.append(kept)
+            continue
+        if r.outcome != "failed" or caps is None or not cited or not all(cited):
+            continue
+        entries.append(
+            Entry(
+                connector=caps.connector_path,
+                scenario=r.scenario,
+                policy=r.policy,
+                layout=r.layout,
+                clauses=frozenset().union(*cited),
+                reason=r.violations[0][:300],
+            )
+        )
+    path = Path(state.write_baseline or "baseline.toml")
+    path.write_text(render_baseline(entries), encoding="utf-8")
+    return str(path)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -38,6 +38,8 @@ class Record:
     details: dict[str, Any] = field(default_factory=dict)
     #: Engine layout (``tp1``, ``tp2``, ``tp1-g2``, ``tp2-g2``; see ``layout.py``).
     layout: str = "tp1"
+    #: The oracles' findings, clause first, when the scenario failed on them.
+    violations: list[str] = field(default_factory=list)
 
 
 def _cell(record: Record | None) -> str:

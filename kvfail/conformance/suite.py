@@ -10,9 +10,9 @@ fails. Putting that here keeps each scenario a short, readable story.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -97,13 +97,8 @@ class ScenarioContext:
     node: pytest.Item | None = None
     #: The layout this run of the scenario is in (``--layout``); ``engine()`` defaults to it.
     layout: Layout = DEFAULT_LAYOUT
-    #: A known upstream finding for every failed load in this layout (see
-    #: ``plugin.LAYOUT_FINDINGS``): a scenario that expects a failed load becomes a strict
-    #: xfail with this reason when it checks its outcome.
-    failed_load_finding: str | None = None
-    #: The known finding for failed loads in any layout (an engine a scenario builds in
-    #: another layout than its own, e.g. two groups at ``tp1``, picks it up).
-    layout_findings: Callable[[Layout], str | None] | None = None
+    #: ``--kvfail-require-drivers``: a connector that cannot be built here fails.
+    require_drivers: bool = False
     engines: list[Engine] = field(default_factory=list)
     _seq: int = 0
 
@@ -129,17 +124,23 @@ class ScenarioContext:
         except CapabilityMissing as exc:
             pytest.skip(str(exc))
 
-    def expect_failed_load(self) -> None:
-        """This scenario makes a load fail: a known finding for every failed load in its
-        layout (``failed_load_finding``) makes it a strict xfail."""
-        if self.failed_load_finding is not None:
-            self.expect_failure(self.failed_load_finding)
+    def driver_unavailable(self, why: str) -> NoReturn:
+        """The connector cannot run here: a named skip, or a failure where the run
+        requires every driver (``--kvfail-require-drivers``, CI)."""
+        message = f"driver unavailable: {why}"
+        if self.require_drivers:
+            pytest.fail(f"{message} (--kvfail-require-drivers)", pytrace=False)
+        pytest.skip(message)
 
-    def expect_failure(self, reason: str) -> None:
-        """Record a known gap as a STRICT xfail: it is reported, and a pass is an error."""
-        if self.node is None:
-            raise RuntimeError("expect_failure needs the pytest node")
-        self.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+    def declared_deadline_s(self, engine: Engine) -> float | None:
+        """The load deadline D's connector declares (see :mod:`kvfail.deadline`); None
+        when it declares none. Noted in the report, so a verdict shows what it assumed."""
+        from kvfail.deadline import UNDECLARED, declared_deadline_s
+
+        connector = getattr(engine.scheduler, "connector", None)
+        value = declared_deadline_s(connector)
+        self.note("declared_deadline_s", "undeclared" if value is UNDECLARED else value)
+        return None if value is UNDECLARED else value  # type: ignore[return-value]
 
     # ------------------------------------------------------------ engines
 
@@ -154,20 +155,21 @@ class ScenarioContext:
         default to the scenario's layout (a scenario that needs one names it).
 
         A connector whose module cannot be imported here (its transport library is not
-        installed) makes the driver unavailable, which is a named skip, not a failure.
+        installed) makes the driver unavailable (see :meth:`driver_unavailable`).
         """
+        from kvfail.conformance.driver import DriverUnavailable
+
         groups = num_kv_cache_groups or self.layout.num_kv_cache_groups
         tp = tp_size or self.layout.tp_size
-        if self.failed_load_finding is None and self.layout_findings is not None:
-            self.failed_load_finding = self.layout_findings(Layout(tp, groups))
         try:
             engine = self.driver.build_engine(
                 self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline
             )
+        except DriverUnavailable as exc:
+            self.driver_unavailable(str(exc))
         except ImportError as exc:
-            pytest.skip(
-                f"driver unavailable: {self.caps.connector} cannot be built here "
-                f"({type(exc).__name__}: {exc})"
+            self.driver_unavailable(
+                f"{self.caps.connector} cannot be built here ({type(exc).__name__}: {exc})"
             )
         self.engines.append(engine)
         return engine
@@ -294,8 +296,6 @@ class ScenarioContext:
         policy_outcome: bool = True,
     ) -> None:
         """Run every oracle (plus ``extra`` findings); raise on any violation."""
-        if failed:
-            self.expect_failed_load()
         out = self.violations(engine, request_ids, failed=failed, policy_outcome=policy_outcome)
         self.assert_clean([*out, *extra])
 
