@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,11 +22,22 @@ from vllm.v1.request import RequestStatus
 
 from kvfail import Stage
 from kvfail.harness import EngineCrashedError, oracles
+from kvfail.harness import engine as engine_module
+from tests.core.fakes import ManualClock
 
 pytestmark = pytest.mark.vllm
 
 PD = {"do_remote_prefill": True}
 BUDGET = {"max_steps": 40, "timeout_s": 10.0}
+
+
+def _poll_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness's clock moves only by its own ``poll_s`` sleeps, so where a timeout ends
+    a run is a step count, whatever the machine's load."""
+    clock = ManualClock()
+    monkeypatch.setattr(
+        engine_module, "time", SimpleNamespace(monotonic=clock, sleep=clock.advance)
+    )
 
 
 def test_import_kvfail_does_not_import_harness_or_vllm() -> None:
@@ -106,7 +118,7 @@ def test_silent_connector_is_caught_by_liveness_oracle_within_budget(make_engine
     engine = make_engine(engine_id="D-stall", extra_config={"toy_mode": "hold"})
     engine.add_request("stuck", kv_transfer_params=PD)
     result = engine.run_until_idle(max_steps=25, timeout_s=5.0)
-    assert not result.ok and result.reason == "max_steps" and result.steps == 25
+    assert not result.ok and result.reason == "max_steps" and result.steps == 25, result
     liveness = oracles.check_liveness(engine)
     assert len(liveness) == 1 and liveness[0].startswith("C2/C10 liveness: stuck")
     assert "3 blocks held" in liveness[0]
@@ -117,26 +129,32 @@ def test_silent_connector_is_caught_by_liveness_oracle_within_budget(make_engine
     assert oracles.check_all(engine) == []
 
 
-def test_wall_clock_bound_applies_even_when_steps_remain(make_engine: Any) -> None:
+def test_wall_clock_bound_applies_even_when_steps_remain(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = make_engine(engine_id="D-wall", extra_config={"toy_mode": "hold"})
     engine.add_request("slow", kv_transfer_params=PD)
-    result = engine.run_until_idle(max_steps=10_000, timeout_s=0.3, poll_s=0.05)
-    assert result.reason == "timeout" and 0.3 <= result.elapsed_s < 2.0
-    assert result.steps < 10_000
+    _poll_clock(monkeypatch)
+    result = engine.run_until_idle(max_steps=10_000, timeout_s=0.25, poll_s=0.0625)
+    # Four polls fill the timeout: the clock, not the step budget, ended the run.
+    assert (result.reason, result.steps) == ("timeout", 4), result
 
 
-def test_min_steps_outlasts_the_timeout_but_is_itself_bounded(make_engine: Any) -> None:
+def test_min_steps_outlasts_the_timeout_but_is_itself_bounded(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A starved process must still step D enough for a connector's drains to run; but a
-    # step that never returns quickly cannot stretch the run past twice its timeout.
+    # step that never returns quickly cannot stretch the run past its timeout plus the cap.
     engine = make_engine(engine_id="D-min", extra_config={"toy_mode": "hold"})
     engine.add_request("held", kv_transfer_params=PD)
+    _poll_clock(monkeypatch)
     result = engine.run_until(lambda e: False, timeout_s=0.0, min_steps=7)
-    assert (result.reason, result.steps) == ("timeout", 7)
+    assert (result.reason, result.steps) == ("timeout", 7), result
     result = engine.run_until(
-        lambda e: False, timeout_s=0.2, min_steps=10**9, min_steps_cap_s=0.3, poll_s=0.05
+        lambda e: False, timeout_s=0.25, min_steps=10**9, min_steps_cap_s=0.25, poll_s=0.0625
     )
-    assert result.reason == "timeout" and 0.5 <= result.elapsed_s < 3.0
-    assert result.steps < 10**9
+    # Past the timeout (4 polls) min_steps kept it going; the cap ended it at 8 polls.
+    assert (result.reason, result.steps) == ("timeout", 8), result
 
 
 def test_reporter_deadline_turns_silence_into_a_reported_failure(make_engine: Any) -> None:
