@@ -1,7 +1,7 @@
 """FaultProxy against a real echo server on loopback.
 
-Timing assertions are deliberately loose (lower bounds only, generous upper bounds) so the
-suite stays green on a loaded 2-core CI machine.
+No assertion reads the wall clock: the delay mode is checked on a clock the test moves,
+and "nothing arrives" is the only claim that waits (a short, fixed silence).
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 
 from kvfail.faults import FaultProxy, ProxyMode, free_port
+from kvfail.faults import proxy as proxy_module
+from tests.core.fakes import ManualClock
 
 # Generous: only hit when something is broken, so they cost nothing on a green run.
 IO_TIMEOUT_S = 5.0
@@ -139,16 +142,47 @@ def test_blackhole_is_silent_but_keeps_connections_open(proxy: FaultProxy, echo_
             assert echo_roundtrip(new, b"more") == b"more"
 
 
-def test_delay_adds_latency_in_both_directions(proxy: FaultProxy) -> None:
-    delay = 0.2
+def held_bytes(proxy: FaultProxy) -> int:
+    """Bytes the proxy has read and not yet forwarded, both directions (its queues)."""
+    return sum(conn.up.queued + conn.down.queued for conn in list(proxy._conns))
+
+
+def loop_pass(proxy: FaultProxy) -> None:
+    """Return after the proxy's loop has run at least one full pass (select included)."""
+    for _ in range(2):  # a command is applied at the top of a pass: two span a whole one
+        proxy.set_mode(proxy.mode, proxy.delay_s)
+
+
+def held_until_due(proxy: FaultProxy, clock: ManualClock, counter: str) -> None:
+    """The one chunk the proxy holds goes out only once the clock reaches its due time."""
+    assert wait_until(lambda: held_bytes(proxy) == 4), f"{counter}: the proxy never held the chunk"
+    before = getattr(proxy.stats(), counter)
+    clock.advance(proxy.delay_s / 2)
+    loop_pass(proxy)
+    assert getattr(proxy.stats(), counter) == before, f"{counter}: forwarded before due"
+    assert held_bytes(proxy) == 4, f"{counter}: the held chunk was lost"
+    clock.advance(proxy.delay_s / 2)
+    loop_pass(proxy)
+    assert wait_until(lambda: getattr(proxy.stats(), counter) == before + 4), (
+        f"{counter}: a due chunk was never forwarded"
+    )
+
+
+def test_delay_holds_each_chunk_until_due_in_both_directions(
+    proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The proxy's clock stands still unless the test moves it, so "delayed" is checked as
+    # an order of events, not as seconds measured on a loaded machine.
+    clock = ManualClock()
+    monkeypatch.setattr(proxy_module, "time", SimpleNamespace(monotonic=clock, sleep=time.sleep))
     with connect(proxy.port) as c:
-        assert echo_roundtrip(c, b"warm") == b"warm"
-        proxy.delay(delay)
-        assert proxy.mode is ProxyMode.DELAY and proxy.delay_s == delay
-        t0 = time.monotonic()
-        assert echo_roundtrip(c, b"slow") == b"slow"
-        # Each direction is delayed once: a lower bound only, never an upper one.
-        assert time.monotonic() - t0 >= 2 * delay
+        assert echo_roundtrip(c, b"warm") == b"warm"  # pass mode: due as soon as read
+        proxy.delay(0.25)
+        assert proxy.mode is ProxyMode.DELAY and proxy.delay_s == 0.25
+        c.sendall(b"slow")
+        held_until_due(proxy, clock, "bytes_to_upstream")
+        held_until_due(proxy, clock, "bytes_to_client")  # P's echo, delayed once more
+        assert recv_exact(c, 4) == b"slow"
         proxy.pass_through()
         assert echo_roundtrip(c, b"fast") == b"fast"
 
