@@ -96,11 +96,11 @@ def check_liveness(engine: Engine, request_ids: Iterable[str] | None = None) -> 
                 f"{steps} steps ({held} blocks): its finished_recving/sending never came"
             )
         else:
-            out.append(f"liveness: {rid} unfinished ({req.status.name}) after {steps} steps")
+            out.append(f"C10 liveness: {rid} unfinished ({req.status.name}) after {steps} steps")
     if wanted is None:
         unfinished = sched.get_num_unfinished_requests()
         if unfinished and not out:
-            out.append(f"liveness: {unfinished} unfinished request(s) after {steps} steps")
+            out.append(f"C10 liveness: {unfinished} unfinished request(s) after {steps} steps")
     return out
 
 
@@ -176,20 +176,20 @@ def check_policy_outcome(
     policy = engine.spec.policy
     if len(finishes) != 1:
         out.append(
-            f"policy/{policy}: {request_id} has {len(finishes)} finishing outputs "
+            f"C1 policy/{policy}: {request_id} has {len(finishes)} finishing outputs "
             f"({[str(r) for r in reasons]}), expected exactly 1"
         )
     if failed and policy == "fail":
         if reasons != [FinishReason.ERROR] or status != RequestStatus.FINISHED_ERROR:
             out.append(
-                f"policy/fail: {request_id} should end FINISHED_ERROR with one error "
+                f"C1 policy/fail: {request_id} should end FINISHED_ERROR with one error "
                 f"output; status={status}, reasons={[str(r) for r in reasons]}"
             )
     else:
         ok = {FinishReason.STOP, FinishReason.LENGTH}
         if not reasons or any(r not in ok for r in reasons):
             out.append(
-                f"policy/{policy}: {request_id} should complete normally; "
+                f"C1 policy/{policy}: {request_id} should complete normally; "
                 f"status={status}, reasons={[str(r) for r in reasons]}"
             )
     return out

@@ -1,0 +1,25 @@
+"""Shared set-up of the suite's self-tests.
+
+``pytester`` unloads every module an inner session imported when it ends, and vLLM (with
+torch) cannot be imported a second time in one process: so whatever an inner session
+needs is imported, and one toy engine run, before the first ``pytester`` fixture exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded() -> None:
+    """Import vLLM and everything an inner conformance session uses, and run one load."""
+    pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+    import kvfail.conformance.driver
+    import kvfail.conformance.negative
+    import kvfail.conformance.plugin
+    import kvfail.conformance.suite  # noqa: F401
+    from kvfail.harness import Engine, EngineSpec
+
+    with Engine(EngineSpec(extra_config={"toy_mode": "complete"})) as engine:
+        engine.add_request("warm", kv_transfer_params={"do_remote_prefill": True})
+        assert engine.run_until_idle(max_steps=20, timeout_s=30.0).ok

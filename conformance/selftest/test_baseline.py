@@ -1,0 +1,224 @@
+"""The baseline: known violations a user passes, each pinned to its clauses.
+
+What must hold (see ``kvfail.conformance.baseline``): without a baseline every violation
+fails; an entry absorbs only oracle findings citing its clauses, never an error; an entry
+whose scenario passes fails the run as fixed; and an entry names one exact class, so a
+subclass is judged on its own behaviour, the same as its parent without a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of, render_baseline
+
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
+TOY = "kvfail.harness.toy:ToyConnector"
+
+
+def test_clauses_are_read_from_the_head_of_each_finding() -> None:
+    assert clauses_of("C2/C10 liveness: r still waiting") == {"C2", "C10"}
+    assert clauses_of("[abort-then-success] C9 leak: 3 free blocks") == {"C9"}
+    assert clauses_of("warm-up load (3 tries): C1 unreported: x") == {"C1"}
+    assert clauses_of("liveness: 1 unfinished request(s)") == frozenset()
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "baseline.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("known = 3", "array of tables"),
+        ("[[known]]\nconnector = 'a:B'\nscenario = 's'\npolicy = 'fail'\n", "missing layout"),
+        (
+            "[[known]]\nconnector = 'a:B'\nscenario = 's'\npolicy = 'fail'\nlayout = 'tp1'\n"
+            "clauses = ['ten']\n",
+            "clauses must be",
+        ),
+        (
+            "[[known]]\nconnector = 'B'\nscenario = 's'\npolicy = 'fail'\nlayout = 'tp1'\n"
+            "clauses = ['C1']\n",
+            "module:qualname",
+        ),
+        ("[[known]\n", "not valid TOML"),
+    ],
+)
+def test_a_malformed_baseline_is_refused(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(BaselineError, match=says):
+        Baseline.load(_write(tmp_path, text))
+
+
+def test_duplicate_entries_are_refused_and_rendering_round_trips(tmp_path: Path) -> None:
+    entry = Entry(TOY, "test_x", "fail", "tp1", frozenset({"C10", "C2"}), 'a "quoted" reason')
+    text = render_baseline([entry])
+    loaded = Baseline.load(_write(tmp_path, text))
+    got = loaded.lookup(TOY, "test_x", "fail", "tp1")
+    assert got is not None and got.clauses == {"C2", "C10"} and got.reason == entry.reason
+    assert loaded.lookup(TOY, "test_x", "recompute", "tp1") is None
+    with pytest.raises(BaselineError, match="duplicates"):
+        Baseline.load(_write(tmp_path, text + text.split("\n", 2)[2]))
+
+
+_SCENARIOS = """
+from kvfail.conformance.suite import ConformanceViolation
+
+
+def test_pass(kvfail):
+    pass
+
+
+def test_c1(kvfail):
+    raise ConformanceViolation("test_c1", ["C1 unreported: r's load failed"])
+
+
+def test_c1_and_c7(kvfail):
+    raise ConformanceViolation("test_c1_and_c7", ["C1 unreported: r", "C7: phantom report"])
+
+
+def test_error(kvfail):
+    raise RuntimeError("the harness broke")
+"""
+
+
+def _entry(scenario: str, *clauses: str) -> str:
+    quoted = ", ".join(f"'{c}'" for c in clauses)
+    return (
+        f"[[known]]\nconnector = '{TOY}'\nscenario = '{scenario}'\npolicy = 'fail'\n"
+        f"layout = 'tp1'\nclauses = [{quoted}]\n"
+    )
+
+
+def _outcomes(result: pytest.HookRecorder) -> dict[str, str]:
+    out = {}
+    for report in result.getreports("pytest_runtest_logreport"):
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            name = report.nodeid.split("::")[-1].split("[")[0]
+            out[name] = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+    return out
+
+
+@pytest.fixture
+def pytester(vllm_loaded: None, pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester, once vLLM is loaded (see ``selftest/conftest.py``)."""
+    return pytester
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.HookRecorder:
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_scenarios_here=_SCENARIOS)
+    return pytester.inline_run(
+        "--connector", "toy", "--policy", "fail", "--layout", "tp1", "-p", "no:cacheprovider",
+        *args,
+    )  # fmt: skip
+
+
+def test_without_a_baseline_every_violation_fails(pytester: pytest.Pytester) -> None:
+    result = _run(pytester)
+    assert _outcomes(result) == {
+        "test_pass": "passed",
+        "test_c1": "failed",
+        "test_c1_and_c7": "failed",
+        "test_error": "failed",
+    }
+
+
+def test_an_entry_absorbs_only_its_clauses_never_an_error(pytester: pytest.Pytester) -> None:
+    baseline = pytester.path / "known.toml"
+    baseline.write_text(
+        _entry("test_c1", "C1") + _entry("test_c1_and_c7", "C1") + _entry("test_error", "C1")
+    )
+    result = _run(pytester, "--kvfail-baseline", str(baseline))
+    assert _outcomes(result) == {
+        "test_pass": "passed",
+        "test_c1": "xfailed",  # every finding cites C1, the entry's clause
+        "test_c1_and_c7": "failed",  # C7 is another clause's failure
+        "test_error": "failed",  # an error is never a known violation
+    }
+    reports = result.getreports("pytest_runtest_logreport")
+    failed = {r.nodeid: str(r.longrepr) for r in reports if r.failed}
+    (c7,) = [v for k, v in failed.items() if "test_c1_and_c7" in k]
+    assert "does not cover: C7: phantom report" in c7
+
+
+def test_an_entry_that_passes_fails_the_run_as_fixed(pytester: pytest.Pytester) -> None:
+    baseline = pytester.path / "known.toml"
+    baseline.write_text(_entry("test_pass", "C1"))
+    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "test_pass")
+    assert _outcomes(result) == {"test_pass": "failed"}
+    (report,) = [r for r in result.getreports("pytest_runtest_logreport") if r.failed]
+    assert "baseline entry fixed" in str(report.longrepr)
+    assert str(baseline) in str(report.longrepr)
+
+
+def test_a_missing_baseline_file_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = _run(pytester, "--kvfail-baseline", "no-such-file.toml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+@pytest.fixture(scope="module")
+def subclass_module(tmp_path_factory: pytest.TempPathFactory, vllm_loaded: None) -> Any:
+    """A module holding an unmodified subclass of a negative control, importable by the
+    inner sessions (``module:Class``)."""
+    folder = tmp_path_factory.mktemp("subclass")
+    (folder / "kvfail_selftest_subclass.py").write_text(
+        "from kvfail.conformance.negative import SwallowsFailure\n\n\n"
+        "class Unmodified(SwallowsFailure):\n    pass\n"
+    )
+    sys.path.insert(0, str(folder))
+    yield "kvfail_selftest_subclass:Unmodified"
+    sys.path.remove(str(folder))
+
+
+def _suite(tmp: Path, *args: str) -> tuple[int, list[dict[str, Any]]]:
+    out = tmp / "report"
+    argv = [str(SUITE), "-p", "no:cacheprovider", "-q", "--layout", "tp1", "--policy", "fail"]
+    argv += ["-k", "test_failed_load_one_group or test_successful_load", "--kvfail-report"]
+    ret = pytest.main([*argv, str(out), *args])
+    return int(ret), json.loads((out / "report.json").read_text())
+
+
+def test_a_written_baseline_matches_by_clause_and_a_subclass_keeps_its_own_verdict(
+    tmp_path: Path, subclass_module: str
+) -> None:
+    """The real suite against a broken control and its unmodified subclass: the same
+    verdicts without a baseline; a baseline written from the control's run absorbs the
+    control's failure (clause for clause) and not the subclass's."""
+    pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+    control = "kvfail.conformance.negative:SwallowsFailure"
+    written = tmp_path / "written.toml"
+    ret, records = _suite(
+        tmp_path / "a",
+        *("--connector", control, "--connector", subclass_module),
+        *("--kvfail-write-baseline", str(written)),
+    )
+    assert ret == pytest.ExitCode.TESTS_FAILED
+
+    def verdicts(spec: str, recs: list[dict[str, Any]]) -> dict[str, str]:
+        return {r["scenario"]: r["outcome"] for r in recs if r["connector"] == spec}
+
+    assert verdicts(control, records) == verdicts(subclass_module, records)
+    assert verdicts(control, records)["test_failed_load_one_group"] == "failed"
+    baseline = Baseline.load(written)
+    (entry,) = [e for e in baseline.entries.values() if e.connector == control]
+    assert entry.scenario == "test_failed_load_one_group" and {"C2", "C10"} <= entry.clauses
+    control_only = tmp_path / "control-only.toml"
+    control_only.write_text(render_baseline([entry]))
+
+    ret, records = _suite(tmp_path / "b", "--connector", control, "--kvfail-baseline", str(written))
+    assert ret == pytest.ExitCode.OK
+    assert verdicts(control, records)["test_failed_load_one_group"] == "xfailed"
+    ret, records = _suite(
+        tmp_path / "c", "--connector", subclass_module, "--kvfail-baseline", str(control_only)
+    )
+    assert ret == pytest.ExitCode.TESTS_FAILED
+    assert verdicts(subclass_module, records)["test_failed_load_one_group"] == "failed"
