@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
-from kvfail.audit.inventory import Target, discover
+from kvfail.audit.inventory import Target, UsageError, discover
 from kvfail.audit.report import RENDERERS, Audit, Row, columns_for, exit_status
 from kvfail.audit.source import SourceIndex
 from kvfail.audit.static import Finding, Graph, audit_target
@@ -33,8 +34,51 @@ DYNAMIC_RUNNER: DynamicRunner | None = None
 _DEFAULT_BUDGET_S = 280.0
 
 
+def _layout(value: str) -> str:
+    """A ``--layout`` value the suite accepts, checked here: the suite would only reject it
+    in the dynamic tier's child, after the static tier has run."""
+    from kvfail.conformance.layout import parse_layouts  # light: no vLLM
+
+    try:
+        parse_layouts([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _budget(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:  # also NaN, which every later comparison would treat as "no budget"
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: expected a number of seconds >= 0 (0: no budget)"
+        )
+    return seconds
+
+
+def _one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Bad input is one line on stderr and exit 2 (argparse would print the usage too)."""
+    parse_known_args = p.parse_known_args
+
+    def error(message: str) -> NoReturn:
+        p.exit(2, f"kvfail audit: error: {' '.join(message.split())}\n")
+
+    def parse_known(args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        # As a subcommand, leftovers would go up to the ``kvfail`` parser and its usage.
+        ns, extras = parse_known_args(args, namespace)
+        if extras:
+            error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
+
+    p.error = error  # type: ignore[method-assign]
+    p.parse_known_args = parse_known  # type: ignore[method-assign]
+
+
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Options shared by ``kvfail audit`` and the standalone entry point."""
+    _one_line_errors(p)
     p.add_argument("--quick", action="store_true", help="static tier only (source reading)")
     p.add_argument("--format", choices=sorted(RENDERERS), default="table", dest="fmt")
     p.add_argument("--output", "-o", type=Path, help="write the report here instead of stdout")
@@ -43,7 +87,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="registry name, entry-point name or module:Class (repeatable)",
+        help="registry name, vllm:<RegistryName>, entry-point name or module:Class (repeatable)",
     )
     p.add_argument(
         "--fail-on",
@@ -63,13 +107,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--layout",
         action="append",
         default=None,
+        type=_layout,
         metavar="L",
         help="engine layout(s) for the dynamic tier: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
         "(repeatable; default tp1, the audit's profile: one policy, one layout)",
     )
     p.add_argument(
         "--budget-s",
-        type=float,
+        type=_budget,
         default=_DEFAULT_BUDGET_S,
         metavar="S",
         help="wall-clock budget of the whole audit in seconds (default "
@@ -214,8 +259,8 @@ def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -
     progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
     try:
         audit = collect(args.connector, quick=args.quick, dynamic_runner=runner, progress=progress)
-    except ValueError as exc:
-        print(f"kvfail audit: {exc}", file=sys.stderr)
+    except UsageError as exc:  # raised before any tier ran
+        print(f"kvfail audit: error: {exc}", file=sys.stderr)
         return 2
     if audit.dynamic_note and not args.quick:
         print(f"kvfail audit: dynamic tier {audit.dynamic_note}", file=sys.stderr)
