@@ -102,12 +102,10 @@ def test_hma_connector_with_request_channel_passes_c5() -> None:
     assert f["deadline"].status == PASS  # heuristic: deadline_s in the load path
 
 
-def test_missing_module_is_a_not_installed_row() -> None:
-    index = SourceIndex()
-    (target,) = discover(index, selectors=["no_such_pkg.mod:Conn"])
-    assert not target.installed
-    assert target.notes == ["not installed: module no_such_pkg.mod not found"]
-    assert {f.status for f in audit_target(target, index)} == {NA}
+def test_missing_module_is_rejected_not_a_row_of_dashes() -> None:
+    """A typo in --connector must stop the audit (exit 2), not print an empty row."""
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg\.mod'"):
+        discover(SourceIndex(), selectors=["no_such_pkg.mod:Conn"])
 
 
 def test_unknown_name_is_rejected() -> None:
