@@ -37,7 +37,7 @@ import json
 import signal
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.capabilities import Capabilities
@@ -178,6 +178,33 @@ class Driver(ABC):
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
         """Add a request to D whose prefix is to be loaded from the remote prefill."""
+
+    def add_remote_requests(
+        self,
+        engine: Engine,
+        request_ids: Sequence[str],
+        *,
+        fault: FaultPoint | None = None,
+        prompt_len: int = 100,
+        max_tokens: int = 3,
+    ) -> list[str]:
+        """Add several remote-prefill requests from the same P, their loads to be in
+        flight together, with ``fault`` armed for every one (then :meth:`provoke` each,
+        as for one request).
+
+        Why a method of its own: a fault on P itself (killed, stopped) is ONE event for
+        all of them and must come after P prefilled every one; armed per request, the
+        first would kill P and the rest would be prefilled by its replacement. Default:
+        arm and add each in turn, right for a per-request fault; a driver overrides it
+        for its faults on the whole peer.
+        """
+        for request_id in request_ids:
+            if fault is not None:
+                self.arm(engine, request_id, fault)
+            self.add_remote_request(
+                engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+            )
+        return list(request_ids)
 
     @abstractmethod
     def settle(
@@ -793,6 +820,8 @@ class MooncakeDriver(PairDriver):
     layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
+    #: Faults on P's whole process: one event for every request in flight from it.
+    PEER_WIDE = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.FREEZE_PEER})
 
     def __init__(
         self,
@@ -973,6 +1002,37 @@ class MooncakeDriver(PairDriver):
             consumer=self._names[id(engine)],
         )
         return request_id
+
+    def add_remote_requests(
+        self,
+        engine: Engine,
+        request_ids: Sequence[str],
+        *,
+        fault: FaultPoint | None = None,
+        prompt_len: int = 100,
+        max_tokens: int = 3,
+    ) -> list[str]:
+        """P prefills every request, then a fault on P itself (SIGKILL, SIGSTOP) happens
+        once, then D adds them all; other faults are armed per request (see the base)."""
+        if fault not in self.PEER_WIDE:
+            return super().add_remote_requests(
+                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+            )
+        pair = self._live(self._pair_of(engine))
+        params = {rid: pair.prefill(rid, prompt_len) for rid in request_ids}
+        if fault is FaultPoint.KILL_BEFORE_PULL:
+            pair.kill_p()
+        else:
+            pair.freeze_p()
+        for rid, rid_params in params.items():
+            pair.add(
+                rid,
+                rid_params,
+                prompt_len=prompt_len,
+                max_tokens=max_tokens,
+                consumer=self._names[id(engine)],
+            )
+        return list(request_ids)
 
     def provoke(
         self,

@@ -51,7 +51,7 @@ import json
 import signal
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvfail.conformance.driver import (
@@ -101,6 +101,8 @@ class NixlDriver(PairDriver):
     layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
     hand_off_p = True
     collect_closed_engines = True
+    #: Faults on P's whole process: one event for every request in flight from it.
+    PEER_WIDE = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.FREEZE_PEER})
     #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
     BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
         FaultPoint.PEER_BAD_METADATA: "garbled",
@@ -314,6 +316,36 @@ class NixlDriver(PairDriver):
             pair.fault_after_handshake(request_id, "freeze", consumer=engine)
         return request_id
 
+    def add_remote_requests(
+        self,
+        engine: Engine,
+        request_ids: Sequence[str],
+        *,
+        fault: FaultPoint | None = None,
+        prompt_len: int = 100,
+        max_tokens: int = 3,
+    ) -> list[str]:
+        """P prefills every request and D adds them all, then a fault on P itself
+        (SIGKILL, SIGSTOP) happens once, as :meth:`add_remote_request` times it for one
+        request; other faults are armed per request (see the base)."""
+        if fault not in self.PEER_WIDE:
+            return super().add_remote_requests(
+                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+            )
+        pair = self._live(self._pair_of(engine))
+        self._scenario_pair = pair
+        params = {rid: self._prefill(pair, rid, prompt_len) for rid in request_ids}
+        warm = pair.handshaked(engine)
+        for rid, rid_params in params.items():
+            pair.add(rid, rid_params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
+        if fault is FaultPoint.KILL_BEFORE_PULL and warm:
+            pair.freeze_p()  # killed by the first provoke() (see add_remote_request)
+            self._kill_on_provoke.update((id(engine), rid) for rid in request_ids)
+        else:
+            kind = "kill" if fault is FaultPoint.KILL_BEFORE_PULL else "freeze"
+            pair.fault_after_handshake(request_ids[0], kind, consumer=engine)
+        return list(request_ids)
+
     def provoke(
         self,
         engine: Engine,
@@ -328,7 +360,8 @@ class NixlDriver(PairDriver):
         elif (id(engine), request_id) in self._kill_on_provoke:
             self._kill_on_provoke.discard((id(engine), request_id))
             pair = self._pair_of(engine)
-            pair.kill_p()
+            if pair.p is not None and pair.p.process.alive:  # once for several requests
+                pair.kill_p()
             rec = pair.records.get(request_id)
             if rec is not None:  # the detection clock starts at the kill
                 rec.injected_at = time.monotonic()

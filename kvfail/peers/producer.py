@@ -22,8 +22,9 @@ the reply echoes:
   ``kv_transfer_params`` D needs;
 * ``{"cmd": "inject", "fault", "req_id", "ranks"?}``: P answers D's next pull naming
   ``req_id`` wrongly on purpose (:data:`INJECTABLE`), on every rank or only ``ranks``:
-  ``error_response`` (an ERROR reply), ``err_reqs`` (FINISH with ``err_reqs=[req_id]``)
-  or ``finish_without_result`` (FINISH naming no request), moving no data; or
+  ``error_response`` (an ERROR reply to the whole pull), ``err_reqs`` (``err_reqs``
+  naming the armed requests, the rest of the pull served) or ``finish_without_result``
+  (FINISH naming no request), moving no data for the armed requests; or
   ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself.
   One-shot;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
@@ -74,6 +75,7 @@ class _FaultInjectingSender:
     kvfail_armed: dict[str, str]
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
+        import msgspec
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
             MooncakeXferResponse,
             MooncakeXferResponseStatus,
@@ -93,11 +95,25 @@ class _FaultInjectingSender:
                 status=MooncakeXferResponseStatus.ERROR, err_msg=f"kvfail injected {fault}"
             )
         elif fault == "err_reqs":
+            # P names the armed requests failed; the rest of the same pull is served for
+            # real after that (CONTINUE, then upstream's replies), as a P that failed
+            # some of a batch's sends does.
+            rest = {r: blocks for r, blocks in meta.req_blocks.items() if r not in hit}
             response = MooncakeXferResponse(
-                status=MooncakeXferResponseStatus.FINISH,
-                err_reqs=list(meta.req_blocks),
+                status=(
+                    MooncakeXferResponseStatus.CONTINUE
+                    if rest
+                    else MooncakeXferResponseStatus.FINISH
+                ),
+                err_reqs=hit,
                 err_msg=f"kvfail injected {fault}",
             )
+            if rest:
+                await sock.send_multipart((identity, self._encoder.encode(response)))  # type: ignore[attr-defined]
+                self.kvfail_die_in_send = False
+                served = msgspec.structs.replace(meta, req_blocks=rest)
+                await super().send_kv_to_decode(identity, sock, served)  # type: ignore[misc]
+                return
         else:  # finish_without_result
             response = MooncakeXferResponse(status=MooncakeXferResponseStatus.FINISH)
         await sock.send_multipart((identity, self._encoder.encode(response)))  # type: ignore[attr-defined]
