@@ -244,6 +244,12 @@ class Driver(ABC):
         """Seconds from adding ``request_id`` to its first report, when the driver timed it."""
         return None
 
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        """The KV-integrity oracle's findings for everything ``engine`` ran (clause first;
+        empty: every computed position held what it should, and nothing wrote into a
+        released block). Default: this driver cannot see D's bytes."""
+        return []
+
     def observe(self, engine: Engine) -> None:  # noqa: B027 - optional hook
         """Called after every step the suite takes on ``engine`` (timestamps reports)."""
 
@@ -788,6 +794,10 @@ class PairDriver(Driver):
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
         rec = self._pair_of(engine).records.get(request_id)
         return None if rec is None else rec.reported_s
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        findings: list[str] = self._pair_of(engine).integrity_findings(engine)
+        return findings
 
 
 class MooncakeDriver(PairDriver):

@@ -281,6 +281,8 @@ class ScenarioContext:
         out += oracles.check_no_leaks(engine)
         out += oracles.check_exactly_once(engine)
         out += oracles.check_no_readvertise_after_failure(engine)
+        if engine.crashed is None:
+            out += self.driver.integrity_findings(engine)
         if policy_outcome and engine.crashed is None:
             for rid in ids:
                 out += oracles.check_policy_outcome(engine, rid, failed=failed)

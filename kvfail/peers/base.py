@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
-    from kvfail.peers.forwards import RangeItem
+    from kvfail.peers.integrity import IntegrityItem, IntegrityLedger
 
 _log = logging.getLogger("kvfail.peers")
 
@@ -214,6 +214,7 @@ class PeerPair:
     kill_timeout_s: float = 5.0
 
     records: dict[str, Any]
+    integrity: IntegrityLedger
     decoders: dict[str, Engine]
     d: Engine | None
     p: Any
@@ -221,6 +222,9 @@ class PeerPair:
     ready_timeout_s: float
 
     def _init_common(self) -> None:
+        from kvfail.peers.integrity import IntegrityLedger
+
+        self.integrity = IntegrityLedger()
         self.records = {}
         self.decoders = {}
         self._seq = itertools.count()
@@ -302,6 +306,7 @@ class PeerPair:
         seed = prompt_seed or req_id
         record = self._new_record(engine, req_id, seed, prompt_len, dict(params))
         self.records[req_id] = record
+        self.integrity.track(engine, req_id, seed, prompt_len)
         engine.add_request(
             req_id,
             prompt_len=prompt_len,
@@ -351,6 +356,10 @@ class PeerPair:
 
     # ------------------------------------------------------------------ observation
 
+    def _after_step(self, engine: Engine) -> None:
+        """Called by ``observe`` after each D step: the integrity oracle's release watch."""
+        self.integrity.after_step(engine)
+
     def _stamp_reports(self, reports: Iterable[Any], now: float) -> None:
         """Stamp detection times and failure flags from these scheduler reports."""
         for report in reports:
@@ -376,50 +385,32 @@ class PeerPair:
 
     @property
     def check_forward(self) -> SplitForward:
-        """D's forward: check the pulled bytes at each request's first schedule, on
-        every rank wherever the ranks run."""
+        """D's forward, on every rank wherever the ranks run: the integrity oracle's
+        checks and writes (:mod:`kvfail.peers.integrity`); a request's first schedule
+        also gives its byte check (:meth:`verify`)."""
         from kvfail.harness.hooks import SplitForward
-        from kvfail.peers.forwards import apply_checks
+        from kvfail.peers.integrity import apply_integrity
 
-        return SplitForward(
-            plan=self._plan_check,
-            apply=apply_checks,
-            collect=self._collect_check,
-        )
+        return SplitForward(plan=self._plan_check, apply=apply_integrity, collect=self._collect)
 
-    def _plan_check(self, engine: Engine, so: SchedulerOutput) -> list[RangeItem] | None:
-        from kvfail.peers.forwards import RangeItem, request_blocks
+    def _plan_check(self, engine: Engine, so: SchedulerOutput) -> list[IntegrityItem] | None:
+        return self.integrity.plan(engine, so) or None
 
-        ranks = [w.rank for w in engine.workers]
-        items: list[RangeItem] = []
-        for req_id, n in so.num_scheduled_tokens.items():
+    def _collect(self, engine: Engine, rank: int, result: dict[str, Any]) -> None:
+        for req_id, loaded, wrong in self.integrity.collect(engine, rank, result):
             rec = self.records.get(req_id)
-            if rec is None or set(ranks) <= rec.checked_ranks:
+            if rec is None:
                 continue
-            rec.checked_ranks.update(ranks)
-            request = engine.scheduler.requests[req_id]
-            # First schedule of this request: a loaded request starts with computed tokens;
-            # one that starts from 0 is computed locally (no load, or recompute).
-            # schedule() already advanced num_computed_tokens by this step's tokens.
-            loaded = min(request.num_computed_tokens - n, rec.prompt_len)
-            if loaded == 0:
-                for rank in ranks:
-                    rec.mismatches[f"rank{rank}"] = []
-                rec.verified = False
-                continue
-            items.append(
-                RangeItem(req_id, request_blocks(engine, req_id), 0, loaded, rec.prompt_seed)
-            )
-        return items or None
-
-    def _collect_check(
-        self, engine: Engine, rank: int, result: dict[str, dict[str, list[int]]]
-    ) -> None:
-        for req_id, wrong in result.items():
-            rec = self.records[req_id]
+            rec.checked_ranks.add(rank)
+            if loaded == 0:  # computed locally (no load, or recompute): nothing was used
+                rec.mismatches[f"rank{rank}"] = []
             for name, positions in wrong.items():
                 rec.mismatches[f"rank{rank}:{name}"] = positions
             rec.verified = not rec.mismatches
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        """The integrity oracle's findings for ``engine`` (clause first; empty: intact)."""
+        return self.integrity.final_findings(engine)
 
     # ------------------------------------------------------------------ faults
 

@@ -349,6 +349,7 @@ class MooncakePair(PeerPair):
         """Stamp detection times from the scheduler reports after index ``seen``."""
         reports = engine.record.kv_reports
         self._stamp_reports(reports[seen:], time.monotonic())
+        self._after_step(engine)
         return len(reports)
 
     # ------------------------------------------------------------------ faults

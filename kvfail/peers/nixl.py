@@ -681,6 +681,7 @@ class NixlPair(PeerPair):
         seen = self._seen.get(id(engine), 0)
         reports = engine.record.kv_reports
         self._stamp_reports(reports[seen:], time.monotonic())
+        self._after_step(engine)
         self._seen[id(engine)] = len(reports)
         remote = self._rank_faults.get(id(engine))
         if remote is not None and remote.armed:

@@ -1,0 +1,283 @@
+"""The KV-integrity oracle of a real P/D pair: every block D treats as computed holds
+exactly what it should, at every step, and nothing writes into a block after its release.
+
+Why at every step and not once: wrong KV comes from writes that land *late* (a transfer
+still writing after its load was reported, or after its blocks were handed back). A check
+at a request's first schedule sees only what had landed by then.
+
+D plays its model runner: in each forward it checks, per scheduled request,
+
+* the positions loaded from P (the prefix the scheduler treated as computed at the
+  request's first schedule) against P's pattern (the prompt seed);
+* the positions D computed in earlier steps against D's own pattern (:func:`d_seed`);
+
+and then writes D's pattern into the positions it computes in this step, as a model
+would write their KV. Any other content in a computed position is a violation.
+
+Blocks of a remote-prefill request are *poisoned* with a release pattern when the
+scheduler frees them (failed, aborted or finished alike): no write may land after a
+release. A poisoned block that is handed to another request leaves the watch (its new
+owner's checks cover it); one still free when the scenario ends must still hold the
+poison. Blocks kept by vLLM's prefix cache are not poisoned, so a later cache hit reads
+what was computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvfail.peers.forwards import rank_seed
+from kvfail.peers.pattern import mismatched_positions, write_pattern
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvfail.harness import Engine
+    from kvfail.harness.hooks import RankView
+
+__all__ = [
+    "IntegrityItem",
+    "IntegrityLedger",
+    "apply_integrity",
+    "check_poison",
+    "d_seed",
+    "poison_blocks",
+]
+
+#: At most this many wrong positions are kept per layer (enough to show the shape).
+_KEEP = 8
+
+
+def d_seed(prompt_seed: str) -> str:
+    """The seed of the bytes D computes itself for a request with this prompt seed."""
+    return f"D|{prompt_seed}"
+
+
+def _release_seed(req_id: str) -> str:
+    return f"released|{req_id}"
+
+
+def _key(engine: Engine) -> str:
+    return str(engine.spec.engine_id)
+
+
+@dataclass(frozen=True)
+class IntegrityItem:
+    """One scheduled request in one step: positions ``[0, loaded)`` must hold P's bytes,
+    ``[loaded, computed)`` D's; D then writes its bytes into ``[computed, write_end)``."""
+
+    req_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    loaded: int
+    computed: int
+    write_end: int
+    p_seed: str
+    first: bool
+
+
+Wrong = dict[str, list[int]]
+
+
+def apply_integrity(view: RankView, items: list[IntegrityItem]) -> dict[str, tuple[Wrong, Wrong]]:
+    """On a rank: request -> (layers with wrong loaded positions, with wrong computed ones)."""
+    out: dict[str, tuple[Wrong, Wrong]] = {}
+    for item in items:
+        p_seed = rank_seed(item.p_seed, view)
+        own = rank_seed(d_seed(item.p_seed), view)
+        p_wrong: Wrong = {}
+        d_wrong: Wrong = {}
+        for layer, name in enumerate(view.built.layer_names):
+            kv = view.kv_caches[name]
+            blocks = item.block_ids[view.layer_group(layer)]
+            bad = mismatched_positions(kv, layer, blocks, 0, item.loaded, p_seed)
+            if bad:
+                p_wrong[name] = bad[:_KEEP]
+            bad = mismatched_positions(kv, layer, blocks, item.loaded, item.computed, own)
+            if bad:
+                d_wrong[name] = bad[:_KEEP]
+            write_pattern(kv, layer, blocks, item.computed, item.write_end, own)
+        out[item.req_id] = (p_wrong, d_wrong)
+    return out
+
+
+def _whole_blocks(view: RankView, layer: int, blocks: Iterable[int]) -> tuple[list[int], int]:
+    ids = list(blocks)
+    return ids, len(ids) * view.kv_caches[view.built.layer_names[layer]].shape[2]
+
+
+def poison_blocks(view: RankView, blocks: tuple[tuple[int, ...], ...], req_id: str) -> None:
+    """On a rank: fill these blocks (one tuple per KV-cache group) with the release pattern."""
+    seed = rank_seed(_release_seed(req_id), view)
+    for layer, name in enumerate(view.built.layer_names):
+        ids, end = _whole_blocks(view, layer, blocks[view.layer_group(layer)])
+        write_pattern(view.kv_caches[name], layer, ids, 0, end, seed)
+
+
+def check_poison(
+    view: RankView, blocks: tuple[tuple[int, ...], ...], req_id: str
+) -> dict[str, list[int]]:
+    """On a rank: layer -> block ids whose release pattern was overwritten."""
+    seed = rank_seed(_release_seed(req_id), view)
+    out: dict[str, list[int]] = {}
+    for layer, name in enumerate(view.built.layer_names):
+        ids, end = _whole_blocks(view, layer, blocks[view.layer_group(layer)])
+        bad = mismatched_positions(view.kv_caches[name], layer, ids, 0, end, seed)
+        size = view.kv_caches[name].shape[2]
+        hit = sorted({ids[p // size] for p in bad})
+        if hit:
+            out[name] = hit
+    return out
+
+
+@dataclass
+class _Ledger:
+    """What the scheduler process knows of one remote-prefill request's positions."""
+
+    p_seed: str
+    prompt_len: int
+    loaded: int | None = None
+    computed: int = 0
+    #: The request's blocks when last seen alive (to poison them at release).
+    blocks: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass
+class IntegrityLedger:
+    """Scheduler-side state of the oracle for the D engines of one pair."""
+
+    #: (D engine id, request id) -> its positions. Keyed by the engine's unique
+    #: ``engine_id``, never ``id()``, which a later engine may reuse.
+    requests: dict[tuple[str, str], _Ledger] = field(default_factory=dict)
+    #: (engine id, request id) -> its released, poisoned blocks still free.
+    watched: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    #: engine id -> findings, clause first.
+    findings: dict[str, list[str]] = field(default_factory=dict)
+    #: (engine id, request id) -> the ranks that checked it once already.
+    _checked: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+
+    def track(self, engine: Engine, req_id: str, prompt_seed: str, prompt_len: int) -> None:
+        """Watch a remote-prefill request D adds."""
+        self.requests[(_key(engine), req_id)] = _Ledger(prompt_seed, prompt_len)
+
+    # ------------------------------------------------------------------ forward
+
+    def plan(self, engine: Engine, so: SchedulerOutput) -> list[IntegrityItem]:
+        """The checks and writes of this step for every tracked scheduled request."""
+        from kvfail.peers.forwards import request_blocks
+
+        items: list[IntegrityItem] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            ledger = self.requests.get((_key(engine), req_id))
+            if ledger is None:
+                continue
+            request = engine.scheduler.requests[req_id]
+            # schedule() already advanced num_computed_tokens by this step's tokens.
+            start = request.num_computed_tokens - n
+            first = ledger.loaded is None
+            if first:
+                ledger.loaded = min(start, ledger.prompt_len)
+            elif start < ledger.computed:  # rescheduled from earlier (preempted, recompute)
+                ledger.loaded = min(ledger.loaded or 0, start)
+            ledger.computed = start + n
+            assert ledger.loaded is not None
+            items.append(
+                IntegrityItem(
+                    req_id,
+                    request_blocks(engine, req_id),
+                    ledger.loaded,
+                    start,
+                    start + n,
+                    ledger.p_seed,
+                    first,
+                )
+            )
+        return items
+
+    def collect(
+        self, engine: Engine, rank: int, result: dict[str, tuple[Wrong, Wrong]]
+    ) -> list[tuple[str, int, Wrong]]:
+        """Record a rank's findings. Returns ``(request, loaded, wrong)`` for each request
+        this rank checked for the first time: the pair's own byte check of what the request
+        ran on (``wrong``: loaded positions that are not P's). A loaded position that
+        changes *after* that check, or a computed one that is not D's, is a finding here."""
+        first: list[tuple[str, int, Wrong]] = []
+        step = engine.record.steps
+        out = self.findings.setdefault(_key(engine), [])
+        for req_id, (p_wrong, d_wrong) in result.items():
+            key = (_key(engine), req_id)
+            checked = self._checked.setdefault(key, set())
+            if rank not in checked:
+                checked.add(rank)
+                first.append((req_id, self.requests[key].loaded or 0, p_wrong))
+            elif p_wrong:
+                out.append(
+                    f"C11 wrong KV: {req_id}'s positions loaded from P changed after it ran "
+                    f"on them (rank {rank}, step {step}): {p_wrong}"
+                )
+            if d_wrong:
+                out.append(
+                    f"C11 wrong KV: {req_id}'s positions computed by D hold other bytes "
+                    f"(rank {rank}, step {step}): {d_wrong}"
+                )
+        return first
+
+    # ------------------------------------------------------------------ releases
+
+    def after_step(self, engine: Engine) -> None:
+        """Poison the blocks of tracked requests the scheduler released, and stop
+        watching released blocks another request now owns."""
+        from kvfail.peers.forwards import request_blocks
+
+        sched = engine.scheduler
+        live: set[int] = set()
+        for rid in sched.requests:
+            for group in sched.kv_cache_manager.get_block_ids(rid):
+                live.update(group)
+        for key in [k for k in self.watched if k[0] == _key(engine)]:
+            if any(b in live for group in self.watched[key] for b in group):
+                del self.watched[key]
+        pool = sched.kv_cache_manager.block_pool
+        for (eid, rid), ledger in self.requests.items():
+            if eid != _key(engine):
+                continue
+            if rid in sched.requests:
+                ledger.blocks = request_blocks(engine, rid)
+                continue
+            if not ledger.blocks:
+                continue
+            blocks = tuple(
+                tuple(b for b in group if pool.blocks[b].block_hash is None and b not in live)
+                for group in ledger.blocks
+            )
+            ledger.blocks = ()
+            if not any(blocks):
+                continue
+            for worker in engine.workers:
+                worker.call(poison_blocks, blocks, rid, world_size=len(engine.workers))
+            self.watched[(eid, rid)] = blocks
+
+    def final_findings(self, engine: Engine) -> list[str]:
+        """Every finding for ``engine``, after checking the released blocks still free."""
+        out = list(self.findings.get(_key(engine), []))
+        self.after_step(engine)
+        for (eid, rid), blocks in self.watched.items():
+            if eid != _key(engine):
+                continue
+            for worker in engine.workers:
+                hit = worker.call(check_poison, blocks, rid, world_size=len(engine.workers))
+                if hit:
+                    out.append(
+                        f"C11 write after release: blocks of {rid} changed after the scheduler "
+                        f"freed them (rank {worker.rank}): {hit}"
+                    )
+        return out
+
+    def forget(self, engine: Engine) -> None:
+        """Drop what is kept for a closed engine."""
+        eid = _key(engine)
+        for table in (self.requests, self.watched, self._checked):
+            for key in [k for k in table if k[0] == eid]:
+                del table[key]
+        self.findings.pop(eid, None)

@@ -1,0 +1,97 @@
+"""The KV-integrity oracle over a real Mooncake pull (``kvfail.peers.integrity``).
+
+A real P pushes its pattern into D over TCP loopback; D's forward checks and writes every
+step. The late writers here are the test itself, writing into D's blocks where a late
+transfer would: the oracle must name each write, and stay silent for a clean pull.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.peers.mooncake import MooncakePair, mooncake_available
+from kvfail.peers.pattern import write_pattern
+
+pytestmark = pytest.mark.skipif(
+    mooncake_available() is not None, reason=f"Mooncake unavailable: {mooncake_available()}"
+)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[MooncakePair]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = MooncakePair(policy="fail", abort_request_timeout_s=5)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _step_until(pair: MooncakePair, done: object, what: str, max_steps: int = 400) -> None:
+    """Step D (observing each step, as the suite does) until ``done()``; bounded."""
+    engine = pair.d
+    assert engine is not None
+    seen = len(engine.record.kv_reports)
+    for _ in range(max_steps):
+        seen = pair.observe(engine, seen)
+        if done():  # type: ignore[operator]
+            return
+        engine.step()
+    raise AssertionError(f"{what} did not happen within {max_steps} steps")
+
+
+def _scribble(pair: MooncakePair, block: int, position_in_block: int) -> None:
+    """Overwrite one token slot of ``block`` in every layer of D's rank 0: a late write."""
+    engine = pair.d
+    assert engine is not None
+    for layer, kv in enumerate(engine.workers[0].kv_caches.values()):
+        write_pattern(kv, layer, [block], position_in_block, position_in_block + 1, "late")
+
+
+def test_a_clean_pull_has_no_findings(pair: MooncakePair) -> None:
+    rid = "integrity-clean"
+    pair.prefill_and_add(rid, prompt_len=100, max_tokens=6)
+    assert pair.run([rid], timeout_s=30.0).ok
+    assert pair.verify(rid), pair.records[rid].mismatches
+    assert pair.integrity_findings(pair.d) == []
+
+
+def test_a_write_into_a_loaded_position_after_it_ran_is_named(pair: MooncakePair) -> None:
+    rid = "integrity-late"
+    engine = pair.d
+    assert engine is not None
+    rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=6)
+    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
+    assert pair.verify(rid), rec.mismatches
+    (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+    _scribble(pair, blocks[0], 5)  # a loaded position: token 5 of the prompt
+    assert pair.run([rid], timeout_s=30.0).ok
+    findings = pair.integrity_findings(engine)
+    assert any(
+        f.startswith(f"C11 wrong KV: {rid}'s positions loaded from P changed") for f in findings
+    ), findings
+
+
+def test_a_write_into_a_released_block_is_named(pair: MooncakePair) -> None:
+    rid = "integrity-released"
+    engine = pair.d
+    assert engine is not None
+    rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=2)
+    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
+    (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+    assert pair.run([rid], timeout_s=30.0).ok
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    free = [b for b in blocks if pool.blocks[b].block_hash is None]
+    assert free, "every block stayed in the prefix cache; nothing was poisoned"
+    assert [f for f in pair.integrity_findings(engine) if rid in f] == []
+    _scribble(pair, free[-1], 0)
+    findings = pair.integrity_findings(engine)
+    assert any(
+        f.startswith(f"C11 write after release: blocks of {rid}") and str(free[-1]) in f
+        for f in findings
+    ), findings
