@@ -11,15 +11,16 @@ need a new P.
 This process creates nixl agents, so it would segfault at exit: the pair installs
 ``kvfail.peers.nixl.install_exit_guard`` (``os._exit`` with pytest's exit status).
 
-Measured on a 2-core machine: P and D start in parallel (~15-40 s, imports); each fault
-then takes well under 1 s, except the refused handshake (5 s, zmq ``RCVTIMEO``) and the
-freeze (the 6 s cap).
+No assertion reads a detection time: each fault is checked by its cause (the failure
+upstream logs, the stage kvfail counts). The times are printed (``-s``);
+``bench/nixl_detection.py`` measures them against upstream.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -45,13 +46,8 @@ pytestmark = pytest.mark.vllm
 
 #: kvfail's deadline in the freeze test (short, so the test is fast).
 DEADLINE_S = 3.0
-#: The contract bound on a deadline report: deadline + a generous margin.
-MARGIN_S = 3.0
 #: How long upstream is watched while P is frozen (the suite's default silent wait).
 SILENT_CAP_S = 6.0
-#: Every active fault is reported in ~10-100 ms; this is the bound, not the budget (a cold
-#: first pull, handshake included, took 5.1 s at a load average of 30 on 2 cores).
-FAST_REPORT_S = 10.0
 UP_FAIL, UP_RECOMPUTE, KVFAIL = "up-fail", "up-recompute", "kvfail-fail"
 DETECTION: dict[str, float | None] = {}
 
@@ -90,6 +86,24 @@ def _violations(pair: NixlPair, consumer: str, req_id: str, failed: bool) -> lis
     return oracles.check_all(pair.decoders[consumer], [req_id], failed=failed)
 
 
+def _failure_log(
+    pair: NixlPair, consumer: str, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[str, str | None, str]]:
+    """What ``consumer``'s upstream worker logs as failures from now on: (type, request id,
+    exception class). It names the cause of a failure, where a detection time would not."""
+    worker = pair.decoders[consumer].workers[0].connector.connector_worker
+    log = worker._log_failure
+    seen: list[tuple[str, str | None, str]] = []
+
+    def spy(failure_type: str, req_id: str | None, *args: Any, **kwargs: Any) -> Any:
+        error = kwargs.get("error", args[1] if len(args) > 1 else None)
+        seen.append((failure_type, req_id, type(error).__name__))
+        return log(failure_type, req_id, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "_log_failure", spy)
+    return seen
+
+
 def _status(pair: NixlPair, consumer: str, req_id: str) -> str:
     status = pair.decoders[consumer].status(req_id)
     return "None" if status is None else status.name
@@ -102,7 +116,7 @@ def test_happy_path_bytes_arrive_exactly(pair: NixlPair, consumer: str) -> None:
     _finish(pair, consumer, rid)
     assert pair.verify(rid), rec.mismatches
     assert not rec.failed and _status(pair, consumer, rid) == "FINISHED_LENGTH_CAPPED"
-    assert rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    assert rec.reported_s is not None, rec  # named in D's finished_recving
     DETECTION[f"happy {consumer}"] = rec.reported_s
     assert _violations(pair, consumer, rid, failed=False) == []
     # P frees its blocks once D's completion notification arrives (bounded wait).
@@ -113,18 +127,22 @@ def test_happy_path_bytes_arrive_exactly(pair: NixlPair, consumer: str) -> None:
     assert rid in pair.p.stats()["finished_sending"]
 
 
-def test_wrong_side_channel_port_fails_at_the_handshake_timeout(pair: NixlPair) -> None:
+def test_wrong_side_channel_port_fails_at_the_handshake_timeout(
+    pair: NixlPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """zmq retries a refused connect silently: the handshake fails at its 5 s timeout.
 
     A cold D: one that already knows P's engine id never handshakes again, so it would
     ignore the wrong port and pull from the agent it holds (observed)."""
     cold = "up-cold"
     pair.consumer("fail", name=cold)
+    failures = _failure_log(pair, cold, monkeypatch)
     params = wrong_port(pair.prefill("refused", 100))
     rec = pair.add("refused", params, consumer=cold)
     _finish(pair, cold, "refused", timeout_s=HANDSHAKE_TIMEOUT_S + 15)
     assert rec.failed and _status(pair, cold, "refused") == "FINISHED_ERROR"
-    assert rec.reported_s is not None and rec.reported_s >= HANDSHAKE_TIMEOUT_S - 0.5
+    # zmq's receive timeout (RCVTIMEO) ended the handshake: no faster error came first.
+    assert [f for f in failures if f[1] == "refused"] == [("handshake_failed", "refused", "Again")]
     DETECTION["refused handshake"] = rec.reported_s
     assert _violations(pair, cold, "refused", failed=True) == []
 
@@ -145,6 +163,7 @@ def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -
     for consumer in (UP_FAIL, KVFAIL):  # warm both: the handshake is done before the freeze
         pair.prefill_and_add(f"warm-{consumer}", 100, consumer=consumer)
         _finish(pair, consumer, f"warm-{consumer}")
+    before = _kvfail_stats(pair, KVFAIL)
     recs = {c: pair.prefill_and_add(f"frozen-{c}", 100, consumer=c) for c in (UP_FAIL, KVFAIL)}
     pair.fault_after_handshake(f"frozen-{UP_FAIL}", "freeze", consumer=UP_FAIL)
     recs[KVFAIL].injected_at = recs[UP_FAIL].injected_at
@@ -157,7 +176,10 @@ def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -
         time.sleep(0.005)
     kv = recs[KVFAIL]
     assert kv.failed and _status(pair, KVFAIL, f"frozen-{KVFAIL}") == "FINISHED_ERROR", kv
-    assert kv.reported_s is not None and kv.reported_s <= DEADLINE_S + MARGIN_S, kv
+    after = _kvfail_stats(pair, KVFAIL)
+    # kvfail's deadline failed it (the watchdog), not an error from the stopped peer.
+    assert after["stage.watchdog"] - before["stage.watchdog"] == 1, (before, after)
+    assert after["loads_failed"] - before["loads_failed"] == 1, (before, after)
     DETECTION["frozen, kvfail"] = kv.reported_s
     assert _violations(pair, KVFAIL, f"frozen-{KVFAIL}", failed=True) == []
     up = recs[UP_FAIL]
@@ -288,11 +310,14 @@ def test_lost_notification_keeps_the_load_and_p_holds_until_its_lease(
     assert after["loads_failed"] == before["loads_failed"], (before, after)
 
 
-def test_killed_after_handshake_fail_errors_recompute_completes(pair: NixlPair) -> None:
+def test_killed_after_handshake_fail_errors_recompute_completes(
+    pair: NixlPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL P after the handshake, before the READ: posting the READ raises
     ``nixlRemoteDisconnectError``. ``fail`` ends FINISHED_ERROR; ``recompute`` recomputes
     the whole prompt locally and completes. Kills P (the restart test replaces it)."""
     rids = {c: f"killed-{c}" for c in (UP_FAIL, UP_RECOMPUTE)}
+    failures = {c: _failure_log(pair, c, monkeypatch) for c in rids}
     for consumer, rid in rids.items():
         pair.prefill_and_add(rid, 100, consumer=consumer)
     for consumer in rids:  # each D schedules its load, then waits for its handshake
@@ -312,7 +337,9 @@ def test_killed_after_handshake_fail_errors_recompute_completes(pair: NixlPair) 
         _finish(pair, consumer, rid)
     fail, rec = pair.records[rids[UP_FAIL]], pair.records[rids[UP_RECOMPUTE]]
     assert fail.failed and _status(pair, UP_FAIL, rids[UP_FAIL]) == "FINISHED_ERROR", fail
-    assert fail.reported_s is not None and fail.reported_s < FAST_REPORT_S
+    assert fail.reported_s is not None, fail
+    for consumer, rid in rids.items():  # each D failed on posting its READ, as documented
+        assert {f[2] for f in failures[consumer] if f[1] == rid} == {"nixlRemoteDisconnectError"}
     DETECTION["killed after handshake, fail"] = fail.reported_s
     assert _violations(pair, UP_FAIL, rids[UP_FAIL], failed=True) == []
     assert rec.failed, rec  # reported as a failure, then recomputed
