@@ -1,0 +1,250 @@
+"""Concurrency scenarios: many loads from one P in flight at once, failing together.
+
+Why: every other scenario has one load in flight, so a connector that keeps one failure
+slot per step, or fails only the first request of a batch when a peer dies, passes them
+all while it strands every other request forever (the scheduler has no timeout). Here
+``MANY`` requests from the same P load at once, and the fault hits several of them in
+the same step: a dead P, an error for each, some failing while others succeed, failures
+racing aborts. Each scenario ends with every oracle over ALL its requests. Requirements
+are capabilities and fault points, never connector names; the suite bounds every wait.
+
+On a real transport the suite cannot pick the step a failure lands in: the loads are
+started in one step (one batched pull where the transport batches) and the step counts
+of the failures are noted in the report (``failure_steps``), never asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.conformance.suite import check_not_late
+from kvfail.faults.points import FaultPoint
+
+pytestmark = pytest.mark.vllm
+
+#: Loads in flight at once, all from the same P.
+MANY = 8
+#: Prompt of each request: one block to load (block size 32). Small, because D's and P's
+#: 63 usable blocks must hold MANY requests in two KV-cache groups, and P keeps a failed
+#: pull's blocks until its abort timeout, across scenarios.
+PROMPT_LEN = 40
+#: Faults that fail every load they are armed for promptly, preferred order.
+ALL_FAIL = (
+    FaultPoint.PEER_ERROR_RESPONSE,
+    FaultPoint.PEER_ERR_REQS,
+    FaultPoint.UNKNOWN_ENGINE,
+    FaultPoint.REFUSE,
+)
+#: Faults that fail only the request they are armed for, leaving the rest of the same
+#: pull alone. An error reply answers a whole pull on a transport that batches them, so
+#: it comes last: it is used only where nothing narrower is advertised (the toy's is
+#: per request).
+ONE_OF_MANY = (
+    FaultPoint.PEER_ERR_REQS,
+    FaultPoint.UNKNOWN_ENGINE,
+    FaultPoint.PEER_ERROR_RESPONSE,
+)
+#: On a real transport, how long D is not stepped between provoking the failures and the
+#: second half of the aborts, so the failures (already on their way) reach the connector
+#: first. A bound set here, never asserted.
+RACE_SETTLE_S = 0.5
+
+
+def _rids(kvfail: Any, stem: str, n: int = MANY) -> list[str]:
+    return [kvfail.rid(stem) for _ in range(n)]
+
+
+def _start_loads(kvfail: Any, engine: Any, rids: list[str]) -> dict[str, list[int]]:
+    """Step until every request in ``rids`` has entered WAITING_FOR_REMOTE_KVS (the
+    engine's record: over a real transport a load may end within the step that starts
+    it). Returns the block ids each held while it waited, read while it still did (none
+    if it ended at once), for :func:`check_not_late`."""
+    blocks: dict[str, list[int]] = {rid: [] for rid in rids}
+
+    def entered(e: Any) -> bool:
+        kvfail.driver.observe(e)
+        waiting = e.waiting_for_remote()
+        for rid in rids:
+            if rid in waiting and not blocks[rid]:
+                groups = e.scheduler.kv_cache_manager.get_block_ids(rid)
+                blocks[rid] = [b for g in groups for b in g]
+        seen = set().union(*e.record.waiting_for_remote)
+        return all(rid in seen for rid in rids)
+
+    result = engine.run_until(entered, max_steps=10, timeout_s=10.0)
+    if not result.ok:
+        seen = set().union(*engine.record.waiting_for_remote)
+        missing = [rid for rid in rids if rid not in seen]
+        kvfail.assert_clean(
+            [f"C12 setup: {missing} never entered WAITING_FOR_REMOTE_KVS ({result})"]
+        )
+    return blocks
+
+
+def _not_late(engine: Any, blocks: dict[str, list[int]]) -> list[str]:
+    return [v for rid, ids in blocks.items() for v in check_not_late(engine, rid, ids)]
+
+
+def _wrong_bytes(kvfail: Any, engine: Any, rids: list[str]) -> list[str]:
+    """C1: no failed load may be run on as if it succeeded (bytes that are not P's)."""
+    if not kvfail.caps.byte_verification:
+        return []
+    found = (kvfail.driver.used_wrong_bytes(engine, rid) for rid in rids)
+    return [f"C1 wrong bytes reported as success: {w}" for w in found if w is not None]
+
+
+def _failed_at(engine: Any, rids: list[str]) -> dict[str, list[int]]:
+    """Request id -> steps in which a failure for it reached the scheduler."""
+    wanted = set(rids)
+    steps: dict[str, list[int]] = {}
+    for report in engine.record.scheduler_reports():
+        for rid in report.failed_requests & wanted:
+            steps.setdefault(rid, []).append(report.step)
+    return steps
+
+
+def _note_failure_steps(kvfail: Any, engine: Any, rids: list[str]) -> None:
+    """Record in how many distinct steps the failures reached the scheduler (report only)."""
+    steps = {s for found in _failed_at(engine, rids).values() for s in found}
+    kvfail.note("failure_steps", len(steps))
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
+@pytest.mark.guards("#50719", "#55870")
+def test_many_loads_fail_in_one_step(kvfail: Any) -> None:
+    """``MANY`` loads from one P, each answered with an error (the toy: all failed before
+    one step, so a single drain carries every failure). Every one is reported failed,
+    exactly once, paired with finished_recving, and ends as the policy says; none is
+    lost behind the first failure of the step, and nothing leaks."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(*ALL_FAIL)
+    engine = kvfail.engine()
+    rids = _rids(kvfail, "fail-many")
+    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in rids:
+        kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    _note_failure_steps(kvfail, engine, rids)
+    extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
+    kvfail.check(engine, rids, failed=True, extra=extra)
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C11")
+@pytest.mark.guards("#50719", "#55870", "HF3FS")
+def test_failures_and_successes_same_step(kvfail: Any) -> None:
+    """``MANY`` loads from one P started together; every other one fails (a fault that
+    names one request: over Mooncake P's reply names the failed ones and serves the rest
+    of the same pull), the others succeed, in the same step where the driver can choose
+    (the toy). Failures are reported failed and end as the policy says; successes are
+    successes: never reported failed, and (``byte_verification``) run on P's bytes."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(*ONE_OF_MANY)
+    engine = kvfail.engine()
+    rids = _rids(kvfail, "mixed")
+    bad, good = rids[::2], rids[1::2]
+    for rid in rids:  # interleaved, all added before D steps: one batch
+        fault = point if rid in bad else None
+        kvfail.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in bad:
+        kvfail.driver.provoke(engine, rid, point)
+    for rid in good:
+        kvfail.driver.settle(engine, rid)
+    kvfail.run(engine)
+    _note_failure_steps(kvfail, engine, bad)
+    extra = [*_wrong_bytes(kvfail, engine, bad), *_not_late(engine, blocks)]
+    falsely = _failed_at(engine, good)
+    extra += [
+        f"C8 false failure: {rid} loaded well but a failure reached the scheduler at "
+        f"step(s) {steps}"
+        for rid, steps in falsely.items()
+    ]
+    if kvfail.caps.byte_verification:
+        for rid in good:
+            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            if mismatch:
+                extra.append(f"C1 wrong bytes for a successful load next to failures: {mismatch}")
+    extra += kvfail.violations(engine, good, failed=False)
+    kvfail.check(engine, bad, failed=True, extra=extra)
+
+
+def _reports_after_free(engine: Any, rid: str) -> list[str]:
+    """C7: reports naming ``rid`` after the step whose finished_recving let the scheduler
+    free it (an aborted request is freed then)."""
+    finished = [r.step for r in engine.record.scheduler_reports() if rid in r.finished_recving]
+    if not finished:
+        return []
+    freed = min(finished)
+    out = []
+    for r in engine.record.kv_reports:
+        if r.step <= freed:
+            continue
+        for attr in ("finished_recving", "failed_recving"):
+            if rid in getattr(r, attr):
+                who = "scheduler" if r.rank is None else f"worker[{r.rank}]"
+                out.append(
+                    f"C7 freed id: {who} reported {rid} in {attr} at step {r.step}, after "
+                    f"the scheduler freed it at step {freed}"
+                )
+    return out
+
+
+@pytest.mark.clauses("C7", "C8", "C9", "C10")
+@pytest.mark.guards("#32255", "#56089", "#46240", "vllm-ascend#7878")
+def test_failure_races_abort(kvfail: Any) -> None:
+    """``MANY`` loads from one P, all to fail; half are aborted before their failure is
+    provoked, half after it (the toy: both orders before one step; a real transport: the
+    second half once the failures had time to reach D). Each request's blocks are held
+    until its finished_recving and then all freed, it is reported exactly once, never
+    after the scheduler freed it (C7), and no aborted request produces a token."""
+    kvfail.require("remote_prefill", "async_load")
+    kvfail.require_fault(FaultPoint.ABORT_WHILE_WAITING)
+    point = kvfail.require_fault(*ALL_FAIL)
+    engine = kvfail.engine()
+    rids = _rids(kvfail, "race")
+    abort_first, fail_first = rids[::2], rids[1::2]
+    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in abort_first:
+        kvfail.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
+    for rid in rids:
+        kvfail.driver.provoke(engine, rid, point)
+    if kvfail.driver.poll_s:
+        time.sleep(RACE_SETTLE_S)
+    for rid in fail_first:
+        kvfail.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
+    kvfail.run(engine)
+    found = kvfail.violations(engine, rids, failed=None, policy_outcome=False)
+    found += _not_late(engine, blocks)
+    for rid in rids:
+        found += _reports_after_free(engine, rid)
+        tokens = [t for o in engine.record.outputs_for(rid) for t in o.new_token_ids]
+        if tokens:
+            found.append(f"C9: aborted {rid} generated {len(tokens)} tokens")
+    kvfail.assert_clean(found)
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C9", "C10")
+@pytest.mark.guards("#50719", "#26171")
+def test_many_loads_peer_killed(kvfail: Any) -> None:
+    """``MANY`` loads in flight from one P when it is SIGKILLed (after it prefilled them
+    all, before a cold D pulled): one event fails every load. Each is reported failed
+    exactly once, paired with finished_recving, and ends as the policy says; none is
+    stranded because the connector reported only the first failure of the peer."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(FaultPoint.KILL_BEFORE_PULL)
+    engine = kvfail.engine()
+    rids = _rids(kvfail, "killed-many")
+    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in rids:
+        kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    _note_failure_steps(kvfail, engine, rids)
+    kvfail.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
