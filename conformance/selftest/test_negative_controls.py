@@ -5,8 +5,9 @@ Why: a conformance suite is only worth its negative controls. Each control in
 ``kvfail.conformance.negative`` breaks exactly one contract rule, in the toy connector
 (fast; tests the oracles) and in the REAL ``KvfailMooncakeConnector`` (its worker broken
 in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
-We run the real suite (``conformance/test_scenarios.py``) against them in in-process
-sessions and read its ``report.json``. In-process, so vLLM is imported once; everything
+We run the real suite (``conformance/test_scenarios.py``; the toy session also
+``conformance/test_concurrency.py``) against them in in-process sessions and read its
+``report.json``. In-process, so vLLM is imported once; everything
 the inner run needs is imported (and one engine run) before it, because ``pytester``
 (used for the skip test) unloads modules the inner session imported.
 
@@ -35,6 +36,8 @@ from kvfail.harness import Engine, EngineSpec
 from kvfail.harness.toy import ToyConnector
 
 SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
+#: The concurrency scenarios: a control built to lose concurrent failures is flagged there.
+CONCURRENCY = Path(__file__).resolve().parents[1] / "test_concurrency.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 CONTROLS = sorted(negative.EXPECTED_FLAGS)
 REAL_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL)
@@ -60,8 +63,8 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[
     out = tmp_path_factory.mktemp("kvfail-report")
     # The controls are each built to break one clause in the basic layout (tp1); the
     # project's ini adds tp2-g2 to the default run, so the layout is pinned here.
-    args = [str(SUITE), "-p", "no:cacheprovider", "--kvfail-report", str(out), "-q"]
-    args += ["--layout", "tp1"]
+    args = [str(SUITE), str(CONCURRENCY), "-p", "no:cacheprovider"]
+    args += ["--kvfail-report", str(out), "-q", "--layout", "tp1"]
     for spec in ["toy", *(f"kvfail.conformance.negative:{c}" for c in CONTROLS)]:
         args += ["--connector", spec]
     # pytester is function-scoped; one module-wide inner session runs through pytest.main.

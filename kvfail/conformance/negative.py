@@ -27,7 +27,13 @@ class                      what is broken                               clause  
                            never tracked (stale/duplicate notification)
 ``ReportsSuccessOnFailure``a failed transfer is reported as a plain     C1       unreported
                            success with wrong bytes (the HF3FS pattern)
+``ReportsOneFailurePerStep``when several loads fail in one step, only the C1/C2    stall
+                           first is reported; the others wait forever
 =========================  ===========================================  =======  =========
+
+``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
+(``conformance/test_concurrency.py``): with one load in flight it is indistinguishable
+from a working connector, which is why those scenarios exist.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from kvfail.harness.toy import ToyConnector
 from kvfail.stages import Stage
+from kvfail.tracker import StepReport
 
 __all__ = [
     "EXPECTED_FLAGS",
     "EXPECTED_FLAGS_REAL",
     "ReportsLate",
+    "ReportsOneFailurePerStep",
     "ReportsSuccessOnFailure",
     "ReportsUnknownId",
     "SwallowsFailure",
@@ -119,12 +127,36 @@ class ReportsSuccessOnFailure(ToyConnector):
         return self.load_succeeded(req_id)
 
 
+class ReportsOneFailurePerStep(ToyConnector):
+    """Keeps one failure slot per step: when several loads fail in the same drain, only
+    the first is reported; the others are dropped (neither failed nor finished), so their
+    requests wait for remote KV forever with their blocks held (C1/C2). A connector that
+    records "the" failed request of a step, or fails only the first request of a batch
+    when its peer dies, breaks this way; one failing load at a time never shows it."""
+
+    def drain_step(self) -> StepReport:
+        report = self.failure_reporter.drain()
+        lost = {rid for rid, _ in report.failures[1:]}
+        if lost:
+            lost_blocks = {b for rid in lost for g in self._inflight[rid].block_ids for b in g}
+            report = StepReport(
+                report.finished_recving - lost,
+                report.failed_recving - lost,
+                report.invalid_block_ids - lost_blocks,
+                report.failures[:1],
+            )
+        if report.invalid_block_ids:
+            self._kvfail_invalid.update(report.invalid_block_ids)
+        return report
+
+
 #: What the self-test expects each control to be flagged by: (scenario, clause in reason).
 EXPECTED_FLAGS: dict[str, tuple[str, str]] = {
     "SwallowsFailure": ("test_failed_load_one_group", "C2/C10 liveness"),
     "ReportsLate": ("test_failed_load_one_group", "C3 late"),
     "ReportsUnknownId": ("test_failed_load_one_group", "C7 crash"),
     "ReportsSuccessOnFailure": ("test_failed_load_one_group", "C1 unreported"),
+    "ReportsOneFailurePerStep": ("test_many_loads_fail_in_one_step", "C2/C10 liveness"),
 }
 
 
