@@ -4,17 +4,18 @@ Why: the fault scenarios of the conformance suite are only worth something if th
 really travel P -> D through vLLM's real connector, and if the fast faults really reach
 D's real scheduler as failures. One P process is shared by every scenario that leaves it
 usable; the cold kill runs last and covers both policies with two requests prefilled
-before the kill. Detection times are printed (``-s``) and attached to the records.
+before the kill.
 
-Measured on a 2-core machine: P and D start in parallel (~10-40 s, imports), each fast
-scenario then takes well under 1 s.
+No assertion reads a detection time: each fault is checked by its cause (the reason
+upstream's D gives for the failure, what the fault proxy saw). The times are printed
+(``-s``) and attached to the records; ``bench/mooncake_detection.py`` measures them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -36,8 +37,6 @@ from kvfail.peers.mooncake import (  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-#: Every fast fault is reported by upstream in < ~1 s; this is the bound, not the budget.
-FAST_REPORT_S = 5.0
 DETECTION: dict[str, float | None] = {}
 
 
@@ -57,6 +56,34 @@ def _violations(pair: MooncakePair, consumer: str, req_id: str, failed: bool) ->
     return oracles.check_all(pair.decoders[consumer], [req_id], failed=failed)
 
 
+def _failure_reasons(
+    pair: MooncakePair, consumer: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[str]]:
+    """Why ``consumer``'s upstream worker fails each load from now on: D request id -> the
+    reasons given to ``_handle_failed_recv``. A reason names the cause, a time would not."""
+    worker = pair.decoders[consumer].workers[0].connector.connector_worker
+    handle = worker._handle_failed_recv
+    reasons: dict[str, list[str]] = {}
+
+    def spy(pull_metas: Mapping[str, Any], req_ids: Collection[str], reason: str) -> None:
+        for req_id in req_ids:
+            meta = pull_metas.get(req_id)
+            if meta is not None and not meta.failed:
+                reasons.setdefault(meta.d_req_id, []).append(reason)
+        handle(pull_metas, req_ids, reason)
+
+    monkeypatch.setattr(worker, "_handle_failed_recv", spy)
+    return reasons
+
+
+def _not_found(params: Mapping[str, Any]) -> str:
+    """Upstream's reason when the bootstrap query did not give D the engine it asked for."""
+    return (
+        f"remote engine_id {params['remote_engine_id']} not found from bootstrap server "
+        f"{params['remote_bootstrap_addr']}"
+    )
+
+
 def _finish(pair: MooncakePair, consumer: str, req_id: str, timeout_s: float = 20.0) -> Any:
     run = pair.run([req_id], consumer=consumer, timeout_s=timeout_s)
     assert run.ok, (run, pair.records[req_id], pair.p.process.output_tail() if pair.p else "")
@@ -68,7 +95,7 @@ def test_happy_path_bytes_arrive_exactly(pair: MooncakePair) -> None:
     _finish(pair, "fail", "happy-0")
     assert pair.verify("happy-0"), rec.mismatches
     assert not rec.failed
-    assert rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    assert rec.reported_s is not None, rec  # named in D's finished_recving
     DETECTION["happy (finished_recving)"] = rec.reported_s
     assert _violations(pair, "fail", "happy-0", failed=False) == []
     assert pair.p is not None
@@ -90,14 +117,18 @@ def test_happy_path_recompute_policy_also_loads(pair: MooncakePair) -> None:
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_wrong_bootstrap_address_is_reported_by_a_cold_d(pair: MooncakePair, policy: str) -> None:
+def test_wrong_bootstrap_address_is_reported_by_a_cold_d(
+    pair: MooncakePair, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A D that never talked to P must query the (wrong, refused) bootstrap address."""
     rid = f"refused-{policy}"
     consumer = pair.consumer(policy, name=f"cold-refused-{policy}")
+    reasons = _failure_reasons(pair, f"cold-refused-{policy}", monkeypatch)
     params = refused_bootstrap(pair.prefill(rid, 100))
     rec = pair.add(rid, params, prompt_len=100, consumer=f"cold-refused-{policy}")
     _finish(pair, f"cold-refused-{policy}", rid)
-    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    assert rec.failed and rec.reported_s is not None, rec
+    assert reasons == {rid: [_not_found(params)]}  # failed at the bootstrap, never pulled
     DETECTION[f"refused bootstrap, cold ({policy})"] = rec.reported_s
     assert oracles.check_all(consumer, [rid], failed=True) == []
     assert not pair.verify(rid)
@@ -117,14 +148,21 @@ def test_bootstrap_through_a_pass_through_proxy_pulls_correct_bytes(pair: Moonca
     assert oracles.check_all(consumer, failed=False) == []
 
 
-def test_bootstrap_reset_by_proxy_is_reported(pair: MooncakePair) -> None:
+def test_bootstrap_reset_by_proxy_is_reported(
+    pair: MooncakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     proxy = pair.bootstrap_proxy()
     proxy.reset()
     consumer = pair.consumer("fail", name="cold-proxy-reset")
+    reasons = _failure_reasons(pair, "cold-proxy-reset", monkeypatch)
     params = MooncakePair.via_proxy(pair.prefill("proxy-reset", 100), proxy)
     rec = pair.add("proxy-reset", params, prompt_len=100, consumer="cold-proxy-reset")
     _finish(pair, "cold-proxy-reset", "proxy-reset")
-    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S, rec
+    assert rec.failed and rec.reported_s is not None, rec
+    # The proxy RST D's query (every try), so the bootstrap never named P's engine.
+    stats = proxy.stats()
+    assert stats.aborted >= 1 and stats.aborted == stats.accepted, stats
+    assert reasons == {"proxy-reset": [_not_found(params)]}
     DETECTION["bootstrap RST by proxy, cold (fail)"] = rec.reported_s
     assert oracles.check_all(consumer, ["proxy-reset"], failed=True) == []
 
@@ -144,12 +182,16 @@ def test_warm_d_ignores_the_bootstrap_address(pair: MooncakePair) -> None:
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_unknown_engine_id_is_reported(pair: MooncakePair, policy: str) -> None:
+def test_unknown_engine_id_is_reported(
+    pair: MooncakePair, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rid = f"unknown-{policy}"
+    reasons = _failure_reasons(pair, policy, monkeypatch)
     params = unknown_engine(pair.prefill(rid, 100))
     rec = pair.add(rid, params, prompt_len=100, consumer=policy)
     _finish(pair, policy, rid)
-    assert rec.failed and rec.reported_s is not None and rec.reported_s < FAST_REPORT_S
+    assert rec.failed and rec.reported_s is not None, rec
+    assert reasons == {rid: [_not_found(params)]}  # P's bootstrap answered, without it
     DETECTION[f"unknown engine id ({policy})"] = rec.reported_s
     assert _violations(pair, policy, rid, failed=True) == []
 
@@ -164,10 +206,16 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     proxy = pair.bootstrap_proxy()
     proxy.blackhole()
     consumer = pair.consumer("fail", name="cold-proxy-blackhole")
+    reasons = _failure_reasons(pair, "cold-proxy-blackhole", monkeypatch)
     params = MooncakePair.via_proxy(pair.prefill("proxy-blackhole", 100), proxy)
     rec = pair.add("proxy-blackhole", params, prompt_len=100, consumer="cold-proxy-blackhole")
+    # At the default timeout (3 x 30 s) this wait would run out: the lowered one ended it.
     _finish(pair, "cold-proxy-blackhole", "proxy-blackhole", timeout_s=15)
-    assert rec.failed and rec.reported_s is not None and rec.reported_s < 10, rec
+    assert rec.failed and rec.reported_s is not None, rec
+    # D's query reached the proxy and got nothing back: only its timeout could end it.
+    stats = proxy.stats()
+    assert stats.accepted >= 1 and stats.bytes_to_client == 0, stats
+    assert reasons == {"proxy-blackhole": [_not_found(params)]}
     DETECTION["bootstrap blackhole, connector timeout 1 s, cold (fail)"] = rec.reported_s
     assert oracles.check_all(consumer, ["proxy-blackhole"], failed=True) == []
 
@@ -196,11 +244,15 @@ def test_p_refuses_an_unknown_fault(pair: MooncakePair) -> None:
         pair.inject("never-added", "no_such_fault")
 
 
-def test_zz_kill_p_cold_is_reported_under_both_policies(pair: MooncakePair) -> None:
+def test_zz_kill_p_cold_is_reported_under_both_policies(
+    pair: MooncakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Runs last (by name): it kills the shared P. Two fresh D engines that never talked
     to this P keep it "cold": D queries P's bootstrap server, which is gone (refused)."""
+    reasons: dict[str, dict[str, list[str]]] = {}
     for policy in ("fail", "recompute"):
         pair.consumer(policy, name=f"cold-{policy}")
+        reasons[policy] = _failure_reasons(pair, f"cold-{policy}", monkeypatch)
     params = {policy: pair.prefill(f"kill-{policy}", 100) for policy in ("fail", "recompute")}
     pair.kill_p()
     for policy, p in params.items():
@@ -211,7 +263,7 @@ def test_zz_kill_p_cold_is_reported_under_both_policies(pair: MooncakePair) -> N
         rid = f"kill-{policy}"
         rec = pair.records[rid]
         assert rec.failed and rec.reported_s is not None, rec
-        assert rec.reported_s < FAST_REPORT_S, rec
+        assert reasons[policy] == {rid: [_not_found(params[policy])]}  # P's bootstrap is gone
         DETECTION[f"kill P cold ({policy})"] = rec.reported_s
         assert _violations(pair, f"cold-{policy}", rid, failed=True) == []
 
