@@ -59,10 +59,6 @@ def _release_seed(req_id: str) -> str:
     return f"released|{req_id}"
 
 
-def _key(engine: Engine) -> str:
-    return str(engine.spec.engine_id)
-
-
 @dataclass(frozen=True)
 class IntegrityItem:
     """One scheduled request in one step: positions ``[0, loaded)`` must hold P's bytes,
@@ -74,7 +70,6 @@ class IntegrityItem:
     computed: int
     write_end: int
     p_seed: str
-    first: bool
 
 
 Wrong = dict[str, list[int]]
@@ -144,22 +139,32 @@ class _Ledger:
 
 
 @dataclass
-class IntegrityLedger:
-    """Scheduler-side state of the oracle for the D engines of one pair."""
+class _EngineState:
+    """The oracle's state for one D engine."""
 
-    #: (D engine id, request id) -> its positions. Keyed by the engine's unique
-    #: ``engine_id``, never ``id()``, which a later engine may reuse.
-    requests: dict[tuple[str, str], _Ledger] = field(default_factory=dict)
-    #: (engine id, request id) -> its released, poisoned blocks still free.
-    watched: dict[tuple[str, str], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    #: engine id -> findings, clause first.
-    findings: dict[str, list[str]] = field(default_factory=dict)
-    #: (engine id, request id) -> the ranks that checked it once already.
-    _checked: dict[tuple[str, str], set[int]] = field(default_factory=dict)
+    #: request id -> its positions.
+    requests: dict[str, _Ledger] = field(default_factory=dict)
+    #: request id -> its released, poisoned blocks still free.
+    watched: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    #: request id -> the ranks that checked it once already.
+    checked: dict[str, set[int]] = field(default_factory=dict)
+    #: Findings so far, clause first.
+    findings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class IntegrityLedger:
+    """Scheduler-side state of the oracle for the D engines of one pair, by the engine's
+    unique ``engine_id`` (never ``id()``, which a later engine may reuse)."""
+
+    engines: dict[str, _EngineState] = field(default_factory=dict)
+
+    def _of(self, engine: Engine) -> _EngineState:
+        return self.engines.setdefault(str(engine.spec.engine_id), _EngineState())
 
     def track(self, engine: Engine, req_id: str, prompt_seed: str, prompt_len: int) -> None:
         """Watch a remote-prefill request D adds."""
-        self.requests[(_key(engine), req_id)] = _Ledger(prompt_seed, prompt_len)
+        self._of(engine).requests[req_id] = _Ledger(prompt_seed, prompt_len)
 
     # ------------------------------------------------------------------ forward
 
@@ -167,21 +172,20 @@ class IntegrityLedger:
         """The checks and writes of this step for every tracked scheduled request."""
         from kvfail.peers.forwards import request_blocks
 
+        state = self._of(engine)
         items: list[IntegrityItem] = []
         for req_id, n in so.num_scheduled_tokens.items():
-            ledger = self.requests.get((_key(engine), req_id))
+            ledger = state.requests.get(req_id)
             if ledger is None:
                 continue
             request = engine.scheduler.requests[req_id]
             # schedule() already advanced num_computed_tokens by this step's tokens.
             start = request.num_computed_tokens - n
-            first = ledger.loaded is None
-            if first:
+            if ledger.loaded is None:  # first schedule: the prefix it starts with was loaded
                 ledger.loaded = min(start, ledger.prompt_len)
             elif start < ledger.computed:  # rescheduled from earlier (preempted, recompute)
-                ledger.loaded = min(ledger.loaded or 0, start)
+                ledger.loaded = min(ledger.loaded, start)
             ledger.computed = start + n
-            assert ledger.loaded is not None
             items.append(
                 IntegrityItem(
                     req_id,
@@ -190,7 +194,6 @@ class IntegrityLedger:
                     start,
                     start + n,
                     ledger.p_seed,
-                    first,
                 )
             )
         return items
@@ -202,22 +205,21 @@ class IntegrityLedger:
         this rank checked for the first time: the pair's own byte check of what the request
         ran on (``wrong``: loaded positions that are not P's). A loaded position that
         changes *after* that check, or a computed one that is not D's, is a finding here."""
+        state = self._of(engine)
         first: list[tuple[str, int, Wrong]] = []
         step = engine.record.steps
-        out = self.findings.setdefault(_key(engine), [])
         for req_id, (p_wrong, d_wrong) in result.items():
-            key = (_key(engine), req_id)
-            checked = self._checked.setdefault(key, set())
+            checked = state.checked.setdefault(req_id, set())
             if rank not in checked:
                 checked.add(rank)
-                first.append((req_id, self.requests[key].loaded or 0, p_wrong))
+                first.append((req_id, state.requests[req_id].loaded or 0, p_wrong))
             elif p_wrong:
-                out.append(
+                state.findings.append(
                     f"C11 wrong KV: {req_id}'s positions loaded from P changed after it ran "
                     f"on them (rank {rank}, step {step}): {p_wrong}"
                 )
             if d_wrong:
-                out.append(
+                state.findings.append(
                     f"C11 wrong KV: {req_id}'s positions computed by D hold other bytes "
                     f"(rank {rank}, step {step}): {d_wrong}"
                 )
@@ -230,18 +232,17 @@ class IntegrityLedger:
         watching released blocks another request now owns."""
         from kvfail.peers.forwards import request_blocks
 
+        state = self._of(engine)
         sched = engine.scheduler
         live: set[int] = set()
         for rid in sched.requests:
             for group in sched.kv_cache_manager.get_block_ids(rid):
                 live.update(group)
-        for key in [k for k in self.watched if k[0] == _key(engine)]:
-            if any(b in live for group in self.watched[key] for b in group):
-                del self.watched[key]
+        reused = [r for r, blocks in state.watched.items() if any(live & set(g) for g in blocks)]
+        for rid in reused:
+            del state.watched[rid]
         pool = sched.kv_cache_manager.block_pool
-        for (eid, rid), ledger in self.requests.items():
-            if eid != _key(engine):
-                continue
+        for rid, ledger in state.requests.items():
             if rid in sched.requests:
                 ledger.blocks = request_blocks(engine, rid)
                 continue
@@ -256,15 +257,14 @@ class IntegrityLedger:
                 continue
             for worker in engine.workers:
                 worker.call(poison_blocks, blocks, rid, world_size=len(engine.workers))
-            self.watched[(eid, rid)] = blocks
+            state.watched[rid] = blocks
 
     def final_findings(self, engine: Engine) -> list[str]:
         """Every finding for ``engine``, after checking the released blocks still free."""
-        out = list(self.findings.get(_key(engine), []))
         self.after_step(engine)
-        for (eid, rid), blocks in self.watched.items():
-            if eid != _key(engine):
-                continue
+        state = self._of(engine)
+        out = list(state.findings)
+        for rid, blocks in state.watched.items():
             for worker in engine.workers:
                 hit = worker.call(check_poison, blocks, rid, world_size=len(engine.workers))
                 if hit:
@@ -276,8 +276,4 @@ class IntegrityLedger:
 
     def forget(self, engine: Engine) -> None:
         """Drop what is kept for a closed engine."""
-        eid = _key(engine)
-        for table in (self.requests, self.watched, self._checked):
-            for key in [k for k in table if k[0] == eid]:
-                del table[key]
-        self.findings.pop(eid, None)
+        self.engines.pop(str(engine.spec.engine_id), None)

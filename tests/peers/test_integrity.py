@@ -8,6 +8,7 @@ transfer would: the oracle must name each write, and stay silent for a clean pul
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -32,17 +33,20 @@ def pair() -> Iterator[MooncakePair]:
         p.close()
 
 
-def _step_until(pair: MooncakePair, done: object, what: str, max_steps: int = 400) -> None:
-    """Step D (observing each step, as the suite does) until ``done()``; bounded."""
+def _step_until(pair: MooncakePair, done: object, what: str, timeout_s: float = 30.0) -> None:
+    """Step D (observing each step, as the suite does) until ``done()``; the transfer runs
+    in the transport's own threads, so steps are paced like ``MooncakePair.run``'s."""
     engine = pair.d
     assert engine is not None
     seen = len(engine.record.kv_reports)
-    for _ in range(max_steps):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
         seen = pair.observe(engine, seen)
         if done():  # type: ignore[operator]
             return
         engine.step()
-    raise AssertionError(f"{what} did not happen within {max_steps} steps")
+        time.sleep(0.005)
+    raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
 
 
 def _scribble(pair: MooncakePair, block: int, position_in_block: int) -> None:
