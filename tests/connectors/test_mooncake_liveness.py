@@ -28,8 +28,9 @@ if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 
 from connectors.mooncake import KvfailMooncakeWorker  # noqa: E402
-from connectors.mooncake.worker import _connect_probe, _seconds, _tcp_endpoint  # noqa: E402
+from connectors.mooncake.worker import _connect_probe, _tcp_endpoint  # noqa: E402
 from kvfail import Stage  # noqa: E402
+from kvfail.deadline import seconds_from  # noqa: E402
 from kvfail.harness import oracles  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 
@@ -89,12 +90,12 @@ def test_probe_verdicts_on_loopback() -> None:
 
 def test_probe_interval_config() -> None:
     key = "kvfail_probe_interval_s"
-    assert _seconds({}, key, 0.2) == 0.2
-    assert not _seconds({key: 0}, key, 0.2)  # 0 and None switch the probe off
-    assert _seconds({key: None}, key, 0.2) is None
+    assert seconds_from({}, key, 0.2) == 0.2
+    assert not seconds_from({key: 0}, key, 0.2)  # 0 and None switch the probe off
+    assert seconds_from({key: None}, key, 0.2) is None
     for bad in (-1, "0.2", True):
         with pytest.raises(ValueError):
-            _seconds({key: bad}, key, 0.2)
+            seconds_from({key: bad}, key, 0.2)
 
 
 def test_stopped_then_resumed_p_is_not_failed_by_the_probe(pair: MooncakePair) -> None:
