@@ -6,15 +6,15 @@ only stopped (its socket stays: connects complete). Only a real P, killed or SIG
 with real signals, tests that. P runs upstream's ``MooncakeConnector`` in its own process
 (:class:`kvfail.peers.mooncake.MooncakePair`); D runs ours on the real Scheduler.
 
-One P is shared: the no-false-positive test runs first, the kill test last. Timing
-asserts are only the contract bound (a dead P is failed within 1 s) with a wide margin.
+One P is shared: the no-false-positive test runs first, the kill test last. No assertion
+reads the clock: a kill is checked by its cause (the probe's stage, a report after the
+kill). How soon a dead P is failed is ``bench/mooncake_detection.py``'s figure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -36,8 +36,6 @@ from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-#: The contract: a dead P is failed within 1 s; the margin covers a busy 2-core machine.
-PEER_LOST_BOUND_S = 5.0
 #: Far above anything measured here, so only the probe can fail a load in these tests.
 DEADLINE_S = 60.0
 #: How long P stays stopped in the no-false-positive test: many probe intervals, well
@@ -65,6 +63,13 @@ def _worker(pair: MooncakePair, consumer: str) -> KvfailMooncakeWorker:
     worker = pair.decoders[consumer].workers[0].connector.connector_worker  # type: ignore[attr-defined]
     assert isinstance(worker, KvfailMooncakeWorker)
     return worker
+
+
+def _report_step(pair: MooncakePair, consumer: str, req_id: str) -> int | None:
+    """The D engine step whose scheduler report first named ``req_id``."""
+    reports = pair.decoders[consumer].record.scheduler_reports()
+    named = (r.step for r in reports if req_id in r.failed_requests | r.finished_recving)
+    return next(named, None)
 
 
 def _warm(pair: MooncakePair, consumer: str) -> None:
@@ -129,7 +134,7 @@ def test_zz_killed_p_fails_in_flight_and_new_pulls_with_peer_lost(pair: Mooncake
     pair.add("midpull-x", params["midpull"], prompt_len=100, consumer="midpull")
     run = pair.run(["midpull-x"], consumer="midpull", timeout_s=0.5)
     assert run.reason == "timeout" and not pair.records["midpull-x"].failed, run
-    killed_at = time.monotonic()
+    steps_at_kill = {name: pair.decoders[name].record.steps for name in ("midpull", "after")}
     pair.kill_p()
     pair.add("after-x", params["after"], prompt_len=100, consumer="after")
     run = pair.run(consumers=["midpull", "after"], timeout_s=30)
@@ -137,9 +142,11 @@ def test_zz_killed_p_fails_in_flight_and_new_pulls_with_peer_lost(pair: Mooncake
     for name in ("midpull", "after"):
         rec = pair.records[f"{name}-x"]
         assert rec.failed and rec.reported_s is not None, rec
-        since_kill = rec.added_at + rec.reported_s - killed_at
-        assert since_kill < PEER_LOST_BOUND_S, (name, since_kill)
+        # Reported in a step after the kill, and by the probe, not by the deadline.
+        step = _report_step(pair, name, f"{name}-x")
+        assert step is not None and step >= steps_at_kill[name], (name, step, steps_at_kill)
         stats = _worker(pair, name).failure_stats()
         assert stats.failed_by_stage[Stage.PEER_LOST] == 1, stats
+        assert stats.failed_by_stage[Stage.WATCHDOG] == 0, stats
         assert stats["loads_failed"] == 1, stats
         assert oracles.check_all(pair.decoders[name], [f"{name}-x"], failed=True) == []
