@@ -117,10 +117,11 @@ def _note_failure_steps(kvfail: Any, engine: Any, rids: list[str]) -> None:
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
 @pytest.mark.guards("#50719", "#55870")
 def test_many_loads_fail_in_one_step(kvfail: Any) -> None:
-    """``MANY`` loads from one P, each answered with an error (the toy: all failed before
-    one step, so a single drain carries every failure). Every one is reported failed,
-    exactly once, paired with finished_recving, and ends as the policy says; none is
-    lost behind the first failure of the step, and nothing leaks."""
+    """``MANY`` loads from one P, each failed by the first fault of ``ALL_FAIL`` the
+    driver has (a real P's error reply to the batched pull, params naming an unknown
+    engine; the toy fails them all before one step, so one drain carries every failure).
+    Every one is reported failed, exactly once, paired with finished_recving, and ends as
+    the policy says; none is lost behind the first failure of the step; nothing leaks."""
     kvfail.require("remote_prefill", "async_load")
     point = kvfail.require_fault(*ALL_FAIL)
     engine = kvfail.engine()
@@ -139,10 +140,11 @@ def test_many_loads_fail_in_one_step(kvfail: Any) -> None:
 @pytest.mark.guards("#50719", "#55870", "HF3FS")
 def test_failures_and_successes_same_step(kvfail: Any) -> None:
     """``MANY`` loads from one P started together; every other one fails (a fault that
-    names one request: over Mooncake P's reply names the failed ones and serves the rest
-    of the same pull), the others succeed, in the same step where the driver can choose
-    (the toy). Failures are reported failed and end as the policy says; successes are
-    successes: never reported failed, and (``byte_verification``) run on P's bytes."""
+    names one request: P's reply names the failed ones and serves the rest of the same
+    pull, or one request's params name an unknown engine), the others succeed, in the
+    same step where the driver can choose (the toy). Failures are reported failed and end
+    as the policy says; successes are successes: never reported failed, and
+    (``byte_verification``) run on P's bytes."""
     kvfail.require("remote_prefill", "async_load")
     point = kvfail.require_fault(*ONE_OF_MANY)
     engine = kvfail.engine()
