@@ -35,7 +35,6 @@ import importlib
 import importlib.metadata
 import json
 import signal
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -285,8 +284,13 @@ class ToyDriver(Driver):
         self.connector_cls = connector_cls or ToyConnector
         if not issubclass(self.connector_cls, ToyConnector):
             raise TypeError(f"{self.connector_cls.__name__} is not a ToyConnector")
-        self._patterns: dict[tuple[int, str], dict[str, Any]] = {}
-        self._blocks: dict[tuple[int, str], list[list[int]]] = {}
+        #: (D engine id, request id) -> rank -> (tokens loaded, wrong positions) at the
+        #: request's first schedule: the byte check of what it ran on.
+        self._first: dict[tuple[str, str], dict[int, tuple[int, dict[str, list[int]]]]] = {}
+        from kvfail.peers.integrity import IntegrityLedger
+
+        #: The KV-integrity oracle; the in-memory P sends every rank the same bytes.
+        self._integrity = IntegrityLedger(rank_seeded=False)
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
@@ -330,26 +334,51 @@ class ToyDriver(Driver):
             extra_config=extra,
         )
 
+    def build_engine(
+        self,
+        policy: Policy,
+        *,
+        num_kv_cache_groups: int = 1,
+        tp_size: int = 1,
+        deadline: bool = False,
+    ) -> Engine:
+        """D with the integrity oracle as its forward (see :mod:`kvfail.peers.integrity`)."""
+        from kvfail.harness.engine import Engine
+
+        spec = self.engine_spec(
+            policy, num_kv_cache_groups=num_kv_cache_groups, tp_size=tp_size, deadline=deadline
+        )
+        return Engine(spec, forward=self._integrity.split_forward(on_first=self._on_first))
+
+    def _on_first(
+        self, engine: Engine, rank: int, req_id: str, loaded: int, wrong: dict[str, list[int]]
+    ) -> None:
+        self._first.setdefault((str(engine.spec.engine_id), req_id), {})[rank] = (loaded, wrong)
+
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
         import torch
 
         from kvfail.harness.toy import TRANSPORT
+        from kvfail.peers.pattern import write_pattern
 
         block_size = engine.spec.block_size
         num_blocks = max((prompt_len - 1) // block_size, 0)
-        gen = torch.Generator().manual_seed(zlib.crc32(request_id.encode()))
-        caches = engine.workers[0].kv_caches
-        layers = {
-            name: torch.randn((num_blocks, *cache.shape[1:]), generator=gen).to(cache.dtype)
-            for name, cache in caches.items()
-        }
+        worker = engine.workers[0]
+        layers = {}
+        # P's prefill, as a real P writes it: the pattern of this prompt, token by token.
+        for layer, name in enumerate(worker.view(1).built.layer_names):
+            cache = worker.kv_caches[name]
+            data = torch.zeros((num_blocks, *cache.shape[1:]), dtype=cache.dtype)
+            write_pattern(data, layer, range(num_blocks), 0, num_blocks * block_size, request_id)
+            layers[name] = data
         TRANSPORT.put((self.REMOTE_ENGINE, request_id), layers)
-        self._patterns[(id(engine), request_id)] = layers
+        self._integrity.track(engine, request_id, request_id, prompt_len)
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
+            prompt_seed=request_id,
             max_tokens=max_tokens,
             kv_transfer_params={
                 "do_remote_prefill": True,
@@ -366,8 +395,6 @@ class ToyDriver(Driver):
     def settle(
         self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
     ) -> None:
-        blocks = engine.scheduler.kv_cache_manager.get_block_ids(request_id)
-        self._blocks[(id(engine), request_id)] = [list(g) for g in blocks]
         for worker in self._workers(engine, ranks):
             worker.connector.complete(request_id)
 
@@ -398,26 +425,30 @@ class ToyDriver(Driver):
         # set up by the scenario (a request with no loadable block): nothing to do here.
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        layers = self._patterns.get((id(engine), request_id))
-        blocks = self._blocks.get((id(engine), request_id))
-        if layers is None or blocks is None:
-            return f"no pattern or block ids recorded for {request_id}"
-        groups = engine.kv_cache_config.kv_cache_groups
-        group_of = {n: g for g, group in enumerate(groups) for n in group.layer_names}
-        for worker in engine.workers:
-            for name, expected in layers.items():
-                ids = blocks[group_of[name]][: expected.shape[0]]
-                got = worker.kv_caches[name][ids]
-                if got.shape != expected.shape or not bool((got == expected).all()):
-                    return f"rank {worker.rank} layer {name}: D's blocks {ids} differ from P's"
+        first = self._first.get((str(engine.spec.engine_id), request_id))
+        if first is None or set(first) != {w.rank for w in engine.workers}:
+            return f"{request_id} never ran on every rank after its load: no bytes were checked"
+        for rank, (loaded, wrong) in sorted(first.items()):
+            if loaded == 0:
+                return f"rank {rank}: {request_id} was computed locally, nothing was loaded"
+            if wrong:
+                return f"rank {rank}: loaded positions differ from P's: {wrong}"
         return None
+
+    def observe(self, engine: Engine) -> None:
+        self._integrity.after_step(engine)
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        return self._integrity.final_findings(engine)
+
+    def after_scenario(self) -> None:
+        self._integrity.engines.clear()  # the scenario's engines are closed
 
     def stop(self) -> None:
         from kvfail.harness.toy import TRANSPORT
 
         TRANSPORT.clear()
-        self._patterns.clear()
-        self._blocks.clear()
+        self._first.clear()
 
 
 # ------------------------------------------------------------------------ generic

@@ -286,16 +286,22 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         load = self._inflight.get(req_id)
         if load is None:
             return False
-        data = TRANSPORT.get(load.key) if load.key else None
-        if data is not None:
-            for name, cache in self.kv_caches.items():
-                src = data.get(name)
-                dst = list(load.block_ids[self._group_of[name]])
-                if src is None or not dst:
-                    continue
-                n = min(len(dst), src.shape[0])
-                cache[dst[:n]] = src[:n]
+        self._deliver(load)
         return self.load_succeeded(req_id)
+
+    def _deliver(self, load: ToyLoad, *, missing: int | None = None) -> None:
+        """Copy the producer's bytes into the load's blocks, except block index ``missing``
+        of every group (a transfer that lost one block delivered the others)."""
+        data = TRANSPORT.get(load.key) if load.key else None
+        if data is None:
+            return
+        for name, cache in self.kv_caches.items():
+            src = data.get(name)
+            dst = list(load.block_ids[self._group_of[name]])
+            if src is None or not dst:
+                continue
+            keep = [i for i in range(min(len(dst), src.shape[0])) if i != missing]
+            cache[[dst[i] for i in keep]] = src[keep]
 
     def fail(
         self,
@@ -305,11 +311,15 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         reason: str = "toy: commanded failure",
         block_index: int | None = None,
     ) -> bool:
-        """Fail a load; ``block_index`` narrows it to one block (index into group 0)."""
+        """Fail a load; ``block_index`` narrows it to one block (index into group 0): the
+        other blocks arrived, so the scheduler may keep them as computed."""
         load = self._inflight.get(req_id)
         if load is None:
             return False
-        narrowed = None if block_index is None else [load.block_ids[0][block_index]]
+        narrowed = None
+        if block_index is not None:
+            self._deliver(load, missing=block_index)
+            narrowed = [load.block_ids[0][block_index]]
         return self.load_failed(req_id, stage, reason, block_ids=narrowed)
 
     def inject(

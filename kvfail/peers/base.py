@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING, Any
 from kvfail.faults import PeerExitedError, PeerProcess, free_port
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-
     from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
-    from kvfail.peers.integrity import IntegrityItem, IntegrityLedger
+    from kvfail.peers.integrity import IntegrityLedger
 
 _log = logging.getLogger("kvfail.peers")
 
@@ -388,25 +386,18 @@ class PeerPair:
         """D's forward, on every rank wherever the ranks run: the integrity oracle's
         checks and writes (:mod:`kvfail.peers.integrity`); a request's first schedule
         also gives its byte check (:meth:`verify`)."""
-        from kvfail.harness.hooks import SplitForward
-        from kvfail.peers.integrity import apply_integrity
+        return self.integrity.split_forward(on_first=self._first_check)
 
-        return SplitForward(plan=self._plan_check, apply=apply_integrity, collect=self._collect)
-
-    def _plan_check(self, engine: Engine, so: SchedulerOutput) -> list[IntegrityItem] | None:
-        return self.integrity.plan(engine, so) or None
-
-    def _collect(self, engine: Engine, rank: int, result: dict[str, Any]) -> None:
-        for req_id, loaded, wrong in self.integrity.collect(engine, rank, result):
-            rec = self.records.get(req_id)
-            if rec is None:
-                continue
-            rec.checked_ranks.add(rank)
-            if loaded == 0:  # computed locally (no load, or recompute): nothing was used
-                rec.mismatches[f"rank{rank}"] = []
-            for name, positions in wrong.items():
-                rec.mismatches[f"rank{rank}:{name}"] = positions
-            rec.verified = not rec.mismatches
+    def _first_check(self, engine: Engine, rank: int, req_id: str, loaded: int, wrong: Any) -> None:
+        rec = self.records.get(req_id)
+        if rec is None:
+            return
+        rec.checked_ranks.add(rank)
+        if loaded == 0:  # computed locally (no load, or recompute): nothing was used
+            rec.mismatches[f"rank{rank}"] = []
+        for name, positions in wrong.items():
+            rec.mismatches[f"rank{rank}:{name}"] = positions
+        rec.verified = not rec.mismatches
 
     def integrity_findings(self, engine: Engine) -> list[str]:
         """The integrity oracle's findings for ``engine`` (clause first; empty: intact)."""

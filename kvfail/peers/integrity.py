@@ -24,7 +24,7 @@ what was computed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvfail.harness import Engine
-    from kvfail.harness.hooks import RankView
+    from kvfail.harness.hooks import RankView, SplitForward
 
 __all__ = [
     "IntegrityItem",
@@ -70,6 +70,8 @@ class IntegrityItem:
     computed: int
     write_end: int
     p_seed: str
+    #: The patterns differ per TP rank (a real P writes each rank's head shard).
+    rank_seeded: bool = True
 
 
 Wrong = dict[str, list[int]]
@@ -79,8 +81,9 @@ def apply_integrity(view: RankView, items: list[IntegrityItem]) -> dict[str, tup
     """On a rank: request -> (layers with wrong loaded positions, with wrong computed ones)."""
     out: dict[str, tuple[Wrong, Wrong]] = {}
     for item in items:
-        p_seed = rank_seed(item.p_seed, view)
-        own = rank_seed(d_seed(item.p_seed), view)
+        p_seed, own = item.p_seed, d_seed(item.p_seed)
+        if item.rank_seeded:
+            p_seed, own = rank_seed(p_seed, view), rank_seed(own, view)
         p_wrong: Wrong = {}
         d_wrong: Wrong = {}
         for layer, name in enumerate(view.built.layer_names):
@@ -158,6 +161,28 @@ class IntegrityLedger:
     unique ``engine_id`` (never ``id()``, which a later engine may reuse)."""
 
     engines: dict[str, _EngineState] = field(default_factory=dict)
+    #: P's pattern differs per TP rank (False for an in-memory P that sends every rank
+    #: the same bytes).
+    rank_seeded: bool = True
+
+    def split_forward(
+        self, on_first: Callable[[Engine, int, str, int, Wrong], None] | None = None
+    ) -> SplitForward:
+        """D's forward: this oracle's checks and writes on every rank, wherever it runs.
+        ``on_first(engine, rank, request, loaded, wrong)`` sees each request's first check
+        on each rank (the byte check of what it ran on)."""
+        from kvfail.harness.hooks import SplitForward
+
+        def collect(engine: Engine, rank: int, result: dict[str, tuple[Wrong, Wrong]]) -> None:
+            for req_id, loaded, wrong in self.collect(engine, rank, result):
+                if on_first is not None:
+                    on_first(engine, rank, req_id, loaded, wrong)
+
+        return SplitForward(
+            plan=lambda engine, so: self.plan(engine, so) or None,
+            apply=apply_integrity,
+            collect=collect,
+        )
 
     def _of(self, engine: Engine) -> _EngineState:
         return self.engines.setdefault(str(engine.spec.engine_id), _EngineState())
@@ -194,6 +219,7 @@ class IntegrityLedger:
                     start,
                     start + n,
                     ledger.p_seed,
+                    self.rank_seeded,
                 )
             )
         return items
@@ -213,6 +239,11 @@ class IntegrityLedger:
             if rank not in checked:
                 checked.add(rank)
                 first.append((req_id, state.requests[req_id].loaded or 0, p_wrong))
+                if p_wrong:
+                    state.findings.append(
+                        f"C1 wrong KV: {req_id} ran on positions loaded from P that hold "
+                        f"other bytes (rank {rank}, step {step}): {p_wrong}"
+                    )
             elif p_wrong:
                 state.findings.append(
                     f"C11 wrong KV: {req_id}'s positions loaded from P changed after it ran "
