@@ -283,10 +283,11 @@ class NixlDriver(PairDriver):
         self._scenario_pair = pair
         params = self._prefill(pair, request_id, prompt_len)
         point = self._fault_at_add.pop((id(engine), request_id), None)
-        if point is FaultPoint.REFUSE:
-            params = wrong_port(params)
-        elif point is FaultPoint.UNKNOWN_ENGINE:
-            params = unknown_engine(params)
+        if point in (FaultPoint.REFUSE, FaultPoint.UNKNOWN_ENGINE):
+            # D never reaches P for these, so P is never told: its send lease is ended
+            # after the scenario, or many such pulls would fill P's blocks for the next.
+            self._unreleased.append(params["remote_request_id"])
+            params = wrong_port(params) if point is FaultPoint.REFUSE else unknown_engine(params)
         elif point in self.BAD_METADATA:
             self._bad_metadata = self.BAD_METADATA[point]
             pair.serve_bad_metadata(self._bad_metadata)
