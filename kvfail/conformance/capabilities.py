@@ -46,7 +46,8 @@ def overrides_below_base(cls: type, method: str, base: type) -> bool:
         if klass is base:
             return False
         if method in klass.__dict__:
-            return True
+            # A class that sets the name back to the base's own function overrides nothing.
+            return klass.__dict__[method] is not base.__dict__.get(method)
     return False
 
 

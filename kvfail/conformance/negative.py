@@ -29,6 +29,12 @@ class                      what is broken                               clause  
                            success with wrong bytes (the HF3FS pattern)
 ``ReportsOneFailurePerStep``when several loads fail in one step, only the C1/C2    stall
                            first is reported; the others wait forever
+``NoFailureChannel``       no failure channel at all: a failed load is  C1       unreported
+                           reported as a plain completion (not skipped)
+``ReportsFewerBlocks``     a failure names one block where none arrived C1       wrong KV
+                           (``recompute`` runs on unwritten blocks)
+``WritesAfterRelease``     fails fast without a fence; the transfer     C11      integrity
+                           writes after the blocks were released
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
@@ -40,9 +46,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorTransferResults,
+)
 
 from kvfail.harness.toy import ToyConnector
 from kvfail.stages import Stage
@@ -51,11 +60,15 @@ from kvfail.tracker import StepReport
 __all__ = [
     "EXPECTED_FLAGS",
     "EXPECTED_FLAGS_REAL",
+    "Flag",
+    "NoFailureChannel",
+    "ReportsFewerBlocks",
     "ReportsLate",
     "ReportsOneFailurePerStep",
     "ReportsSuccessOnFailure",
     "ReportsUnknownId",
     "SwallowsFailure",
+    "WritesAfterRelease",
 ]
 
 log = logging.getLogger("kvfail.conformance.negative")
@@ -150,13 +163,101 @@ class ReportsOneFailurePerStep(ToyConnector):
         return report
 
 
-#: What the self-test expects each control to be flagged by: (scenario, clause in reason).
-EXPECTED_FLAGS: dict[str, tuple[str, str]] = {
-    "SwallowsFailure": ("test_failed_load_one_group", "C2/C10 liveness"),
-    "ReportsLate": ("test_failed_load_one_group", "C3 late"),
-    "ReportsUnknownId": ("test_failed_load_one_group", "C7 crash"),
-    "ReportsSuccessOnFailure": ("test_failed_load_one_group", "C1 unreported"),
-    "ReportsOneFailurePerStep": ("test_many_loads_fail_in_one_step", "C2/C10 liveness"),
+class NoFailureChannel(ToyConnector):
+    """Has no way to report a failed load: only the pre-contract ``get_finished``, so a
+    failure goes out as a plain completion. Its class overrides neither
+    ``get_transfer_results`` nor ``get_block_ids_with_load_errors`` (both are the base's),
+    so it has no failure channel by introspection; the failed-load scenarios must still
+    run for it and fail (reporting a failed load is a MUST), never be skipped."""
+
+    get_transfer_results = KVConnectorBase_V1.get_transfer_results
+    get_block_ids_with_load_errors = KVConnectorBase_V1.get_block_ids_with_load_errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = ToyConnector.get_transfer_results(self, finished_req_ids)
+        ToyConnector.get_block_ids_with_load_errors(self)  # drained, and dropped
+        done = results.finished_recving | results.failed_recving
+        return set(results.finished_sending), set(done)
+
+
+class ReportsFewerBlocks(ToyConnector):
+    """Names fewer blocks than are missing: a transfer that delivered nothing is reported
+    as a failure of one block, so under ``recompute`` the scheduler keeps the blocks
+    before it as computed and runs on bytes nobody wrote (C1, wrong KV). Under ``fail``
+    the request ends in an error and nothing runs on them."""
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        load = self._inflight.get(req_id)
+        if load is None:
+            return False
+        named = load.block_ids[0][-1 if block_index is None else block_index]
+        return self.load_failed(req_id, stage, reason, block_ids=[named])  # nothing delivered
+
+
+class WritesAfterRelease(ToyConnector):
+    """Fails fast without a fence: a failed load is reported at once, but its transfer
+    goes on and writes P's bytes into the load's blocks two drains later, when the
+    scheduler has released them (``fail``) or D has recomputed into them (``recompute``).
+    The integrity oracle names the write (C11); no report-level check can see it."""
+
+    #: Drains between the failure report and the late write.
+    LATE_DRAINS = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._late: list[list[Any]] = []
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        load = self._inflight.get(req_id)
+        if load is not None:
+            self._late.append([self.LATE_DRAINS, load])
+        return super().fail(req_id, stage=stage, reason=reason, block_index=block_index)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for entry in self._late:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self._deliver(entry[1])
+        self._late = [e for e in self._late if e[0] > 0]
+        return super().get_transfer_results(finished_req_ids)
+
+
+class Flag(NamedTuple):
+    """Where the self-test expects a control to be flagged, and for what."""
+
+    scenario: str
+    #: Text the scenario's failure must contain (the clause first).
+    clause: str
+    #: The policies under which the scenario must flag it.
+    policies: frozenset[str] = frozenset({"fail", "recompute"})
+
+
+#: What the self-test expects each control to be flagged by.
+EXPECTED_FLAGS: dict[str, Flag] = {
+    "SwallowsFailure": Flag("test_failed_load_one_group", "C2/C10 liveness"),
+    "ReportsLate": Flag("test_failed_load_one_group", "C3 late"),
+    "ReportsUnknownId": Flag("test_failed_load_one_group", "C7 crash"),
+    "ReportsSuccessOnFailure": Flag("test_failed_load_one_group", "C1 unreported"),
+    "ReportsOneFailurePerStep": Flag("test_many_loads_fail_in_one_step", "C2/C10 liveness"),
+    "NoFailureChannel": Flag("test_failed_load_one_group", "C1 unreported"),
+    "ReportsFewerBlocks": Flag(
+        "test_failed_load_one_group", "C1 wrong KV", frozenset({"recompute"})
+    ),
+    "WritesAfterRelease": Flag("test_failures_and_successes_same_step", "C11 "),
 }
 
 
@@ -287,12 +388,12 @@ if _KvfailMooncake is not None:
 #: Real-connector controls: class -> (scenario, clause text in the failure reason). The
 #: suite's REAL_BUDGET_S (20 s) is below the connector's default deadline (30 s), which is
 #: what makes a swallowed failure a liveness violation rather than a late watchdog report.
-EXPECTED_FLAGS_REAL: dict[str, tuple[str, str]] = (
+EXPECTED_FLAGS_REAL: dict[str, Flag] = (
     {
-        "SwallowingMooncake": ("test_failed_load_one_group", "C2/C10 liveness"),
-        "LateMooncake": ("test_failed_load_one_group", "C3 late"),
-        "UnknownIdMooncake": ("test_failed_load_one_group", "C7 crash"),
-        "SuccessOnFailureMooncake": ("test_failed_load_one_group", "C1 wrong bytes"),
+        "SwallowingMooncake": Flag("test_failed_load_one_group", "C2/C10 liveness"),
+        "LateMooncake": Flag("test_failed_load_one_group", "C3 late"),
+        "UnknownIdMooncake": Flag("test_failed_load_one_group", "C7 crash"),
+        "SuccessOnFailureMooncake": Flag("test_failed_load_one_group", "C1 wrong bytes"),
     }
     if _KvfailMooncake is not None
     else {}
