@@ -35,6 +35,7 @@ import importlib
 import importlib.metadata
 import json
 import signal
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -271,10 +272,18 @@ class ToyDriver(Driver):
     Loads run in the toy's ``hold`` mode so the driver decides when each one ends; P is
     played by writing a seeded byte pattern into the toy's in-memory transport, so D's
     blocks can be compared with it afterwards.
+
+    ``net_delay``: the in-memory P answers by itself, :attr:`DELAY_STEPS` D steps after
+    the load was first seen waiting (counted in :meth:`observe`), so a connector that
+    fails a load after one step is caught. A toy step takes milliseconds, far below the
+    toy's :attr:`DEADLINE_S`; a step count, not a sleep, keeps the delay the same on a
+    loaded machine.
     """
 
     #: The toy reporter's watchdog deadline used by the silent-peer scenario.
     DEADLINE_S = 0.5
+    #: D steps a ``net_delay`` load waits before the in-memory P answers.
+    DELAY_STEPS = 3
     REMOTE_ENGINE = "P-toy"
 
     def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:
@@ -291,6 +300,13 @@ class ToyDriver(Driver):
 
         #: The KV-integrity oracle; the in-memory P sends every rank the same bytes.
         self._integrity = IntegrityLedger(rank_seeded=False)
+        #: (D engine id, request id) -> steps seen waiting, for ``net_delay`` loads.
+        self._delayed: dict[tuple[str, str], int] = {}
+        #: (D engine id, request id) -> when it was added / first named in a report.
+        self._added_at: dict[tuple[str, str], float] = {}
+        self._reported_s: dict[tuple[str, str], float] = {}
+        #: D engine id -> how many of its ``kv_reports`` :meth:`observe` has read.
+        self._reports_read: dict[str, int] = {}
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
@@ -301,6 +317,7 @@ class ToyDriver(Driver):
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
                 FaultPoint.TP_ONE_RANK,
+                FaultPoint.NET_DELAY,  # the in-memory P answers DELAY_STEPS steps late
             }
         )
 
@@ -375,6 +392,7 @@ class ToyDriver(Driver):
             layers[name] = data
         TRANSPORT.put((self.REMOTE_ENGINE, request_id), layers)
         self._integrity.track(engine, request_id, request_id, prompt_len)
+        self._added_at[(str(engine.spec.engine_id), request_id)] = time.monotonic()
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
@@ -387,6 +405,11 @@ class ToyDriver(Driver):
             },
         )
         return request_id
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
+        """``net_delay`` is set up before the request exists; the rest are provoked."""
+        if point is FaultPoint.NET_DELAY:
+            self._delayed[(str(engine.spec.engine_id), request_id)] = 0
 
     def _workers(self, engine: Engine, ranks: Iterable[int] | None) -> list[Any]:
         wanted = None if ranks is None else set(ranks)
@@ -422,7 +445,8 @@ class ToyDriver(Driver):
         elif point is FaultPoint.ABORT_WHILE_WAITING:
             engine.abort(request_id)
         # FREEZE_PEER: the toy transport simply never answers; NOTIFY_ONLY_EMPTY_BLOCKS is
-        # set up by the scenario (a request with no loadable block): nothing to do here.
+        # set up by the scenario (a request with no loadable block); NET_DELAY answers by
+        # itself (see observe): nothing to do here.
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
         first = self._first.get((str(engine.spec.engine_id), request_id))
@@ -437,12 +461,40 @@ class ToyDriver(Driver):
 
     def observe(self, engine: Engine) -> None:
         self._integrity.after_step(engine)
+        eid = str(engine.spec.engine_id)
+        # Detection times: when a report first named each request (for detection_s).
+        reports = engine.record.kv_reports
+        now = time.monotonic()
+        for report in reports[self._reports_read.get(eid, 0) :]:
+            if report.rank is None:
+                for rid in report.finished_recving | report.failed_recving:
+                    self._reported_s.setdefault((eid, rid), now)
+        self._reports_read[eid] = len(reports)
+        # net_delay: the in-memory P answers once the load has waited DELAY_STEPS steps.
+        waiting = engine.waiting_for_remote()
+        for key in [k for k in self._delayed if k[0] == eid]:
+            if key[1] not in waiting:
+                if self._delayed[key]:  # it waited and ended otherwise (failed, aborted)
+                    del self._delayed[key]
+                continue
+            self._delayed[key] += 1
+            if self._delayed[key] >= self.DELAY_STEPS:
+                del self._delayed[key]
+                self.settle(engine, key[1])
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        key = (str(engine.spec.engine_id), request_id)
+        if key not in self._reported_s or key not in self._added_at:
+            return None
+        return self._reported_s[key] - self._added_at[key]
 
     def integrity_findings(self, engine: Engine) -> list[str]:
         return self._integrity.final_findings(engine)
 
     def after_scenario(self) -> None:
         self._integrity.engines.clear()  # the scenario's engines are closed
+        for timed in (self._delayed, self._added_at, self._reported_s, self._reports_read):
+            timed.clear()
 
     def stop(self) -> None:
         from kvfail.harness.toy import TRANSPORT
@@ -592,6 +644,10 @@ class PairDriver(Driver):
     #: key kvfail's connectors read (:data:`kvfail.deadline.DEADLINE_KEY`); a connector that
     #: does not read it ignores it. The suite judges by what the connector declares.
     SCENARIO_DEADLINE_S = 3.0
+    #: How late a slow but live P answers (``net_delay``): many D steps long, and far
+    #: enough below :attr:`SCENARIO_DEADLINE_S` that a cold D's own set-up (bootstrap,
+    #: first connection) on a loaded machine still fits before it.
+    NET_DELAY_S = 0.5
     #: ``kvfail.peers.<transport>``: holds the pair and ``<transport>_available``.
     pair_module = ""
     #: The pair class's name, for messages.
@@ -844,6 +900,9 @@ class MooncakeDriver(PairDriver):
       ``peer_err_reqs``, ``peer_finish_without_result``: see ``kvfail.peers.producer``);
     * network/params faults: a refused bootstrap address, an unknown engine id, a
       blackholed bootstrap proxy, malformed ``kv_transfer_params``;
+    * a slow but live P (``net_delay``): P's sender sleeps :attr:`NET_DELAY_S` before it
+      serves the pull for real, so the transfer and its reply come late (P-side, in the
+      real process: a proxy in front of the bootstrap would delay only the lookup);
     * driver-side abort and empty pulls.
 
     P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
@@ -932,6 +991,7 @@ class MooncakeDriver(PairDriver):
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.NET_BLACKHOLE,
+                FaultPoint.NET_DELAY,
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
                 FaultPoint.TP_ONE_RANK,
@@ -1021,6 +1081,8 @@ class MooncakeDriver(PairDriver):
             pair.inject(request_id, "err_reqs")
         elif point is FaultPoint.PEER_FINISH_WITHOUT_RESULT:
             pair.inject(request_id, "finish_without_result")
+        elif point is FaultPoint.NET_DELAY:
+            pair.inject(request_id, "delay", delay_s=self.NET_DELAY_S)
         elif point is FaultPoint.KILL_BEFORE_PULL:
             pair.kill_p()
         elif point is FaultPoint.KILL_DURING_TRANSFER:

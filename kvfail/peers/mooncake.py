@@ -133,10 +133,13 @@ class ProducerHandle(ProducerHandleBase):
         timeout_s: float = 10.0,
         *,
         ranks: Iterable[int] | None = None,
+        delay_s: float | None = None,
     ) -> dict[str, Any]:
         """Arm a fault for D's next pull naming ``req_id`` (see the producer), on every
-        P rank or only on ``ranks``."""
+        P rank or only on ``ranks``; ``delay_s`` is how long a ``delay`` fault holds it."""
         cmd: dict[str, Any] = {"cmd": "inject", "req_id": req_id, "fault": fault}
+        if delay_s is not None:
+            cmd["delay_s"] = delay_s
         if ranks is not None:
             cmd["ranks"] = list(ranks)
         return self.request(cmd, timeout_s)
@@ -282,10 +285,17 @@ class MooncakePair(PeerPair):
         producer: ProducerHandle = self._ready_producer()
         return producer
 
-    def inject(self, req_id: str, fault: str, *, ranks: Iterable[int] | None = None) -> None:
+    def inject(
+        self,
+        req_id: str,
+        fault: str,
+        *,
+        ranks: Iterable[int] | None = None,
+        delay_s: float | None = None,
+    ) -> None:
         """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``), on
-        every P rank or only on ``ranks``."""
-        self._producer().inject(req_id, fault, ranks=ranks)
+        every P rank or only on ``ranks`` (a ``delay`` fault: ``delay_s`` late)."""
+        self._producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
 
     # ------------------------------------------------------------------ requests
 

@@ -25,8 +25,9 @@ the reply echoes:
   ``error_response`` (an ERROR reply to the whole pull), ``err_reqs`` (``err_reqs``
   naming the armed requests, the rest of the pull served) or ``finish_without_result``
   (FINISH naming no request), moving no data for the armed requests; or
-  ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself.
-  One-shot;
+  ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself;
+  or ``delay`` (with ``delay_s``): a slow but live P, which sleeps ``delay_s`` before
+  serving the pull for real (its other sender tasks and its engine go on). One-shot;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
 * ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
 
@@ -38,6 +39,7 @@ its engine, which is what serves D's pull and reports ``finished_sending``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -58,7 +60,7 @@ DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers
 PREFILL_TIMEOUT_S = 20.0
 _IDLE_SLEEP_S = 0.005
 #: Protocol faults P can answer a pull with (``inject`` command).
-INJECTABLE = ("error_response", "err_reqs", "finish_without_result", "die_mid_transfer")
+INJECTABLE = ("error_response", "err_reqs", "finish_without_result", "die_mid_transfer", "delay")
 
 
 class _FaultInjectingSender:
@@ -73,6 +75,8 @@ class _FaultInjectingSender:
     """
 
     kvfail_armed: dict[str, str]
+    #: Seconds a ``delay`` fault holds the pull of each armed request.
+    kvfail_delays: dict[str, float]
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         import msgspec
@@ -86,6 +90,11 @@ class _FaultInjectingSender:
         fault = armed.pop(hit[0]) if hit else None
         for rid in hit[1:]:
             armed.pop(rid, None)
+        if fault == "delay":
+            # A slow P: the reply and the data come late, but they come.
+            delays = getattr(self, "kvfail_delays", {})
+            await asyncio.sleep(max(delays.pop(r, 0.0) for r in hit))
+            fault = None
         if fault is None or fault == "die_mid_transfer":
             self.kvfail_die_in_send = fault is not None
             await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
@@ -143,15 +152,18 @@ def _make_injecting(worker: Any) -> None:
         return
     worker.__class__ = type(f"FaultInjecting{cls.__name__}", (_FaultInjectingSender, cls), {})
     worker.kvfail_armed = {}
+    worker.kvfail_delays = {}
 
 
-def _arm(view: RankView, req_id: str, fault: str) -> bool:
+def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
     """On a rank: arm ``fault`` for ``req_id`` in its Mooncake sender (False: none)."""
     sender = getattr(view.connector, "connector_worker", None)
     if sender is None:
         return False
     _make_injecting(sender)
     sender.kvfail_armed[req_id] = fault
+    if fault == "delay":
+        sender.kvfail_delays[req_id] = delay_s
     return True
 
 
@@ -264,7 +276,8 @@ class _Producer:
         req_id = str(cmd["req_id"])
         ranks = cmd.get("ranks")
         workers = [w for w in self.engine.workers if ranks is None or w.rank in ranks]
-        armed = [w.rank for w in workers if w.call(_arm, req_id, fault)]
+        delay_s = float(cmd.get("delay_s", 0.0))
+        armed = [w.rank for w in workers if w.call(_arm, req_id, fault, delay_s)]
         if not armed:
             return {"ok": False, "error": "P has no Mooncake worker to inject into"}
         self.injected += 1
