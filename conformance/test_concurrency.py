@@ -11,11 +11,17 @@ are capabilities and fault points, never connector names; the suite bounds every
 On a real transport the suite cannot pick the step a failure lands in: the loads are
 started in one step (one batched pull where the transport batches) and the step counts
 of the failures are noted in the report (``failure_steps``), never asserted.
+
+The last scenarios put time into it: a frozen P that only D's declared deadline can end
+for all ``MANY`` loads at once; a slow but live P whose loads that deadline must NOT end;
+and a seeded soak of ``SOAK_BATCHES`` batches of mixed outcomes through one long-lived D.
 """
 
 from __future__ import annotations
 
+import random
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -24,6 +30,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance.suite import check_not_late
 from kvfail.faults.points import FaultPoint
+from kvfail.harness import oracles
 
 pytestmark = pytest.mark.vllm
 
@@ -53,6 +60,27 @@ ONE_OF_MANY = (
 #: second half of the aborts, so the failures (already on their way) reach the connector
 #: first. A bound set here, never asserted.
 RACE_SETTLE_S = 0.5
+#: The deadline scenarios' wait, as in ``test_scenarios.py``: the suite waits
+#: min(--kvfail-silent-wait, max(3 x declared deadline + 1 s, this floor)); a report later
+#: than the declared deadline + max(this margin floor, the deadline) is late.
+DEADLINE_BUDGET_FLOOR_S = 5.0
+DEADLINE_MARGIN_FLOOR_S = 3.0
+#: Steps a slow peer's load must have waited: fewer, and the delay did not hold it, so a
+#: connector that fails loads after one step would pass (the scenario proves nothing).
+MIN_DELAY_STEPS = 2
+#: The soak: batches of loads through one D, each request with a fault drawn from a
+#: seeded plan. A batch's requests (2 blocks each per KV-cache group) fit D's 63 usable
+#: blocks with two groups.
+SOAK_SEED = 1729
+SOAK_BATCHES = 15
+SOAK_BATCH = 14
+#: Faults that fail only their own request (never P, never another request of the same
+#: pull), for the soak. An error reply answers a whole pull where pulls are batched, so it
+#: is used only where neither of the others is advertised (the toy's is per request).
+SOAK_FAILS = (FaultPoint.PEER_ERR_REQS, FaultPoint.UNKNOWN_ENGINE)
+SOAK_FAILS_FALLBACK = FaultPoint.PEER_ERROR_RESPONSE
+#: Plan weights: a plain success, a failure (one of the soak's failing faults), an abort.
+SOAK_WEIGHTS = {"success": 5, "fail": 3, "abort": 2}
 
 
 def _rids(kvfail: Any, stem: str, n: int = MANY) -> list[str]:
@@ -250,3 +278,212 @@ def test_many_loads_peer_killed(kvfail: Any) -> None:
     kvfail.run(engine)
     _note_failure_steps(kvfail, engine, rids)
     kvfail.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
+
+
+def _deadline_budget(kvfail: Any, deadline: float | None) -> float:
+    """The suite's bounded wait for a deadline scenario (see ``DEADLINE_BUDGET_FLOOR_S``)."""
+    wait = float(kvfail.silent_wait_s)
+    if deadline is None:
+        return wait
+    return min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
+
+
+def _declared(deadline: float | None) -> str:
+    return "declares no deadline" if deadline is None else f"declares {deadline:g} s"
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
+@pytest.mark.guards("#35943", "#50754")
+def test_many_loads_peer_frozen(kvfail: Any) -> None:
+    """``MANY`` loads in flight from one P when it is SIGSTOPped (after it prefilled them
+    all): its sockets stay open and nothing answers, so only D's own deadline can end
+    them, and it must end every one, not only the first it notices. Each is reported
+    failed by the deadline the connector declares (+ a margin), exactly once, paired with
+    finished_recving, and ends as the policy says; nothing leaks. The suite's wait is
+    bounded as for one frozen load; the failures' step counts are noted, never asserted."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(FaultPoint.FREEZE_PEER)
+    engine = kvfail.engine(deadline=True)
+    deadline = kvfail.declared_deadline_s(engine)
+    rids = _rids(kvfail, "frozen-many")
+    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in rids:
+        kvfail.driver.provoke(engine, rid, point)
+    budget = _deadline_budget(kvfail, deadline)
+    kvfail.run(engine, timeout_s=budget)
+    _note_failure_steps(kvfail, engine, rids)
+    extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
+    stranded = sorted(rid for rid in rids if rid in engine.waiting_for_remote())
+    if stranded:
+        extra.append(
+            f"C10 no deadline: {len(stranded)} of {len(rids)} loads ({stranded}) unreported "
+            f"after the suite's wait of {budget:g} s; the connector {_declared(deadline)}"
+        )
+    times = [t for t in (kvfail.driver.detection_s(engine, rid) for rid in rids) if t is not None]
+    if times:
+        kvfail.note("detected_s", round(max(times), 3))
+    if deadline is not None and times:
+        margin = max(DEADLINE_MARGIN_FLOOR_S, deadline)
+        late = [t for t in times if t > deadline + margin]
+        if late:
+            extra.append(
+                f"C10 past deadline: {len(late)} loads reported after up to {max(late):.1f} s; "
+                f"deadline {deadline:g} s + margin {margin:g} s"
+            )
+    kvfail.check(engine, rids, failed=True, extra=extra)
+
+
+def _failed_early(kvfail: Any, engine: Any, rids: list[str], deadline: float | None) -> list[str]:
+    """C10: a load reported failed while its peer was alive and answering late, before
+    the deadline its connector declares (or at all, if it declares none): a deadline
+    bounds a silent peer, it is no licence to fail a slow one. A failure after the
+    declared deadline is still a false failure here (the answer was due well before)."""
+    out = []
+    for rid, steps in sorted(_failed_at(engine, rids).items()):
+        seconds = kvfail.driver.detection_s(engine, rid)
+        when = "" if seconds is None else f", {seconds:.2f} s after it was added"
+        if deadline is None or seconds is None or seconds < deadline:
+            out.append(
+                f"C10 early failure: {rid} reported failed at step {steps[0]}{when}, its "
+                f"peer alive and answering late; the connector {_declared(deadline)}"
+            )
+        else:
+            out.append(
+                f"C8 false failure: {rid} of a slow but live peer reported failed at step "
+                f"{steps[0]}{when}; the connector {_declared(deadline)}"
+            )
+    return out
+
+
+def _waited_steps(engine: Any, rid: str) -> int:
+    return sum(rid in waiting for waiting in engine.record.waiting_for_remote)
+
+
+@pytest.mark.clauses("C1", "C8", "C10", "C11")
+@pytest.mark.guards("#35943", "#50754")
+def test_slow_peer_not_failed_before_deadline(kvfail: Any) -> None:
+    """``MANY`` loads from one slow but ALIVE P (``net_delay``: its answer comes after
+    several D steps, well below the deadline D's connector declares). D cannot tell it
+    from a frozen P until its deadline, and must not guess: no load may be failed early
+    (C10), every one succeeds on P's bytes (``byte_verification``) and ends as a success.
+    Each must have waited at least ``MIN_DELAY_STEPS`` steps, or the delay held nothing."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(FaultPoint.NET_DELAY)
+    engine = kvfail.engine(deadline=True)
+    deadline = kvfail.declared_deadline_s(engine)
+    rids = _rids(kvfail, "slow")
+    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    kvfail.run(engine, timeout_s=_deadline_budget(kvfail, deadline))
+    failed = _failed_at(engine, rids)
+    extra = [*_failed_early(kvfail, engine, rids, deadline), *_not_late(engine, blocks)]
+    waited = {rid: _waited_steps(engine, rid) for rid in rids}
+    kvfail.note("waited_steps", min(waited.values()))
+    times = [t for t in (kvfail.driver.detection_s(engine, rid) for rid in rids) if t is not None]
+    if times:
+        kvfail.note("answered_s", round(max(times), 3))
+    short = sorted(rid for rid, n in waited.items() if n < MIN_DELAY_STEPS and rid not in failed)
+    if short:
+        extra.append(
+            f"C10 setup: net_delay did not hold {short}: they waited fewer than "
+            f"{MIN_DELAY_STEPS} steps, so an early failure could not show"
+        )
+    if kvfail.caps.byte_verification:
+        for rid in rids:
+            mismatch = None if rid in failed else kvfail.driver.verify_bytes(engine, rid)
+            if mismatch:
+                extra.append(f"C1 wrong bytes for a slow peer's load: {mismatch}")
+    # The early failures first: the policy outcome of a failed load follows from them.
+    kvfail.assert_clean([*extra, *kvfail.violations(engine, rids, failed=False)])
+
+
+def _soak_plan(kvfail: Any, rng: random.Random, n: int) -> list[FaultPoint | None]:
+    """``n`` faults drawn with ``SOAK_WEIGHTS`` over what the driver advertises (None: a
+    plain success). Only faults that fail their own request: none kills or freezes the
+    P every request shares, none fails a whole pull next to good requests."""
+    faults = kvfail.caps.faults
+    fails = [p for p in SOAK_FAILS if p in faults]
+    if not fails and SOAK_FAILS_FALLBACK in faults:
+        fails = [SOAK_FAILS_FALLBACK]
+    kinds = [k for k in SOAK_WEIGHTS if k == "success" or (k == "fail" and fails)]
+    if FaultPoint.ABORT_WHILE_WAITING in faults:
+        kinds.append("abort")
+    weights = [SOAK_WEIGHTS[k] for k in kinds]
+    plan: list[FaultPoint | None] = []
+    for kind in rng.choices(kinds, weights=weights, k=n):
+        if kind == "fail":
+            plan.append(rng.choice(fails))
+        else:
+            plan.append(FaultPoint.ABORT_WHILE_WAITING if kind == "abort" else None)
+    return plan
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
+@pytest.mark.guards("#50719", "#55870", "#32255")
+def test_soak_random_faults(kvfail: Any) -> None:
+    """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
+    with a fault drawn from a seeded plan (``SOAK_SEED``, noted with the counts) over the
+    driver's per-request faults: a plain success, a failure of that request only, or an
+    abort while it waits. Bugs that one load never shows (a slot, a counter or a block
+    that leaks per failure, one failure lost per batch) add up here. Summed over every
+    request: all resolved, nothing leaked, each reported exactly once, never late, each
+    ends as its plan says (successes on P's bytes), and the KV-integrity oracle holds.
+    A batch that does not drain ends the soak (its findings are reported)."""
+    kvfail.require("remote_prefill", "async_load")
+    rng = random.Random(SOAK_SEED)
+    plan = _soak_plan(kvfail, rng, SOAK_BATCHES * SOAK_BATCH)
+    if all(p is None for p in plan):
+        kvfail.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
+    kvfail.note("soak_seed", SOAK_SEED)
+    kvfail.note("soak_plan", dict(Counter("success" if p is None else p.value for p in plan)))
+    engine = kvfail.engine()
+    fault_of: dict[str, FaultPoint | None] = {}
+    found: list[str] = []
+    batches = 0
+    for start in range(0, len(plan), SOAK_BATCH):
+        batch = {kvfail.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
+        fault_of.update(batch)
+        for rid, point in batch.items():  # all added before D steps: one batch
+            armed = None if point is FaultPoint.ABORT_WHILE_WAITING else point
+            kvfail.driver.add_remote_requests(engine, [rid], fault=armed, prompt_len=PROMPT_LEN)
+        blocks = _start_loads(kvfail, engine, list(batch))
+        for rid, point in batch.items():
+            if point is None:
+                kvfail.driver.settle(engine, rid)
+            elif point is FaultPoint.ABORT_WHILE_WAITING:
+                kvfail.driver.provoke(engine, rid, point)
+                kvfail.driver.settle(engine, rid)  # the load itself still ends
+            else:
+                kvfail.driver.provoke(engine, rid, point)
+        batches += 1
+        drained = kvfail.run(engine).ok
+        # Now, before later batches reuse these blocks (a report naming them then is theirs).
+        found += _not_late(engine, blocks)
+        if not drained:
+            break
+    kvfail.note("soak_batches", batches)
+    rids = list(fault_of)
+    good = [rid for rid in rids if fault_of[rid] is None]
+    bad = [rid for rid in rids if fault_of[rid] not in (None, FaultPoint.ABORT_WHILE_WAITING)]
+    aborted = [rid for rid in rids if fault_of[rid] is FaultPoint.ABORT_WHILE_WAITING]
+    found += kvfail.violations(engine, rids, failed=None, policy_outcome=False)
+    found += _wrong_bytes(kvfail, engine, bad)
+    if engine.crashed is None:
+        for rid in good:
+            found += oracles.check_policy_outcome(engine, rid, failed=False)
+        for rid in bad:
+            found += oracles.check_policy_outcome(engine, rid, failed=True)
+    found += [
+        f"C8 false failure: {rid} loaded well but a failure reached the scheduler at "
+        f"step(s) {steps}"
+        for rid, steps in sorted(_failed_at(engine, good).items())
+    ]
+    if kvfail.caps.byte_verification:
+        for rid in good:
+            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            if mismatch:
+                found.append(f"C1 wrong bytes for a successful load in the soak: {mismatch}")
+    for rid in aborted:
+        found += _reports_after_free(engine, rid)
+    kvfail.assert_clean(found)

@@ -7,7 +7,8 @@ Why: a conformance suite is only worth its negative controls. Each control in
 in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
 We run the real suite (``conformance/test_scenarios.py``; the toy session also
 ``conformance/test_concurrency.py``) against them in in-process sessions and read its
-``report.json``. In-process, so vLLM is imported once; everything
+``report.json`` (each control flagged by its :data:`~kvfail.conformance.negative.EXPECTED_FLAGS`
+scenario and its ``EXTRA_FLAGS`` ones). In-process, so vLLM is imported once; everything
 the inner run needs is imported (and one engine run) before it, because ``pytester``
 (used for the skip test) unloads modules the inner session imported.
 
@@ -146,6 +147,24 @@ def test_negative_control_is_flagged_by_the_right_scenario(suite_run: Any, contr
     for ok in ("test_successful_load", "test_local_request_untouched"):
         outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
         assert outcomes == {"passed"}, (ok, outcomes)
+
+
+@pytest.mark.parametrize(
+    ("control", "flag"),
+    [(c, f) for c, flags in sorted(negative.EXTRA_FLAGS.items()) for f in flags],
+    ids=lambda v: v if isinstance(v, str) else v.scenario,
+)
+def test_negative_control_is_flagged_by_further_scenarios(
+    suite_run: Any, control: str, flag: negative.Flag
+) -> None:
+    """A control is flagged for its reason by every further scenario named for it (the
+    soak, for a control that loses concurrent failures), not only by the one built for it."""
+    recs = _records(suite_run, f"kvfail.conformance.negative:{control}")
+    flagged = [r for r in recs if r["scenario"] == flag.scenario and r["policy"] in flag.policies]
+    assert {r["policy"] for r in flagged} == flag.policies
+    for r in flagged:
+        assert r["outcome"] == "failed", r
+        assert flag.clause in r["reason"], (flag.clause, r["reason"])
 
 
 def test_real_mooncake_passes_what_the_controls_break(real_run: Any) -> None:

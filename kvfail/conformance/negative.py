@@ -35,11 +35,15 @@ class                      what is broken                               clause  
                            (``recompute`` runs on unwritten blocks)
 ``WritesAfterRelease``     fails fast without a fence; the transfer     C11      integrity
                            writes after the blocks were released
+``FailsBeforeDeadline``    declares a 3 s deadline, but its watchdog    C10      early
+                           fails any load unanswered after one step
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
-(``conformance/test_concurrency.py``): with one load in flight it is indistinguishable
-from a working connector, which is why those scenarios exist.
+(``conformance/test_concurrency.py``), and by its soak (:data:`EXTRA_FLAGS`): with one
+load in flight it is indistinguishable from a working connector, which is why those
+scenarios exist. ``FailsBeforeDeadline`` is flagged by the slow-peer scenario there: a
+peer that answers at once, or never, does not show it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from kvfail.tracker import StepReport
 __all__ = [
     "EXPECTED_FLAGS",
     "EXPECTED_FLAGS_REAL",
+    "EXTRA_FLAGS",
+    "FailsBeforeDeadline",
     "Flag",
     "NoFailureChannel",
     "ReportsFewerBlocks",
@@ -236,6 +242,40 @@ class WritesAfterRelease(ToyConnector):
         return super().get_transfer_results(finished_req_ids)
 
 
+class FailsBeforeDeadline(ToyConnector):
+    """Declares a load deadline of :attr:`DECLARED_S`, but its watchdog fails every load
+    still unanswered at its second drain (one step after the load started): a slow but
+    live peer's load is failed long before the deadline the suite judges by (C10). A
+    connector whose watchdog counts steps, or mixes up units, breaks this way; a peer
+    that answers within a step, or never, does not show it."""
+
+    DECLARED_S = 3.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_load_deadline_s = self.DECLARED_S
+        #: Drains each unanswered load has been through.
+        self._drains: dict[str, int] = {}
+
+    def complete(self, req_id: str) -> bool:
+        self._drains.pop(req_id, None)
+        return super().complete(req_id)
+
+    def fail(self, req_id: str, **kwargs: Any) -> bool:
+        self._drains.pop(req_id, None)
+        return super().fail(req_id, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for req_id in list(self._inflight):
+            drains = self._drains[req_id] = self._drains.get(req_id, 0) + 1
+            if drains == 2:
+                self.load_failed(req_id, Stage.WATCHDOG, "no result after one step")
+        results = super().get_transfer_results(finished_req_ids)
+        for req_id in results.finished_recving:
+            self._drains.pop(req_id, None)
+        return results
+
+
 class Flag(NamedTuple):
     """Where the self-test expects a control to be flagged, and for what."""
 
@@ -258,6 +298,14 @@ EXPECTED_FLAGS: dict[str, Flag] = {
         "test_failed_load_one_group", "C1 wrong KV", frozenset({"recompute"})
     ),
     "WritesAfterRelease": Flag("test_failures_and_successes_same_step", "C11 "),
+    "FailsBeforeDeadline": Flag("test_slow_peer_not_failed_before_deadline", "C10 early failure"),
+}
+
+#: Further scenarios that must flag a control besides its :data:`EXPECTED_FLAGS` one: the
+#: soak sums its oracles over every request, so a control that loses concurrent failures
+#: must be caught there too, not only by the scenario built for it.
+EXTRA_FLAGS: dict[str, tuple[Flag, ...]] = {
+    "ReportsOneFailurePerStep": (Flag("test_soak_random_faults", "C2/C10 liveness"),),
 }
 
 
