@@ -206,9 +206,10 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             "C1 C2 C10 C11",
         ),
         FaultPoint.NET_DELAY: _spec(
-            "D<->P traffic is delayed: must succeed under the deadline, or fail by it, never hang",
+            "P is alive but answers late (its reply or traffic delayed): a load whose answer "
+            "comes before the deadline must succeed, never be failed early, never hang",
             _S,
-            Injection.NETWORK,
+            Injection.PEER,
             "C2 C3 C10 C11",
         ),
         FaultPoint.PEER_ERROR_RESPONSE: _spec(
