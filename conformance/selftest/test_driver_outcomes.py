@@ -77,4 +77,3 @@ def test_an_absent_transport_fails_where_drivers_are_required(
     outcome, text = _outcome(pytester, "--kvfail-require-drivers")
     assert outcome == "failed", text
     assert "its transport library is not installed here (--kvfail-require-drivers)" in text
-
