@@ -47,6 +47,7 @@ from kvfail.faults.points import FaultPoint
 if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
+    from kvfail.harness.hooks import SplitForward
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -166,7 +167,11 @@ class Driver(ABC):
         spec = self.engine_spec(
             policy, num_kv_cache_groups=num_kv_cache_groups, tp_size=tp_size, deadline=deadline
         )
-        return Engine(spec)
+        return Engine(spec, forward=self.forward())
+
+    def forward(self) -> SplitForward | None:
+        """D's forward (what runs where the model would), e.g. the integrity oracle's."""
+        return None
 
     def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:  # noqa: B027
         """Called before :meth:`add_remote_request` for a fault that must be set up before
@@ -351,21 +356,9 @@ class ToyDriver(Driver):
             extra_config=extra,
         )
 
-    def build_engine(
-        self,
-        policy: Policy,
-        *,
-        num_kv_cache_groups: int = 1,
-        tp_size: int = 1,
-        deadline: bool = False,
-    ) -> Engine:
-        """D with the integrity oracle as its forward (see :mod:`kvfail.peers.integrity`)."""
-        from kvfail.harness.engine import Engine
-
-        spec = self.engine_spec(
-            policy, num_kv_cache_groups=num_kv_cache_groups, tp_size=tp_size, deadline=deadline
-        )
-        return Engine(spec, forward=self._integrity.split_forward(on_first=self._on_first))
+    def forward(self) -> SplitForward:
+        """The integrity oracle (see :mod:`kvfail.peers.integrity`)."""
+        return self._integrity.split_forward(on_first=self._on_first)
 
     def _on_first(
         self, engine: Engine, rank: int, req_id: str, loaded: int, wrong: dict[str, list[int]]
