@@ -89,9 +89,11 @@ class _State:
         if why is not None:
             self.unavailable[spec] = why
             return None
+        # Marked started first: a start that raises half-way still gets its stop (which is
+        # idempotent), so no peer it spawned outlives the session.
+        self.started.add(spec)
         try:
             driver.start()
-            self.started.add(spec)
             self.caps[spec] = driver.capabilities()
         except Exception as exc:
             self.broken[spec] = f"{spec}: driver failed to start ({type(exc).__name__}: {exc})"
