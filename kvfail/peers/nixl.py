@@ -442,8 +442,11 @@ class NixlPair(PeerPair):
     """
 
     transport = "nixl"
-    #: Reaping a vLLM process took > 5 s under load.
-    kill_timeout_s = 30.0
+    #: How long a SIGKILLed P may take to be reaped. The signal is already delivered, so a
+    #: longer bound only waits, it hides nothing; tearing down a NIXL/UCX vLLM process has
+    #: taken over 30 s on this 2-core machine under load, and the scenario needs P gone
+    #: (its sockets closed) before it goes on.
+    kill_timeout_s = 120.0
 
     def __init__(
         self,
