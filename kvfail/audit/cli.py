@@ -31,7 +31,7 @@ DynamicRunner = Callable[[Target], list[Finding]]
 #: Set by the conformance package (or the lead's CLI wiring) to enable the dynamic tier.
 DYNAMIC_RUNNER: DynamicRunner | None = None
 #: ``kvfail.audit.dynamic.DEFAULT_BUDGET_S`` (not imported here: ``--quick`` stays light).
-_DEFAULT_BUDGET_S = 280.0
+_DEFAULT_BUDGET_S = 480.0
 
 
 def _layout(value: str) -> str:

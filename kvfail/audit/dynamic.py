@@ -50,7 +50,7 @@ SCENARIOS = Path(__file__).resolve().parents[2] / "conformance" / "test_scenario
 #: Outcome of one scenario over all policies: the worst one wins.
 _RANK = {"failed": 3, "xfailed": 3, "skipped": 1, "passed": 2}
 #: Default wall-clock budget of the whole audit (static + dynamic), seconds.
-DEFAULT_BUDGET_S = 280.0
+DEFAULT_BUDGET_S = 480.0
 #: The child starts no scenario in the budget's last RESERVE_S seconds: a scenario (most
 #: take 1-10 s; one that starts or restarts P 15-45 s on a busy 2-core machine) and the
 #: peers' teardown should still fit before the stop below.
