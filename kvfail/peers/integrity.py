@@ -304,7 +304,3 @@ class IntegrityLedger:
                         f"freed them (rank {worker.rank}): {hit}"
                     )
         return out
-
-    def forget(self, engine: Engine) -> None:
-        """Drop what is kept for a closed engine."""
-        self.engines.pop(str(engine.spec.engine_id), None)
