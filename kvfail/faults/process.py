@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import IO, Literal
 
 from kvfail.faults._net import LOOPBACK, require_loopback
+from kvfail.faults.zygote import Zygote, ZygoteChild
 
 #: Its own generator, seeded from the OS: processes that import this at the same moment
 #: still pick different ports.
@@ -149,7 +150,12 @@ class PeerProcess:
         stdin: bool = False,
         merge_stderr: bool = False,
         max_lines: int = 10_000,
+        zygote: Zygote | None = None,
+        before: Sequence[str] = (),
     ) -> None:
+        """``zygote``: fork ``argv`` (``python -m module ...``) from that standby
+        interpreter instead of starting a new one; ``before`` are its ``module:function``
+        hooks (see :mod:`kvfail.faults.zygote`). Everything else is the same either way."""
         if isinstance(argv, str | bytes):
             raise TypeError("argv must be a list of arguments, not one string (no shell here)")
         self.argv = [os.fspath(a) for a in argv]
@@ -163,16 +169,27 @@ class PeerProcess:
         self._out = _LineBuffer(max_lines, self._cond)
         self._err = _LineBuffer(max_lines, self._cond)
         self._closed = False
-        self._popen = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-            cwd=cwd,
-            env=full_env,
-            start_new_session=True,  # own session => own process group, pgid == pid
-            close_fds=True,
-        )
+        self._popen: subprocess.Popen[bytes] | ZygoteChild
+        if zygote is not None:
+            self._popen = zygote.spawn(
+                self.argv,
+                env=full_env,
+                cwd=None if cwd is None else os.fspath(cwd),
+                stdin=stdin,
+                merge_stderr=merge_stderr,
+                before=before,
+            )
+        else:
+            self._popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+                cwd=cwd,
+                env=full_env,
+                start_new_session=True,  # own session => own process group, pgid == pid
+                close_fds=True,
+            )
         self.pid = self._popen.pid
         self.pgid = self.pid
         _register(self)
