@@ -47,7 +47,7 @@ from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
 
-__all__ = ["RankCrash", "RankProcess"]
+__all__ = ["RankCrash", "RankProcess", "fork_forkserver"]
 
 #: Bound on one rank's answer to one command (a worker step takes milliseconds; a
 #: connector hook that blocks this long is reported as a crash of that rank).
@@ -67,6 +67,44 @@ def _context() -> Any:
             ctx.set_forkserver_preload([__name__])
             _CTX = ctx
         return _CTX
+
+
+def fork_forkserver() -> None:
+    """Start this process's rank forkserver by forking this process, not by a new
+    interpreter: a zygote's child (:mod:`kvfail.faults.zygote`) already holds vLLM and has
+    one thread, so the server it forks is as clean as a preloaded one, without a second
+    vLLM import. Call it before any thread starts; a no-op once a server runs.
+
+    This fills in the fields of multiprocessing's forkserver that its own start fills in
+    (address, alive pipe, pid); the server's loop is multiprocessing's own ``main``.
+    """
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    _context()
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return
+        resource_tracker.ensure_running()
+        address = connection.arbitrary_address("AF_UNIX")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the server: serves until every holder of alive_w is gone
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+        listener.close()
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
 
 
 class RankCrash(Exception):

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import PeerExitedError, PeerProcess, free_port
+from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine, EngineSpec
@@ -36,7 +37,9 @@ __all__ = [
     "PeerPair",
     "ProducerHandleBase",
     "closed_port",
+    "p_zygote",
     "producer_engine_id",
+    "repo_pythonpath",
     "with_param",
 ]
 
@@ -64,6 +67,42 @@ def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any
     out = dict(params)
     out[key] = value
     return out
+
+
+# --------------------------------------------------------------------------- P zygote
+
+#: What the P zygote imports once: the harness (vLLM, torch, the Scheduler) and the
+#: producers' own modules. Transport libraries are left to each P.
+P_PRELOAD = ("kvfail.harness", "kvfail.peers.producer", "kvfail.peers.nixl_producer")
+#: The only variables any P reads while importing (the rest are read at run time and
+#: come with each P's own environment): Hugging Face's offline switches, and the path
+#: that makes this repository's ``connectors`` importable.
+_P_IMPORT_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def repo_pythonpath() -> str:
+    """The repository root first (``connectors.*`` must import in P), then the rest."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rest = os.environ.get("PYTHONPATH", "")
+    return root + (os.pathsep + rest if rest else "")
+
+
+def p_zygote() -> Zygote | None:
+    """The process-wide zygote every P is forked from (None: ``KVFAIL_P_ZYGOTE=0``, or
+    it could not start, and P is a fresh interpreter as before).
+
+    Why: a fresh P imports vLLM (10-80 s on 2 cores) and the suite replaces P after each
+    scenario that kills it; a fork of the zygote is ready in the time its engine takes.
+    """
+    if os.environ.get("KVFAIL_P_ZYGOTE", "1") == "0":
+        return None
+    env = {k: "1" for k in _P_IMPORT_ENV}
+    env["PYTHONPATH"] = repo_pythonpath()
+    try:
+        return shared_zygote(P_PRELOAD, env)
+    except ZygoteError as exc:
+        _log.warning("no P zygote (%s); P starts as a fresh interpreter", exc)
+        return None
 
 
 # --------------------------------------------------------------------------- P handle
@@ -121,6 +160,7 @@ class ProducerHandleBase:
                 "num_kv_cache_groups": num_kv_cache_groups,
             }
         )
+        self._tp_size = tp_size
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._start_process()
@@ -130,14 +170,21 @@ class ProducerHandleBase:
         return {}
 
     def _start_process(self) -> None:
-        """(Re)start P's process on a freshly picked port."""
+        """(Re)start P's process on a freshly picked port, forked from the shared zygote
+        (see :func:`p_zygote`) unless ``KVFAIL_P_ZYGOTE=0``."""
         self.port = free_port()
         self.started_at = time.monotonic()
+        zygote = p_zygote()
         self.process = PeerProcess(
             [sys.executable, "-m", self.module, "--config", self._config],
             name=f"{self.transport}-P-{self.port}",
             env={**self._env, self.port_env: str(self.port)},
             stdin=True,
+            zygote=zygote,
+            # P's ranks then come from a forkserver forked off P, not a new interpreter.
+            before=("kvfail.harness.ranks:fork_forkserver",)
+            if zygote is not None and self._tp_size > 1
+            else (),
         )
         self.ready: dict[str, Any] | None = None
 
@@ -217,6 +264,10 @@ class PeerPair:
     d: Engine | None
     p: Any
     owns_p: bool
+    #: A second P process with :attr:`p`'s settings (own port, own engine id), for D
+    #: engines that load from two peers at once; None until :meth:`second_p` starts it.
+    #: Always this pair's own: never shared, closed by :meth:`close_second_p`.
+    p2: Any
     ready_timeout_s: float
 
     def _init_common(self) -> None:
@@ -228,6 +279,7 @@ class PeerPair:
         self._seq = itertools.count()
         self.p = None
         self.owns_p = True
+        self.p2 = None
 
     # ------------------------------------------------------------------ engines
 
@@ -428,6 +480,42 @@ class PeerPair:
         one TP rank while the other ranks and P's scheduler go on."""
         os.kill(self.p_rank_pid(rank), sig)
 
+    # ------------------------------------------------------------------ a second P
+
+    def _new_producer(self) -> Any:
+        """A fresh P process with this pair's P settings, not waited for."""
+        raise NotImplementedError
+
+    def second_p(self) -> Any:
+        """The pair's second P, ready: started on first use, and again once the last one
+        died (a scenario killed it). Its requests are prefilled with its own
+        ``prefill``; D adds them with :meth:`add` as any other, and their bytes are
+        checked the same way (the pattern depends on the prompt, not on which P)."""
+        if self.p2 is None or not self.p2.process.alive:
+            self.close_second_p()
+            self.p2 = self._new_producer()
+        try:
+            self.p2.wait_ready(self.ready_timeout_s)
+        except BaseException:
+            self.close_second_p()
+            raise
+        return self.p2
+
+    def kill_second_p(self) -> int | None:
+        """SIGKILL the second P's process group and reap it (None: there is none)."""
+        if self.p2 is None:
+            return None
+        return int(self.p2.process.kill(timeout_s=self.kill_timeout_s))
+
+    def close_second_p(self) -> None:
+        """Close the second P (quit, or kill its group if it cannot); idempotent, bounded,
+        never raises. Why after every scenario that used one: an idle P still costs CPU,
+        and no later scenario may inherit a peer it did not ask for."""
+        producer, self.p2 = self.p2, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close()
+
     # ------------------------------------------------------------------ teardown
 
     def _close_extra(self) -> None:
@@ -441,6 +529,7 @@ class PeerPair:
                 engine.close()
         self.decoders.clear()
         self._close_extra()
+        self.close_second_p()
         if self.p is not None and self.owns_p:
             with contextlib.suppress(Exception):
                 self.p.close()

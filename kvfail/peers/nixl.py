@@ -65,7 +65,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
-from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
+from kvfail.peers.base import (
+    PeerPair,
+    ProducerHandleBase,
+    closed_port,
+    repo_pythonpath,
+    with_param,
+)
 from kvfail.peers.nixl_producer import (
     BAD_METADATA,
     PREFIX,
@@ -230,7 +236,7 @@ class NixlProducerHandle(ProducerHandleBase):
     default_connector = "NixlConnector"
 
     def _base_env(self) -> dict[str, str]:
-        return {**NIXL_ENV, "PYTHONPATH": _pythonpath()}
+        return {**NIXL_ENV, "PYTHONPATH": repo_pythonpath()}
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
@@ -253,13 +259,6 @@ class NixlProducerHandle(ProducerHandleBase):
     def expire(self, req_ids: Iterable[str]) -> dict[str, Any]:
         """End P's send lease of ``req_ids`` now (see the producer's ``expire``)."""
         return self.request({"cmd": "expire", "req_ids": list(req_ids)})
-
-
-def _pythonpath() -> str:
-    """The repository root first (``connectors.nixl`` must import in P), then the rest."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rest = os.environ.get("PYTHONPATH", "")
-    return root + (os.pathsep + rest if rest else "")
 
 
 # --------------------------------------------------------------------------- D side
@@ -554,9 +553,13 @@ class NixlPair(PeerPair):
         """
         if self.p is not None and self.owns_p:
             self.p.close()
-        self.p = NixlProducerHandle(**self._p_kwargs)
+        self.p = self._new_producer()
         self.owns_p = True
         return self.p.wait_ready(self.ready_timeout_s) if wait else None
+
+    def _new_producer(self) -> NixlProducerHandle:
+        """A fresh P (own side-channel port and engine id), spawned, not waited for."""
+        return NixlProducerHandle(**self._p_kwargs)
 
     def producer(self) -> NixlProducerHandle:
         producer: NixlProducerHandle = self._ready_producer()
@@ -578,11 +581,13 @@ class NixlPair(PeerPair):
         record.steps_at_injection = engine.record.steps
         return record
 
-    def handshaked(self, engine: Engine) -> bool:
-        """Every D worker of ``engine`` holds P's remote agent (the handshake is done)."""
-        if self.p is None:
+    def handshaked(self, engine: Engine, producer: NixlProducerHandle | None = None) -> bool:
+        """Every D worker of ``engine`` holds the remote agent of ``producer`` (default:
+        P) (the handshake is done)."""
+        producer = self.p if producer is None else producer
+        if producer is None:
             return False
-        return all(w.call(_has_remote_agent, self.p.engine_id) for w in engine.workers)
+        return all(w.call(_has_remote_agent, producer.engine_id) for w in engine.workers)
 
     def fault_after_handshake(
         self,
@@ -591,31 +596,35 @@ class NixlPair(PeerPair):
         *,
         consumer: str | Engine | None = None,
         timeout_s: float = 15.0,
+        producer: NixlProducerHandle | None = None,
     ) -> bool:
-        """Kill (``"kill"``) or stop (``"freeze"``) P after D's handshake, before its READ.
+        """Kill (``"kill"``) or stop (``"freeze"``) P (or ``producer``, e.g. the
+        :meth:`~kvfail.peers.base.PeerPair.second_p`) after D's handshake with it,
+        before its READ.
 
-        Call right after :meth:`add`. If D has not handshaked with P yet, D is stepped
+        Call right after :meth:`add`. If D has not handshaked with it yet, D is stepped
         once (which schedules the load; upstream handshakes in a background thread and
         posts the READ in a later step) and this waits, without stepping, until the
         handshake is done. The request's clock restarts at the injection. Returns
         whether the handshake was seen before the fault (False: it was injected anyway
         after ``timeout_s``, so the fault hit the handshake instead).
         """
+        if fault not in ("kill", "freeze"):
+            raise ValueError(f"unknown fault {fault!r}: kill | freeze")
         engine = self._engine(consumer)
+        target = self._ready_producer() if producer is None else producer
         seen = True
-        if not self.handshaked(engine):
+        if not self.handshaked(engine, target):
             engine.step()
             self.observe(engine)
             end = time.monotonic() + timeout_s
-            while not self.handshaked(engine) and time.monotonic() < end:
+            while not self.handshaked(engine, target) and time.monotonic() < end:
                 time.sleep(0.005)
-            seen = self.handshaked(engine)
+            seen = self.handshaked(engine, target)
         if fault == "kill":
-            self.kill_p()
-        elif fault == "freeze":
-            self.freeze_p()
+            target.process.kill(timeout_s=self.kill_timeout_s)
         else:
-            raise ValueError(f"unknown fault {fault!r}: kill | freeze")
+            target.process.freeze()
         rec = self.records.get(req_id)
         if rec is not None:
             rec.injected_at = time.monotonic()
