@@ -16,10 +16,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvfail.quarantine import BlockQuarantine
 from kvfail.stages import Stage
 from kvfail.stats import EVENT_COUNTERS, FailureStats
 
 PREFIX = "kvfail."
+#: Keys under this prefix are levels, not counts: aggregation keeps the latest value.
+GAUGE_PREFIX = PREFIX + "gauge."
+#: The quarantine's gauges (see :mod:`kvfail.quarantine`), by key suffix.
+QUARANTINE_GAUGES: dict[str, str] = {
+    "quarantined_blocks": "KV blocks held out of the free pool because a failed load's "
+    "transfer may still write into them (kvfail).",
+    "quarantined_loads": "Failed loads whose blocks are quarantined (kvfail).",
+}
+
+
+def quarantine_gauges(quarantine: BlockQuarantine, refused_loads: int) -> dict[str, int]:
+    """The scheduler side's stats dict: the quarantine's levels, and the remote loads it
+    turned away (computed locally) since the last interval."""
+    data = {
+        GAUGE_PREFIX + "quarantined_blocks": quarantine.blocks_held,
+        GAUGE_PREFIX + "quarantined_loads": len(quarantine),
+    }
+    if refused_loads:
+        data[PREFIX + "loads_refused_quarantine_full"] = refused_loads
+    return data
 
 
 @dataclass
@@ -37,7 +58,9 @@ class KVFailStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVFailStats:
         for key, value in other.data.items():
-            if key.startswith(PREFIX):
+            if key.startswith(GAUGE_PREFIX):
+                self.data[key] = value
+            elif key.startswith(PREFIX):
                 self.data[key] = self.data.get(key, 0) + value
         return self
 
@@ -45,7 +68,8 @@ class KVFailStats(KVConnectorStats):
         return {k.removeprefix(PREFIX): v for k, v in self.data.items()}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        # A gauge at zero is news (the level fell): any gauge present makes it non-empty.
+        return not any(v or k.startswith(GAUGE_PREFIX) for k, v in self.data.items())
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.data)
@@ -87,12 +111,24 @@ class KvfailPromMetrics(KVConnectorPromMetrics):
         self._events = {
             (idx, name): events.labels(*values, name)
             for idx, values in per_engine_labelvalues.items()
-            for name in EVENT_COUNTERS
+            for name in (*EVENT_COUNTERS, "loads_refused_quarantine_full")
         }
+        self._gauges: dict[tuple[int, str], Any] = {}
+        for name, doc in QUARANTINE_GAUGES.items():
+            gauge = self._gauge_cls(
+                name=f"vllm:kvfail_{name}", documentation=doc, labelnames=labelnames
+            )
+            for idx, values in per_engine_labelvalues.items():
+                self._gauges[(idx, name)] = gauge.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            if not key.startswith(PREFIX) or not value:
+            if not key.startswith(PREFIX) or (not value and not key.startswith(GAUGE_PREFIX)):
+                continue
+            if key.startswith(GAUGE_PREFIX):
+                level = self._gauges.get((engine_idx, key.removeprefix(GAUGE_PREFIX)))
+                if level is not None:
+                    level.set(value)
                 continue
             name = key.removeprefix(PREFIX)
             if name.startswith("stage."):

@@ -1,0 +1,153 @@
+"""Blocks a failed transfer may still write into, kept out of the free pool until fenced.
+
+Why: failing a load fast is only safe if its blocks are not handed to another request
+while the transfer can still land in them. A Mooncake P that D gave up on may push up to
+its own abort timeout later; a NIXL READ whose handle could not be released may still
+complete. So a load that failed *unfenced* is reported at once (the client gets its
+error, or recompute starts), but each of its blocks keeps one extra reference in vLLM's
+block pool, so the scheduler's free of the request does not return it to the pool.
+The reference is dropped when every rank that held it says the write is now impossible
+(P confirmed dead, P acknowledged a cancel, or P's own expiry passed).
+
+Two halves, in two processes in a real deployment:
+
+* the worker side (:class:`kvfail.tracker.LoadTracker`) names, each step, the
+  ``(request id, rank)`` pairs it quarantined and the ones it released;
+* the scheduler side (:class:`BlockQuarantine`, here) applies those notices to the block
+  pool, in ``update_connector_output``, which vLLM calls before it frees the blocks of a
+  request whose failed load it is told about in the same output.
+
+Recompute must run into fresh blocks: an unfenced failure is reported request-level, so
+the scheduler drops everything the load computed and allocates new blocks, while the
+held ones stay out of reach. Nothing here imports vLLM; the pool is anything with
+vLLM's ``BlockPool.touch`` / ``free_blocks`` (see :mod:`kvfail.vllm_quarantine`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["BlockQuarantine", "Hold", "QuarantineNotice"]
+
+log = logging.getLogger("kvfail.quarantine")
+
+#: A quarantine is per (request id, rank): each TP rank's transfer writes its own shard.
+Hold = tuple[str, int]
+
+
+@dataclass
+class QuarantineNotice:
+    """What the workers say in one step: holds taken and holds released.
+
+    Aggregating ranks is a union: a request stays quarantined until every rank that held
+    it released it."""
+
+    held: set[Hold] = field(default_factory=set)
+    released: set[Hold] = field(default_factory=set)
+
+    def merge(self, other: QuarantineNotice) -> QuarantineNotice:
+        self.held |= other.held
+        self.released |= other.released
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.held or self.released)
+
+
+class BlockPoolLike(Protocol):
+    """What the quarantine needs of vLLM's ``BlockPool``."""
+
+    def touch(self, blocks: Sequence[Any]) -> None: ...
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
+
+
+@dataclass
+class _Held:
+    blocks: list[Any]
+    ranks: set[int]
+
+
+class BlockQuarantine:
+    """The scheduler side: one extra reference per block of each quarantined request.
+
+    ``blocks_of(req_id)`` returns the request's block objects (every KV-cache group),
+    or None when the scheduler no longer has the request.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPoolLike,
+        blocks_of: Callable[[str], Sequence[Any] | None],
+        *,
+        max_blocks: int | None = None,
+    ) -> None:
+        self._pool = pool
+        self._blocks_of = blocks_of
+        #: Beyond this many held blocks, D takes no new remote load (see :meth:`full`).
+        self.max_blocks = max_blocks
+        self._held: dict[str, _Held] = {}
+        self.blocks_held = 0
+        #: Counters since creation, for stats and logs: holds taken and released, holds
+        #: that came too late to take, and releases of holds nobody took.
+        self.holds = 0
+        self.releases = 0
+        self.unheld = 0
+        self.unknown_releases = 0
+
+    def apply(self, notice: QuarantineNotice) -> None:
+        """Take this step's holds, then its releases (a rank may do both in one step)."""
+        for req_id, rank in sorted(notice.held):
+            self._hold(req_id, rank)
+        for req_id, rank in sorted(notice.released):
+            self._release(req_id, rank)
+
+    def _hold(self, req_id: str, rank: int) -> None:
+        entry = self._held.get(req_id)
+        if entry is not None:
+            entry.ranks.add(rank)
+            return
+        blocks = self._blocks_of(req_id)
+        if blocks is None:
+            # The scheduler already let the request go: its blocks may be in use by
+            # another request, so nothing can be held any more. Loud, because it means
+            # a notice came after the free (a worker reported the hold too late).
+            self.unheld += 1
+            log.error("kvfail: cannot quarantine %s: the scheduler no longer has it", req_id)
+            return
+        real = [b for b in blocks if not getattr(b, "is_null", False)]
+        self._pool.touch(real)
+        self._held[req_id] = _Held(real, {rank})
+        self.blocks_held += len(real)
+        self.holds += 1
+        log.warning(
+            "kvfail: %d blocks of %s quarantined until its transfer is fenced", len(real), req_id
+        )
+
+    def _release(self, req_id: str, rank: int) -> None:
+        entry = self._held.get(req_id)
+        if entry is None or rank not in entry.ranks:
+            self.unknown_releases += 1
+            log.warning("kvfail: release of %s rank %d, which holds nothing", req_id, rank)
+            return
+        entry.ranks.discard(rank)
+        if entry.ranks:
+            return
+        del self._held[req_id]
+        self._pool.free_blocks(entry.blocks)
+        self.blocks_held -= len(entry.blocks)
+        self.releases += 1
+        log.info("kvfail: %s fenced; %d quarantined blocks freed", req_id, len(entry.blocks))
+
+    def full(self) -> bool:
+        """Whether D should stop accepting remote loads: held blocks reached the cap."""
+        return self.max_blocks is not None and self.blocks_held >= self.max_blocks
+
+    def is_held(self, req_id: str) -> bool:
+        return req_id in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)

@@ -1,0 +1,175 @@
+"""The quarantine wired into a vLLM connector (see :mod:`kvfail.quarantine` for the why).
+
+This module imports vLLM; ``import kvfail`` does not. A connector puts
+:class:`QuarantineConnector` in front of its upstream class (as it does
+:class:`kvfail.vllm_stats.KvfailMetricsConnector`) and its worker half, a
+:class:`kvfail.FailureReporterMixin`, provides ``take_quarantine_notice()``. Then:
+
+* worker role: ``build_connector_worker_meta`` carries this step's holds and releases
+  next to whatever upstream's worker metadata is (vLLM aggregates TP ranks with
+  ``aggregate``);
+* scheduler role: ``bind_kv_cache_manager`` gives the block pool,
+  ``update_connector_output`` applies the notices before vLLM frees the request's blocks,
+  ``get_num_new_matched_tokens`` takes no remote load once the cap is reached, and
+  ``get_kv_connector_stats`` reports the held blocks as a gauge.
+
+Configuration (``kv_connector_extra_config``): ``kvfail_quarantine_max_blocks``, the cap
+on held blocks; default a quarter of the KV cache (:data:`DEFAULT_CAP_FRACTION`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvfail.quarantine import BlockQuarantine, QuarantineNotice
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["CAP_KEY", "DEFAULT_CAP_FRACTION", "KvfailWorkerMeta", "QuarantineConnector"]
+
+log = logging.getLogger("kvfail.quarantine")
+
+#: ``kv_connector_extra_config`` key: the most blocks the quarantine may hold.
+CAP_KEY = "kvfail_quarantine_max_blocks"
+#: Default cap, as a fraction of the KV cache's blocks: enough for a burst of slow Ps,
+#: while three quarters of the cache keep serving (beyond it, requests compute locally).
+DEFAULT_CAP_FRACTION = 0.25
+
+
+@dataclass
+class KvfailWorkerMeta(KVConnectorWorkerMetadata):
+    """kvfail's notices, wrapped around upstream's own worker metadata (if any)."""
+
+    notice: QuarantineNotice = field(default_factory=QuarantineNotice)
+    inner: KVConnectorWorkerMetadata | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvfailWorkerMeta:
+        if not isinstance(other, KvfailWorkerMeta):
+            other = KvfailWorkerMeta(inner=other)
+        self.notice.merge(other.notice)
+        if self.inner is None:
+            self.inner = other.inner
+        elif other.inner is not None:
+            self.inner = self.inner.aggregate(other.inner)
+        return self
+
+
+def _cap_from(connector: Any, num_blocks: int) -> int:
+    transfer = connector._vllm_config.kv_transfer_config
+    extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {})
+    value = extra.get(CAP_KEY)
+    if value is None:
+        return max(1, int(num_blocks * DEFAULT_CAP_FRACTION))
+    try:
+        cap = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{CAP_KEY} must be a whole number of blocks, not {value!r}") from None
+    if cap < 0:
+        raise ValueError(f"{CAP_KEY} must be >= 0, not {cap}")
+    return cap
+
+
+class QuarantineConnector:
+    """Mix in front of an upstream connector class (see the module docstring)."""
+
+    _kvfail_quarantine: BlockQuarantine | None = None
+    #: Remote loads turned away since the last stats interval.
+    _kvfail_refused_loads: int = 0
+    #: The levels last put in the stats: a level is sent only when it changes.
+    _kvfail_levels_sent: tuple[int, int] = (0, 0)
+
+    # ---------------------------------------------------------------- worker role
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        inner = super().build_connector_worker_meta()  # type: ignore[misc]
+        worker = getattr(self, "connector_worker", None)
+        take = getattr(worker, "take_quarantine_notice", None)
+        notice = take() if take is not None else QuarantineNotice()
+        if not notice:
+            return inner  # type: ignore[no-any-return]
+        return KvfailWorkerMeta(notice=notice, inner=inner)
+
+    # ---------------------------------------------------------------- scheduler role
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)  # type: ignore[misc]
+        pool = kv_cache_manager.block_pool
+
+        def blocks_of(req_id: str) -> list[Any] | None:
+            # Every group's blocks; none at all once the scheduler let the request go.
+            blocks = [b for group in kv_cache_manager.get_blocks(req_id).blocks for b in group]
+            return blocks or None
+
+        self._kvfail_quarantine = BlockQuarantine(
+            pool, blocks_of, max_blocks=_cap_from(self, pool.num_gpu_blocks)
+        )
+
+    @property
+    def quarantine(self) -> BlockQuarantine | None:
+        """The scheduler side's quarantine (None in a worker, or before vLLM binds it)."""
+        return self._kvfail_quarantine
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvfailWorkerMeta):
+            if self._kvfail_quarantine is not None:
+                self._kvfail_quarantine.apply(meta.notice)
+            elif meta.notice.held:
+                log.error(
+                    "kvfail: %d loads to quarantine, but vLLM never bound the block pool",
+                    len(meta.notice.held),
+                )
+            connector_output = dataclasses.replace(
+                connector_output, kv_connector_worker_meta=meta.inner
+            )
+        super().update_connector_output(connector_output)  # type: ignore[misc]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        quarantine = self._kvfail_quarantine
+        if quarantine is not None and quarantine.full():
+            params = request.kv_transfer_params
+            if isinstance(params, dict) and params.get("do_remote_prefill"):
+                # No external tokens: D computes the prompt itself, and the connector
+                # still sees the params at allocation (a pull of no blocks tells P to
+                # free its copy, as for a full local prefix hit).
+                self._kvfail_refused_loads += 1
+                log.warning(
+                    "kvfail: %d blocks quarantined (cap %s): %s computes locally",
+                    quarantine.blocks_held,
+                    quarantine.max_blocks,
+                    request.request_id,
+                )
+                return 0, False
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(  # type: ignore[misc]
+            request, num_computed_tokens
+        )
+        return result
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        stats = super().get_kv_connector_stats()  # type: ignore[misc]
+        quarantine = self._kvfail_quarantine
+        if quarantine is None or getattr(self, "role", None) != KVConnectorRole.SCHEDULER:
+            return stats  # type: ignore[no-any-return]
+        levels = (quarantine.blocks_held, len(quarantine))
+        if levels == self._kvfail_levels_sent and not self._kvfail_refused_loads:
+            return stats  # type: ignore[no-any-return]
+        from kvfail.vllm_stats import KVFailStats, quarantine_gauges
+
+        ours = KVFailStats(data=quarantine_gauges(quarantine, self._kvfail_refused_loads))
+        self._kvfail_levels_sent = levels
+        self._kvfail_refused_loads = 0
+        return ours if stats is None else stats.aggregate(ours)

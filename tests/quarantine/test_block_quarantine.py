@@ -1,0 +1,113 @@
+"""BlockQuarantine on vLLM's real BlockPool: held blocks stay out of the free pool.
+
+The pool is vLLM's own (``vllm.v1.core.block_pool.BlockPool``), so "out of the free pool"
+is what vLLM's allocator sees: a held block is never handed out by ``get_new_blocks``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from vllm.v1.core.block_pool import BlockPool
+
+from kvfail.quarantine import BlockQuarantine, QuarantineNotice
+
+pytestmark = pytest.mark.vllm
+
+NUM_BLOCKS = 16
+
+
+class Scheduler:
+    """What the quarantine sees of vLLM's scheduler: a pool, and each request's blocks."""
+
+    def __init__(self) -> None:
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=True, hash_block_size=16)
+        self.requests: dict[str, list[object]] = {}
+
+    def allocate(self, req_id: str, n: int) -> list[int]:
+        blocks = self.pool.get_new_blocks(n)
+        self.requests[req_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def free(self, req_id: str) -> None:
+        self.pool.free_blocks(self.requests.pop(req_id))
+
+    def blocks_of(self, req_id: str) -> list[object] | None:
+        return self.requests.get(req_id)
+
+    def free_ids(self) -> set[int]:
+        return {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
+
+
+@pytest.fixture
+def sched() -> Scheduler:
+    return Scheduler()
+
+
+def _quarantine(sched: Scheduler, cap: int | None = None) -> BlockQuarantine:
+    return BlockQuarantine(sched.pool, sched.blocks_of, max_blocks=cap)
+
+
+def test_held_blocks_never_reach_the_free_pool_until_released(sched: Scheduler) -> None:
+    q = _quarantine(sched)
+    ids = sched.allocate("r1", 3)
+    q.apply(QuarantineNotice(held={("r1", 0)}))
+    sched.free("r1")  # what vLLM does with a failed request's blocks
+    assert not set(ids) & sched.free_ids()
+    # Every other block can be handed out; the held ones never are.
+    others = sched.pool.get_new_blocks(sched.pool.get_num_free_blocks())
+    assert not set(ids) & {b.block_id for b in others}
+    sched.pool.free_blocks(others)
+    assert q.blocks_held == 3 and q.is_held("r1")
+    q.apply(QuarantineNotice(released={("r1", 0)}))
+    assert set(ids) <= sched.free_ids()
+    assert q.blocks_held == 0 and len(q) == 0 and (q.holds, q.releases) == (1, 1)
+
+
+def test_a_request_is_held_until_every_rank_released_it(sched: Scheduler) -> None:
+    q = _quarantine(sched)
+    ids = sched.allocate("r1", 2)
+    q.apply(QuarantineNotice(held={("r1", 0), ("r1", 1)}))
+    sched.free("r1")
+    q.apply(QuarantineNotice(released={("r1", 1)}))
+    assert not set(ids) & sched.free_ids()
+    q.apply(QuarantineNotice(held={("r1", 0)}, released={("r1", 0)}))
+    assert set(ids) <= sched.free_ids()
+
+
+def test_hold_and_release_in_one_step_frees_at_once(sched: Scheduler) -> None:
+    q = _quarantine(sched)
+    ids = sched.allocate("r1", 2)
+    q.apply(QuarantineNotice(held={("r1", 0)}, released={("r1", 0)}))
+    sched.free("r1")
+    assert set(ids) <= sched.free_ids() and q.blocks_held == 0
+
+
+def test_bad_notices_are_counted_and_touch_nothing(sched: Scheduler) -> None:
+    q = _quarantine(sched)
+    before = sched.free_ids()
+    q.apply(QuarantineNotice(held={("gone", 0)}, released={("never-held", 0)}))
+    assert (q.unheld, q.unknown_releases, q.blocks_held) == (1, 1, 0)
+    assert sched.free_ids() == before
+
+
+def test_null_blocks_are_never_held(sched: Scheduler) -> None:
+    q = _quarantine(sched)
+    sched.requests["r1"] = [sched.pool.null_block, *sched.pool.get_new_blocks(1)]
+    q.apply(QuarantineNotice(held={("r1", 0)}))
+    assert q.blocks_held == 1
+
+
+def test_the_cap_says_when_to_stop_taking_remote_loads(sched: Scheduler) -> None:
+    q = _quarantine(sched, cap=4)
+    sched.allocate("r1", 3)
+    q.apply(QuarantineNotice(held={("r1", 0)}))
+    assert not q.full()
+    sched.allocate("r2", 1)
+    q.apply(QuarantineNotice(held={("r2", 0)}))
+    assert q.full()
+    q.apply(QuarantineNotice(released={("r1", 0)}))
+    assert not q.full()
+    assert not _quarantine(sched).full()  # no cap: never full
