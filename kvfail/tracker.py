@@ -89,8 +89,12 @@ class _Load:
     started: float
     deadline: float
     failure: Failure | None = None
-    #: Blocks the connector narrowed the failure to; None means "all of them".
+    #: Blocks named by narrowed failure reports (``block_ids=``), united across reports.
     failed_blocks: set[int] | None = None
+    #: Some outcome left every block possibly unwritten: a failure that named no block
+    #: of the load, bad input, or a peer still silent at the deadline. Narrowing never
+    #: clears it: one peer's narrowed report says nothing about another peer's writes.
+    all_blocks_failed: bool = False
     #: Set when we must fail the request but hold no block ids we could name.
     request_level_only: bool = False
     settled: bool = False
@@ -214,6 +218,7 @@ class LoadTracker:
             self._stats.event("invalid_inputs")
             load.request_level_only = not blocks.flat and bool(blocks.problem)
             self._fail_locked(load, Stage.INTERNAL, f"invalid load: {problem}", None, log)
+            load.all_blocks_failed = True
             if not pending:
                 self._settle_locked(load, ALL_PEERS, log)
         if deadline != math.inf and not load.settled:
@@ -258,14 +263,22 @@ class LoadTracker:
 
         ``settle`` also settles the reporting peer's task (the usual case: the task that
         saw the error is done). ``peer=ALL_PEERS`` settles every task, for failures that
-        happen before any peer task exists (bootstrap, bad params). ``block_ids`` narrows
-        the failure to the blocks that really failed, so ``recompute`` can keep a valid
-        prefix; by default every block of the load is reported.
+        happen before any peer task exists (bootstrap, bad params).
+
+        ``block_ids`` narrows what *this report* claims to the blocks that really failed,
+        so ``recompute`` can keep a valid prefix; by default it claims every block. The
+        delivered failure is the union of every report's claim, plus every block if a
+        peer is still silent at the deadline: a narrowed report never shrinks what
+        another report or peer left unwritten (under ``recompute`` an under-reported
+        block is served as computed). A narrowing that names no block of the load
+        claims every block.
         """
 
         def fail(load: _Load, log: _Pending) -> None:
             self._fail_locked(load, _as_stage(stage), reason, peer, log)
-            if block_ids is not None:
+            if block_ids is None:
+                load.all_blocks_failed = True
+            else:
                 self._narrow_locked(load, block_ids, log)
             if settle:
                 self._settle_locked(load, peer, log)
@@ -342,8 +355,10 @@ class LoadTracker:
             failures.append((load.req_id, failure))
             if request_level or load.request_level_only:
                 failed.add(load.req_id)
+            elif load.all_blocks_failed or not load.failed_blocks:
+                invalid.update(load.flat)
             else:
-                invalid.update(load.failed_blocks or load.flat)
+                invalid.update(load.failed_blocks)
         if len(failures) < len(ready):
             self._stats.event("loads_succeeded", len(ready) - len(failures))
         return StepReport(finished, failed, invalid, tuple(failures))
@@ -357,6 +372,8 @@ class LoadTracker:
                 deadline, _, load = heapq.heappop(heap)
                 if loads.get(load.req_id) is not load or load.settled:
                     continue  # delivered or re-tracked since; a stale heap entry
+                # Unsettled: some peer is silent, and may have written none of the blocks.
+                load.all_blocks_failed = True
                 if load.failure is None:
                     self._fail_locked(
                         load,
@@ -476,8 +493,13 @@ class LoadTracker:
                 problem=blocks.problem or f"not in this load: {sorted(foreign)[:5]}",
             )
         named &= own
-        if named:
-            load.failed_blocks = named if load.failed_blocks is None else load.failed_blocks | named
+        if not named:
+            # Nothing usable was named, so nothing says which blocks arrived.
+            load.all_blocks_failed = True
+        elif load.failed_blocks is None:
+            load.failed_blocks = named
+        else:
+            load.failed_blocks |= named
 
     def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
         late = isinstance(req_id, str) and (req_id in self._recent or req_id in self._recent_old)

@@ -380,3 +380,53 @@ def test_deadline_heap_is_compacted() -> None:
             t.drain()
     t.drain()
     assert len(t._deadlines) <= 2 * len(t) + 64
+
+
+# --------------------------------------------------------------- narrowing across peers
+# Under recompute the scheduler keeps every block before the first reported one, so a
+# failure must name every block that any peer's outcome leaves possibly unwritten.
+
+
+def test_whole_load_failure_then_narrowed_failure_delivers_every_block() -> None:
+    t = make()
+    t.track("r1", [10, 11, 12, 13], peers=["tp0", "tp1"])
+    t.failed("r1", Stage.TRANSFER, "tp0 wrote nothing", peer="tp0")
+    t.failed("r1", Stage.TRANSFER, "tp1 lost one block", peer="tp1", block_ids=[13])
+    assert t.drain().invalid_block_ids == {10, 11, 12, 13}
+
+
+def test_narrowed_failure_then_whole_load_failure_delivers_every_block() -> None:
+    t = make()
+    t.track("r1", [10, 11, 12, 13], peers=["tp0", "tp1"])
+    t.failed("r1", Stage.TRANSFER, "tp0 lost one block", peer="tp0", block_ids=[13])
+    t.failed("r1", Stage.TRANSFER, "tp1 wrote nothing", peer="tp1")
+    assert t.drain().invalid_block_ids == {10, 11, 12, 13}
+
+
+def test_narrowed_failure_then_silent_peer_delivers_every_block() -> None:
+    clock = ManualClock()
+    t = make(clock=clock, default_deadline_s=1.0)
+    t.track("r1", [10, 11, 12, 13], peers=["tp0", "tp1"])
+    t.failed("r1", Stage.TRANSFER, "tp0 lost one block", peer="tp0", block_ids=[13])
+    clock.advance(2.0)  # tp1 never answers
+    report = t.drain()
+    assert report.finished_recving == {"r1"}
+    assert report.invalid_block_ids == {10, 11, 12, 13}
+
+
+def test_narrowed_failures_from_several_peers_are_united() -> None:
+    t = make()
+    t.track("r1", [10, 11, 12, 13], peers=["tp0", "tp1", "tp2"])
+    t.failed("r1", Stage.TRANSFER, "tp0 lost 12", peer="tp0", block_ids=[12])
+    t.failed("r1", Stage.TRANSFER, "tp1 lost 13", peer="tp1", block_ids=[13])
+    t.succeeded("r1", peer="tp2")
+    assert t.drain().invalid_block_ids == {12, 13}
+
+
+def test_narrowing_to_no_block_of_the_load_fails_every_block() -> None:
+    """A narrowing we cannot use says nothing about which blocks arrived."""
+    t = make()
+    t.track("r1", [10, 11], peers=2)
+    t.failed("r1", Stage.TRANSFER, "x", peer=0, block_ids=[11])
+    t.failed("r1", Stage.TRANSFER, "y", peer=1, block_ids=[99])
+    assert t.drain().invalid_block_ids == {10, 11}
