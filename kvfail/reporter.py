@@ -97,12 +97,15 @@ class FailureReporterMixin:
         """Register a load into ``block_ids`` (flat, or one list per KV-cache group).
 
         ``peers`` is a count or the names of the peer tasks (P workers, TP ranks) that
-        must all settle before the load is delivered. An empty ``block_ids`` marks a
-        notify-only pull: it is settled but never reported.
+        must all settle before the load is delivered. No peers (``0``, ``[]``) means
+        nobody will write the blocks: the load fails at once, every block. An empty
+        ``block_ids`` marks a notify-only pull: it is settled but never reported.
         """
         return self.failure_reporter.track(req_id, block_ids, peers=peers, deadline_s=deadline_s)
 
     def expect_peers(self, req_id: str, peers: int | Iterable[Hashable]) -> bool:
+        """Name the peer tasks once known (after a bootstrap); same meaning as in
+        :meth:`track_load`, so no peers fails a load with blocks, never succeeds it."""
         return self.failure_reporter.expect_peers(req_id, peers)
 
     def load_succeeded(self, req_id: str, *, peer: Hashable | None = None) -> bool:

@@ -99,6 +99,11 @@ class _Load:
     request_level_only: bool = False
     settled: bool = False
 
+    @property
+    def notify_only(self) -> bool:
+        """No blocks to load (``abort_immediately``): its request is already gone."""
+        return not self.flat and not self.request_level_only
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -167,7 +172,14 @@ class LoadTracker:
         peers: int | Iterable[Hashable] = 1,
         deadline_s: float | None = None,
     ) -> bool:
-        """Register an incoming load. Returns False if it was refused (see logs/stats)."""
+        """Register an incoming load. Returns False if it was refused (see logs/stats).
+
+        ``peers`` (a count or the peer tasks' names) that is empty (``0``, ``[]``) means
+        no peer will write anything: a load with blocks then fails at once (stage
+        ``internal``, every block, counted in ``invalid_inputs``), since a load that
+        received nothing must never be delivered as a success; a notify-only load (no
+        blocks) is settled and never reported. :meth:`expect_peers` agrees.
+        """
         log = _Pending()
         try:
             with self._lock:
@@ -210,17 +222,18 @@ class LoadTracker:
             deadline_s = self.default_deadline_s
         deadline = math.inf if deadline_s is None else now + float(deadline_s)
         load = _Load(req_id, blocks.groups, blocks.flat, pending, now, deadline)
+        # Bad ids and no valid one: the scheduler still holds blocks we cannot name.
+        load.request_level_only = not blocks.flat and bool(blocks.problem)
         self._loads[req_id] = load
         self._stats.event("loads_tracked")
-        if blocks.problem or not pending:
+        problems = [blocks.problem] if blocks.problem else []
+        if not pending and not load.notify_only:
+            problems.append(_no_peers_problem(peers))
+        if problems:
             # Keep the load and fail it: raising here would lose the request for good.
-            problem = blocks.problem or f"no peers to wait for (peers={peers!r})"
-            self._stats.event("invalid_inputs")
-            load.request_level_only = not blocks.flat and bool(blocks.problem)
-            self._fail_locked(load, Stage.INTERNAL, f"invalid load: {problem}", None, log)
-            load.all_blocks_failed = True
-            if not pending:
-                self._settle_locked(load, ALL_PEERS, log)
+            self._invalid_locked(load, "; ".join(problems), log)
+        if not pending:
+            self._settle_locked(load, ALL_PEERS, log)
         if deadline != math.inf and not load.settled:
             heapq.heappush(self._deadlines, (deadline, next(self._seq), load))
             if len(self._deadlines) > 2 * len(self._loads) + 64:
@@ -231,12 +244,16 @@ class LoadTracker:
         """Replace the set of peer tasks still to settle, once it is known.
 
         Mooncake learns how many P workers serve a request only after the bootstrap
-        query; a load can be tracked with one placeholder peer and widened here.
+        query; a load can be tracked with one placeholder peer and widened here. No
+        peers (``0``, ``[]``) means the same as in :meth:`track`: nobody will write the
+        blocks, so a load with blocks fails (every block); a notify-only one settles.
         """
 
         def widen(load: _Load, log: _Pending) -> None:
             load.pending = _peer_set(peers)
             if not load.pending:
+                if not load.notify_only:
+                    self._invalid_locked(load, _no_peers_problem(peers), log)
                 self._settle_locked(load, ALL_PEERS, log)
 
         return self._on_load(req_id, "expect_peers", widen, unsettled_only=True)
@@ -443,6 +460,21 @@ class LoadTracker:
             age_ms=round((now - load.started) * 1e3, 1),
         )
 
+    def _invalid_locked(self, load: _Load, problem: str, log: _Pending) -> None:
+        """The connector described the load wrongly: fail every block, keep the load."""
+        self._stats.event("invalid_inputs")
+        load.all_blocks_failed = True
+        if load.failure is None:
+            self._fail_locked(load, Stage.INTERNAL, f"invalid load: {problem}", None, log)
+        else:
+            log.add(
+                logging.WARNING,
+                "kvfail: invalid input for an already failed load",
+                connector=self.name,
+                req_id=load.req_id,
+                problem=problem,
+            )
+
     def _settle_locked(self, load: _Load, peer: Hashable | None, log: _Pending) -> None:
         if load.settled:
             if peer is not ALL_PEERS:
@@ -469,7 +501,7 @@ class LoadTracker:
         if pending:
             return
         load.settled = True
-        if load.flat or load.request_level_only:
+        if not load.notify_only:
             self._ready.append(load)
             return
         # Notify-only load (abort_immediately): the scheduler has already forgotten this
@@ -524,6 +556,10 @@ class LoadTracker:
         ]
         heapq.heapify(live)
         self._deadlines = live
+
+
+def _no_peers_problem(peers: object) -> str:
+    return f"no peers to load from (peers={peers!r}): nobody will write its blocks"
 
 
 def _peer_set(peers: int | Iterable[Hashable]) -> set[Hashable]:

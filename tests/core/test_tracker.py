@@ -430,3 +430,54 @@ def test_narrowing_to_no_block_of_the_load_fails_every_block() -> None:
     t.failed("r1", Stage.TRANSFER, "x", peer=0, block_ids=[11])
     t.failed("r1", Stage.TRANSFER, "y", peer=1, block_ids=[99])
     assert t.drain().invalid_block_ids == {10, 11}
+
+
+# --------------------------------------------------------------- no peers
+
+
+def _no_peers_by_track(t: LoadTracker, req: str, blocks: list[int]) -> None:
+    t.track(req, blocks, peers=0)
+
+
+def _no_peers_by_empty_list(t: LoadTracker, req: str, blocks: list[int]) -> None:
+    t.track(req, blocks, peers=[])
+
+
+def _no_peers_by_expect(t: LoadTracker, req: str, blocks: list[int]) -> None:
+    t.track(req, blocks)
+    t.expect_peers(req, [])
+
+
+def _no_peers_by_expect_zero(t: LoadTracker, req: str, blocks: list[int]) -> None:
+    t.track(req, blocks)
+    t.expect_peers(req, 0)
+
+
+NO_PEERS = [
+    _no_peers_by_track,
+    _no_peers_by_empty_list,
+    _no_peers_by_expect,
+    _no_peers_by_expect_zero,
+]
+
+
+@pytest.mark.parametrize("spelling", NO_PEERS, ids=lambda f: f.__name__.removeprefix("_"))
+def test_a_load_expecting_data_from_nobody_fails(spelling: object) -> None:
+    """Nobody will write these blocks: every spelling of "no peers" fails the load."""
+    t = make()
+    spelling(t, "r1", [4, 5])  # type: ignore[operator]
+    report = t.drain()
+    assert report.finished_recving == {"r1"} and report.invalid_block_ids == {4, 5}
+    assert report.failures[0][1].stage is Stage.INTERNAL
+    stats = t.stats()
+    assert (stats["loads_failed"], stats["loads_succeeded"], stats["invalid_inputs"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("spelling", NO_PEERS, ids=lambda f: f.__name__.removeprefix("_"))
+def test_a_notify_only_load_with_no_peers_is_settled_quietly(spelling: object) -> None:
+    """No blocks to load: nothing is missing, and nothing may be reported (C7)."""
+    t = make()
+    spelling(t, "n1", [])  # type: ignore[operator]
+    assert t.drain() is IDLE_REPORT
+    stats = t.stats()
+    assert len(t) == 0 and stats["empty_loads"] == 1 and stats["loads_failed"] == 0
