@@ -107,6 +107,7 @@ class FaultPoint(enum.StrEnum):
 
     KILL_BEFORE_PULL = "kill_before_pull"
     KILL_DURING_TRANSFER = "kill_during_transfer"
+    KILL_ONE_PEER = "kill_one_peer"
     FREEZE_PEER = "freeze_peer"
     REFUSE = "refuse"
     BOOTSTRAP_DOWN = "bootstrap_down"
@@ -168,6 +169,13 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _A,
             Injection.PROCESS,
             "C1 C2 C3 C10 C11",
+        ),
+        FaultPoint.KILL_ONE_PEER: _spec(
+            "D loads from two P processes at once; one is SIGKILLed after handing out its "
+            "transfer params, before D pulls, while the other stays alive and serves its loads",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C3 C8 C10 C11",
         ),
         FaultPoint.FREEZE_PEER: _spec(
             "P is SIGSTOPped: its sockets stay open but it never answers (a hung peer)",
