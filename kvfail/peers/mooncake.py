@@ -272,9 +272,13 @@ class MooncakePair(PeerPair):
         """
         if self.p is not None and self.owns_p:
             self.p.close()
-        self.p = ProducerHandle(**self._p_kwargs)
+        self.p = self._new_producer()
         self.owns_p = True
         return self.p.wait_ready(self.ready_timeout_s) if wait else None
+
+    def _new_producer(self) -> ProducerHandle:
+        """A fresh P (own bootstrap port and engine id), spawned, not waited for."""
+        return ProducerHandle(**self._p_kwargs)
 
     @property
     def p_kwargs(self) -> dict[str, Any]:
