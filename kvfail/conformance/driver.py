@@ -192,6 +192,7 @@ class Driver(ABC):
         fault: FaultPoint | None = None,
         prompt_len: int = 100,
         max_tokens: int = 3,
+        peer: int = 0,
     ) -> list[str]:
         """Add several remote-prefill requests from the same P, their loads to be in
         flight together, with ``fault`` armed for every one (then :meth:`provoke` each,
@@ -202,7 +203,15 @@ class Driver(ABC):
         first would kill P and the rest would be prefilled by its replacement. Default:
         arm and add each in turn, right for a per-request fault; a driver overrides it
         for its faults on the whole peer.
+
+        ``peer`` names the P they come from: 0 is the driver's P, 1 a second P (its own
+        process, address and engine id), so one D can have loads in flight from two
+        peers at once. Only a driver that advertises
+        :attr:`~kvfail.faults.points.FaultPoint.KILL_ONE_PEER` has a second P; there,
+        that fault kills the P named by ``peer`` once it prefilled these requests.
         """
+        if peer != 0:
+            raise NotImplementedError(f"driver {self.name!r} has one P: no peer {peer}")
         for request_id in request_ids:
             if fault is not None:
                 self.arm(engine, request_id, fault)
@@ -283,6 +292,12 @@ class ToyDriver(Driver):
     fails a load after one step is caught. A toy step takes milliseconds, far below the
     toy's :attr:`DEADLINE_S`; a step count, not a sleep, keeps the delay the same on a
     loaded machine.
+
+    ``kill_one_peer``: peer ``k`` > 0 is a second in-memory P with its own engine id
+    (:meth:`remote_engine`). Killing one is what its death looks like at the toy's
+    transport boundary: from then on every load from it that is in flight on a worker
+    fails with stage ``peer_lost`` (checked after each step, in :meth:`observe`, and at
+    :meth:`provoke`); loads from the other P are untouched.
     """
 
     #: The toy reporter's watchdog deadline used by the silent-peer scenario.
@@ -307,6 +322,10 @@ class ToyDriver(Driver):
         self._integrity = IntegrityLedger(rank_seeded=False)
         #: (D engine id, request id) -> steps seen waiting, for ``net_delay`` loads.
         self._delayed: dict[tuple[str, str], int] = {}
+        #: (D engine id, request id) -> the engine id of the P it loads from.
+        self._peer_of: dict[tuple[str, str], str] = {}
+        #: Engine ids of the in-memory P's killed in this scenario (``kill_one_peer``).
+        self._dead_peers: set[str] = set()
         #: (D engine id, request id) -> when it was added / first named in a report.
         self._added_at: dict[tuple[str, str], float] = {}
         self._reported_s: dict[tuple[str, str], float] = {}
@@ -323,6 +342,7 @@ class ToyDriver(Driver):
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
                 FaultPoint.TP_ONE_RANK,
                 FaultPoint.NET_DELAY,  # the in-memory P answers DELAY_STEPS steps late
+                FaultPoint.KILL_ONE_PEER,  # a second in-memory P, whose loads all fail
             }
         )
 
@@ -365,9 +385,45 @@ class ToyDriver(Driver):
     ) -> None:
         self._first.setdefault((str(engine.spec.engine_id), req_id), {})[rank] = (loaded, wrong)
 
+    @classmethod
+    def remote_engine(cls, peer: int = 0) -> str:
+        """The engine id of in-memory P number ``peer`` (0: the driver's P)."""
+        return cls.REMOTE_ENGINE if peer == 0 else f"{cls.REMOTE_ENGINE}-{peer + 1}"
+
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
+        return self._add(engine, request_id, prompt_len, max_tokens, self.REMOTE_ENGINE)
+
+    def add_remote_requests(
+        self,
+        engine: Engine,
+        request_ids: Sequence[str],
+        *,
+        fault: FaultPoint | None = None,
+        prompt_len: int = 100,
+        max_tokens: int = 3,
+        peer: int = 0,
+    ) -> list[str]:
+        """As the base, from in-memory P number ``peer``; ``kill_one_peer`` kills that P
+        once it has "prefilled" them (its loads fail while in flight, see the class)."""
+        if fault is not FaultPoint.KILL_ONE_PEER and peer == 0:
+            return super().add_remote_requests(
+                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+            )
+        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+            raise ValueError(f"toy driver: {fault} is not armed on peer {peer}")
+        remote = self.remote_engine(peer)
+        for request_id in request_ids:
+            self._add(engine, request_id, prompt_len, max_tokens, remote)
+        if fault is FaultPoint.KILL_ONE_PEER:
+            self._dead_peers.add(remote)
+        return list(request_ids)
+
+    def _add(
+        self, engine: Engine, request_id: str, prompt_len: int, max_tokens: int, remote: str
+    ) -> str:
+        """P ``remote``'s prefill into the in-memory transport, then D's request."""
         import torch
 
         from kvfail.harness.toy import TRANSPORT
@@ -383,9 +439,10 @@ class ToyDriver(Driver):
             data = torch.zeros((num_blocks, *cache.shape[1:]), dtype=cache.dtype)
             write_pattern(data, layer, range(num_blocks), 0, num_blocks * block_size, request_id)
             layers[name] = data
-        TRANSPORT.put((self.REMOTE_ENGINE, request_id), layers)
+        TRANSPORT.put((remote, request_id), layers)
         self._integrity.track(engine, request_id, request_id, prompt_len)
         self._added_at[(str(engine.spec.engine_id), request_id)] = time.monotonic()
+        self._peer_of[(str(engine.spec.engine_id), request_id)] = remote
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
@@ -393,7 +450,7 @@ class ToyDriver(Driver):
             max_tokens=max_tokens,
             kv_transfer_params={
                 "do_remote_prefill": True,
-                "remote_engine_id": self.REMOTE_ENGINE,
+                "remote_engine_id": remote,
                 "remote_request_id": request_id,
             },
         )
@@ -437,9 +494,27 @@ class ToyDriver(Driver):
                 )
         elif point is FaultPoint.ABORT_WHILE_WAITING:
             engine.abort(request_id)
+        elif point is FaultPoint.KILL_ONE_PEER:
+            self._fail_dead_peers(engine)
         # FREEZE_PEER: the toy transport simply never answers; NOTIFY_ONLY_EMPTY_BLOCKS is
         # set up by the scenario (a request with no loadable block); NET_DELAY answers by
         # itself (see observe): nothing to do here.
+
+    def _fail_dead_peers(self, engine: Engine) -> None:
+        """Fail, on every worker, each load in flight from a killed in-memory P (its
+        death as the transport sees it: the peer is gone, not an answer from it)."""
+        from kvfail import Stage
+
+        if not self._dead_peers:
+            return
+        eid = str(engine.spec.engine_id)
+        for worker in engine.workers:
+            for req_id in sorted(worker.connector.inflight()):
+                remote = self._peer_of.get((eid, req_id))
+                if remote in self._dead_peers:
+                    worker.connector.fail(
+                        req_id, stage=Stage.PEER_LOST, reason=f"toy: P {remote} was killed"
+                    )
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
         first = self._first.get((str(engine.spec.engine_id), request_id))
@@ -454,6 +529,7 @@ class ToyDriver(Driver):
 
     def observe(self, engine: Engine) -> None:
         self._integrity.after_step(engine)
+        self._fail_dead_peers(engine)
         eid = str(engine.spec.engine_id)
         # Detection times: when a report first named each request (for detection_s).
         reports = engine.record.kv_reports
@@ -488,6 +564,8 @@ class ToyDriver(Driver):
         self._integrity.engines.clear()  # the scenario's engines are closed
         for timed in (self._delayed, self._added_at, self._reported_s, self._reports_read):
             timed.clear()
+        self._peer_of.clear()
+        self._dead_peers.clear()  # the next scenario's second P is a new one
 
     def stop(self) -> None:
         from kvfail.harness.toy import TRANSPORT
@@ -824,11 +902,13 @@ class PairDriver(Driver):
             gc.collect()
 
     def _repair_peers(self) -> None:
-        """After a scenario: thaw a frozen P; kill what is left of a P that lost a rank
-        (on purpose, or a rank that died after a fault) so a driver sharing it sees it
-        dead rather than half-working; replace a dead P without waiting for its import."""
+        """After a scenario: close a second P; thaw a frozen P; kill what is left of a P
+        that lost a rank (on purpose, or a rank that died after a fault) so a driver
+        sharing it sees it dead rather than half-working; replace a dead P without
+        waiting for its import."""
         self._forget_closed_engines()
         for pair in self._pairs():
+            pair.close_second_p()  # one scenario's (``kill_one_peer``); a later one starts anew
             if pair.p is None:
                 continue
             proc = pair.p.process
@@ -845,6 +925,17 @@ class PairDriver(Driver):
 
     def _pair_of(self, engine: Engine) -> Any:
         return self._engine_pairs.get(id(engine), self._pair)
+
+    def _peer_producer(self, pair: Any, peer: int, fault: FaultPoint | None) -> Any:
+        """P number ``peer`` of ``pair``, ready: 0 is its P, 1 its second P (started now
+        if it has none). The second P serves plain loads, or is killed (``kill_one_peer``)."""
+        if peer == 0:
+            return pair._ready_producer()
+        if peer != 1:
+            raise ValueError(f"{self.pair_name} has two P's (peer 0 and 1), not peer {peer}")
+        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+            raise ValueError(f"driver {self.name!r}: {fault} cannot be armed on the second P")
+        return pair.second_p()
 
     def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
         """Every fault is set up while the request is added (see the class docstring)."""
@@ -889,6 +980,8 @@ class MooncakeDriver(PairDriver):
 
     * process faults on P: SIGKILL after P prefilled (``kill_before_pull``; D cold, or
       warm when the scenario pulled once first), SIGSTOP (``freeze_peer``, a silent P);
+      SIGKILL one of two P processes D loads from at once (``kill_one_peer``: the pair's
+      second P, a real process with its own bootstrap server, started for the scenario);
     * protocol faults answered by the real P process (``peer_error_response``,
       ``peer_err_reqs``, ``peer_finish_without_result``: see ``kvfail.peers.producer``);
     * network/params faults: a refused bootstrap address, an unknown engine id, a
@@ -914,7 +1007,9 @@ class MooncakeDriver(PairDriver):
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
     #: Faults on P's whole process: one event for every request in flight from it.
-    PEER_WIDE = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.FREEZE_PEER})
+    PEER_WIDE = frozenset(
+        {FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER, FaultPoint.FREEZE_PEER}
+    )
 
     def __init__(
         self,
@@ -980,6 +1075,7 @@ class MooncakeDriver(PairDriver):
                 FaultPoint.PEER_FINISH_WITHOUT_RESULT,
                 FaultPoint.KILL_BEFORE_PULL,
                 FaultPoint.KILL_DURING_TRANSFER,
+                FaultPoint.KILL_ONE_PEER,
                 FaultPoint.FREEZE_PEER,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
@@ -1076,8 +1172,8 @@ class MooncakeDriver(PairDriver):
             pair.inject(request_id, "finish_without_result")
         elif point is FaultPoint.NET_DELAY:
             pair.inject(request_id, "delay", delay_s=self.NET_DELAY_S)
-        elif point is FaultPoint.KILL_BEFORE_PULL:
-            pair.kill_p()
+        elif point in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
+            pair.kill_p()  # one request: its P is the one that dies
         elif point is FaultPoint.KILL_DURING_TRANSFER:
             # P's sender really writes half of the pull into D, then SIGKILLs itself.
             pair.inject(request_id, "die_mid_transfer")
@@ -1107,18 +1203,24 @@ class MooncakeDriver(PairDriver):
         fault: FaultPoint | None = None,
         prompt_len: int = 100,
         max_tokens: int = 3,
+        peer: int = 0,
     ) -> list[str]:
-        """P prefills every request, then a fault on P itself (SIGKILL, SIGSTOP) happens
-        once, then D adds them all; other faults are armed per request (see the base)."""
-        if fault not in self.PEER_WIDE:
+        """P (``peer`` 1: the pair's second P) prefills every request, then a fault on
+        that P itself (SIGKILL, SIGSTOP) happens once, then D adds them all; other faults
+        are armed per request (see the base), on the driver's P only."""
+        if peer == 0 and fault not in self.PEER_WIDE:
             return super().add_remote_requests(
                 engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
             )
         pair = self._live(self._pair_of(engine))
-        params = {rid: pair.prefill(rid, prompt_len) for rid in request_ids}
-        if fault is FaultPoint.KILL_BEFORE_PULL:
-            pair.kill_p()
-        else:
+        producer = self._peer_producer(pair, peer, fault)
+        params = {rid: producer.prefill(rid, prompt_len, rid) for rid in request_ids}
+        if fault in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
+            if peer == 0:
+                pair.kill_p()
+            else:
+                pair.kill_second_p()
+        elif fault is FaultPoint.FREEZE_PEER:
             pair.freeze_p()
         for rid, rid_params in params.items():
             pair.add(

@@ -9,6 +9,10 @@ are real with NIXL here:
 * ``kill_before_pull``: SIGKILL P after D's handshake, before its READ (warm D: right
   away; cold D: D is stepped once and the driver waits for the handshake): the READ post
   raises ``nixlRemoteDisconnectError`` at once;
+* ``kill_one_peer``: D loads from two P processes at once, P and the pair's second P
+  (its own process, side channel and engine id, started for the scenario and closed after
+  it); the second P is SIGKILLed after D's handshake with it, before its READs, while P
+  serves its own;
 * ``freeze_peer``: SIGSTOP P after the handshake: the READ stays in ``PROC``. Only D's own
   deadline can end it (the suite's wait bounds the scenario); kvfail's connector declares
   and enforces ``kvfail_deadline_s``;
@@ -105,7 +109,15 @@ class NixlDriver(PairDriver):
     hand_off_p = True
     collect_closed_engines = True
     #: Faults on P's whole process: one event for every request in flight from it.
-    PEER_WIDE = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.FREEZE_PEER})
+    PEER_WIDE = frozenset(
+        {
+            FaultPoint.KILL_BEFORE_PULL,
+            FaultPoint.KILL_ONE_PEER,
+            FaultPoint.FREEZE_PEER,
+        }
+    )
+    #: SIGKILL faults: the pair's P (or its second P, ``kill_one_peer``) dies.
+    KILLS = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER})
     #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
     BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
         FaultPoint.PEER_BAD_METADATA: "garbled",
@@ -123,7 +135,8 @@ class NixlDriver(PairDriver):
         connector_module: str | None = "connectors.nixl",
     ) -> None:
         self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
-        self._kill_on_provoke: set[tuple[int, str]] = set()
+        #: (D engine, request id) -> the stopped P the first provoke() kills (warm D).
+        self._kill_on_provoke: dict[tuple[int, str], Any] = {}
         #: The bad metadata P was armed with in this scenario, if any.
         self._bad_metadata: str | None = None
         #: (faults, P request id) armed by ``notify_failed`` in this scenario.
@@ -234,6 +247,7 @@ class NixlDriver(PairDriver):
         return frozenset(
             {
                 FaultPoint.KILL_BEFORE_PULL,
+                FaultPoint.KILL_ONE_PEER,
                 FaultPoint.FREEZE_PEER,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
@@ -314,18 +328,31 @@ class NixlDriver(PairDriver):
             self._broken.add(id(pair))
         warm = pair.handshaked(engine)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        if point is FaultPoint.KILL_BEFORE_PULL and warm:
+        if point is not None and point in self.PEER_WIDE:
+            # One request: its P is the one that dies or stops.
+            self._fault_on_peer(engine, pair, pair.producer(), [request_id], point, warm)
+        return request_id
+
+    def _fault_on_peer(
+        self,
+        engine: Engine,
+        pair: Any,
+        producer: Any,
+        request_ids: Sequence[str],
+        fault: FaultPoint,
+        warm: bool,
+    ) -> None:
+        """A fault on ``producer``'s whole process, once D added ``request_ids`` from it."""
+        if fault in self.KILLS and warm:
             # A warm D posts its READ in the step that schedules the request, and a READ
             # to a dead P fails in that same step: the request would never be seen
             # waiting. So P is stopped now (the READ goes out to it, nothing answers)
             # and killed by provoke(), before it ever served the pull.
-            pair.freeze_p()
-            self._kill_on_provoke.add((id(engine), request_id))
-        elif point is FaultPoint.KILL_BEFORE_PULL:
-            pair.fault_after_handshake(request_id, "kill", consumer=engine)
-        elif point is FaultPoint.FREEZE_PEER:
-            pair.fault_after_handshake(request_id, "freeze", consumer=engine)
-        return request_id
+            producer.process.freeze()
+            self._kill_on_provoke.update({(id(engine), rid): producer for rid in request_ids})
+        else:
+            kind = "kill" if fault in self.KILLS else "freeze"
+            pair.fault_after_handshake(request_ids[0], kind, consumer=engine, producer=producer)
 
     def add_remote_requests(
         self,
@@ -335,26 +362,29 @@ class NixlDriver(PairDriver):
         fault: FaultPoint | None = None,
         prompt_len: int = 100,
         max_tokens: int = 3,
+        peer: int = 0,
     ) -> list[str]:
-        """P prefills every request and D adds them all, then a fault on P itself
-        (SIGKILL, SIGSTOP) happens once, as :meth:`add_remote_request` times it for one
-        request; other faults are armed per request (see the base)."""
-        if fault not in self.PEER_WIDE:
+        """P (``peer`` 1: the pair's second P) prefills every request and D adds them
+        all, then a fault on that P itself (SIGKILL, SIGSTOP) happens once, as
+        :meth:`add_remote_request` times it for one request; other faults are armed per
+        request (see the base), on the driver's P only."""
+        if peer == 0 and fault not in self.PEER_WIDE:
             return super().add_remote_requests(
                 engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
             )
         pair = self._live(self._pair_of(engine))
         self._scenario_pair = pair
-        params = {rid: self._prefill(pair, rid, prompt_len) for rid in request_ids}
-        warm = pair.handshaked(engine)
+        if peer == 0:
+            params = {rid: self._prefill(pair, rid, prompt_len) for rid in request_ids}
+            producer = pair.producer()
+        else:
+            producer = self._peer_producer(pair, peer, fault)
+            params = {rid: producer.prefill(rid, prompt_len, rid) for rid in request_ids}
+        warm = pair.handshaked(engine, producer)
         for rid, rid_params in params.items():
             pair.add(rid, rid_params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        if fault is FaultPoint.KILL_BEFORE_PULL and warm:
-            pair.freeze_p()  # killed by the first provoke() (see add_remote_request)
-            self._kill_on_provoke.update((id(engine), rid) for rid in request_ids)
-        else:
-            kind = "kill" if fault is FaultPoint.KILL_BEFORE_PULL else "freeze"
-            pair.fault_after_handshake(request_ids[0], kind, consumer=engine)
+        if fault is not None:
+            self._fault_on_peer(engine, pair, producer, request_ids, fault, warm)
         return list(request_ids)
 
     def provoke(
@@ -369,10 +399,10 @@ class NixlDriver(PairDriver):
         if point is FaultPoint.ABORT_WHILE_WAITING:
             engine.abort(request_id)
         elif (id(engine), request_id) in self._kill_on_provoke:
-            self._kill_on_provoke.discard((id(engine), request_id))
+            producer = self._kill_on_provoke.pop((id(engine), request_id))
             pair = self._pair_of(engine)
-            if pair.p is not None and pair.p.process.alive:  # once for several requests
-                pair.kill_p()
+            if producer.process.alive:  # once for several requests
+                producer.process.kill(timeout_s=pair.kill_timeout_s)
             rec = pair.records.get(request_id)
             if rec is not None:  # the detection clock starts at the kill
                 rec.injected_at = time.monotonic()
