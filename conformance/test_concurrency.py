@@ -1,12 +1,14 @@
-"""Concurrency scenarios: many loads from one P in flight at once, failing together.
+"""Concurrency scenarios: many loads in flight at once, failing together.
 
 Why: every other scenario has one load in flight, so a connector that keeps one failure
 slot per step, or fails only the first request of a batch when a peer dies, passes them
 all while it strands every other request forever (the scheduler has no timeout). Here
 ``MANY`` requests from the same P load at once, and the fault hits several of them in
 the same step: a dead P, an error for each, some failing while others succeed, failures
-racing aborts. Each scenario ends with every oracle over ALL its requests. Requirements
-are capabilities and fault points, never connector names; the suite bounds every wait.
+racing aborts; and one D loads from two P's at once when one of them dies, so a
+connector must tell a dead peer's loads from a live one's. Each scenario ends with every
+oracle over ALL its requests. Requirements are capabilities and fault points, never
+connector names; the suite bounds every wait.
 
 On a real transport the suite cannot pick the step a failure lands in: the loads are
 started in one step (one batched pull where the transport batches) and the step counts
@@ -278,6 +280,56 @@ def test_many_loads_peer_killed(kvfail: Any) -> None:
     kvfail.run(engine)
     _note_failure_steps(kvfail, engine, rids)
     kvfail.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
+@pytest.mark.guards("#50719", "#26171")
+def test_two_peers_one_killed(kvfail: Any) -> None:
+    """One D with loads in flight from TWO P processes at once, ``MANY // 2`` from each;
+    one P is SIGKILLed (after it prefilled its share, before D pulled) while the other
+    lives and serves its own. Every load from the dead P is reported failed exactly once,
+    paired with finished_recving in the same pass, and ends as the policy says; every load
+    from the live P succeeds on P's bytes (``byte_verification``) and is never reported
+    failed (C8). A connector that fails every peer's loads when one peer dies, or loses
+    track of one peer's failures, breaks here; nothing may be stranded or leak, and every
+    oracle holds over all requests."""
+    kvfail.require("remote_prefill", "async_load")
+    point = kvfail.require_fault(FaultPoint.KILL_ONE_PEER)
+    engine = kvfail.engine()
+    live = _rids(kvfail, "two-p-live", MANY // 2)
+    dead = _rids(kvfail, "two-p-killed", MANY // 2)
+    rids = [*live, *dead]
+    # The second P's share first: starting that P takes seconds, and a real P holds what
+    # it prefilled only for a bounded time, so the live P prefills last, right before D
+    # pulls. Both shares are then in flight in D together.
+    kvfail.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
+    kvfail.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(kvfail, engine, rids)
+    for rid in dead:
+        kvfail.driver.provoke(engine, rid, point)
+    for rid in live:
+        kvfail.driver.settle(engine, rid)
+    kvfail.run(engine)
+    _note_failure_steps(kvfail, engine, dead)
+    # The live P's false failures first: its loads' policy outcomes follow from them.
+    found = [
+        f"C8 false failure: {rid} loaded from the live P, but a failure reached the "
+        f"scheduler at step(s) {steps}"
+        for rid, steps in sorted(_failed_at(engine, live).items())
+    ]
+    if kvfail.caps.byte_verification:
+        for rid in live:
+            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            if mismatch:
+                found.append(f"C1 wrong bytes for a load from the live P: {mismatch}")
+    found += [*_wrong_bytes(kvfail, engine, dead), *_not_late(engine, blocks)]
+    found += kvfail.violations(engine, rids, failed=None, policy_outcome=False)
+    if engine.crashed is None:
+        for rid in live:
+            found += oracles.check_policy_outcome(engine, rid, failed=False)
+        for rid in dead:
+            found += oracles.check_policy_outcome(engine, rid, failed=True)
+    kvfail.assert_clean(found)
 
 
 def _deadline_budget(kvfail: Any, deadline: float | None) -> float:

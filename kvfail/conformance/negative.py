@@ -37,13 +37,16 @@ class                      what is broken                               clause  
                            writes after the blocks were released
 ``FailsBeforeDeadline``    declares a 3 s deadline, but its watchdog    C10      early
                            fails any load unanswered after one step
+``FailsEveryPeerOnLoss``   when one peer is lost, fails every load in   C8       false
+                           flight, the live peers' too                           failure
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
 (``conformance/test_concurrency.py``), and by its soak (:data:`EXTRA_FLAGS`): with one
 load in flight it is indistinguishable from a working connector, which is why those
 scenarios exist. ``FailsBeforeDeadline`` is flagged by the slow-peer scenario there: a
-peer that answers at once, or never, does not show it.
+peer that answers at once, or never, does not show it. ``FailsEveryPeerOnLoss`` is
+flagged by the two-P scenario there: with one peer, all loads in flight are that peer's.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ __all__ = [
     "EXPECTED_FLAGS_REAL",
     "EXTRA_FLAGS",
     "FailsBeforeDeadline",
+    "FailsEveryPeerOnLoss",
     "Flag",
     "NoFailureChannel",
     "ReportsFewerBlocks",
@@ -276,6 +280,30 @@ class FailsBeforeDeadline(ToyConnector):
         return results
 
 
+class FailsEveryPeerOnLoss(ToyConnector):
+    """When a load fails because its peer is gone (stage ``peer_lost``), fails every load
+    in flight, from every peer: the live peers' loads are reported failed although their
+    bytes arrive (C8), and under ``fail`` their requests end in an error. A connector
+    whose peer-death handler tears down its one transfer engine, or walks "all pending
+    transfers" instead of the dead peer's, breaks this way; with one peer every load in
+    flight is that peer's, so only D loading from two peers at once shows it."""
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        if stage is not Stage.PEER_LOST:
+            return super().fail(req_id, stage=stage, reason=reason, block_index=block_index)
+        failed = False
+        for other in sorted(self.inflight()):  # the dead peer's and everyone else's
+            failed |= super().fail(other, stage=stage, reason=reason)
+        return failed
+
+
 class Flag(NamedTuple):
     """Where the self-test expects a control to be flagged, and for what."""
 
@@ -299,6 +327,7 @@ EXPECTED_FLAGS: dict[str, Flag] = {
     ),
     "WritesAfterRelease": Flag("test_failures_and_successes_same_step", "C11 "),
     "FailsBeforeDeadline": Flag("test_slow_peer_not_failed_before_deadline", "C10 early failure"),
+    "FailsEveryPeerOnLoss": Flag("test_two_peers_one_killed", "C8 false failure"),
 }
 
 #: Further scenarios that must flag a control besides its :data:`EXPECTED_FLAGS` one: the
