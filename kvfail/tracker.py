@@ -25,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
@@ -50,9 +50,10 @@ class _AllPeers:
 #: Pass as ``peer=`` to settle every outstanding peer task of a load at once.
 ALL_PEERS: Final = _AllPeers()
 
-#: How many recently delivered ids are remembered (per generation; two are kept), to tell
-#: a late report from an unknown one in stats and logs. A constant: it does not grow with
-#: traffic.
+#: How many recently delivered ids are remembered, to tell a late report from an unknown
+#: one in stats and logs: an id stays known as late until at least this many ids were
+#: delivered (or notify-only loads settled) after it. Two generations are kept, each at
+#: most this size or one drain's deliveries, so the memory does not grow with traffic.
 RECENT_IDS_KEPT: Final = 4096
 
 
@@ -136,11 +137,14 @@ class LoadTracker:
         fence: Fence | None = None,
         fence_retry_s: float = 0.0,
         clock: Clock = time.monotonic,
+        recent_ids_kept: int = RECENT_IDS_KEPT,
     ) -> None:
         if num_kv_cache_groups < 1:
             raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
         if default_deadline_s is not None and not default_deadline_s > 0:
             raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
+        if recent_ids_kept < 1:
+            raise ValueError(f"recent_ids_kept must be >= 1, got {recent_ids_kept}")
         self.name = name
         self.num_kv_cache_groups = num_kv_cache_groups
         #: With several groups, block ids are only unique within a group, so a failed
@@ -160,6 +164,7 @@ class LoadTracker:
         # them costs one C-level set update per drain however large the burst.
         self._recent: set[str] = set()
         self._recent_old: set[str] = set()
+        self._recent_kept = recent_ids_kept
         self._stats = StatsRecorder()
 
     # ------------------------------------------------------------------ registration
@@ -355,12 +360,10 @@ class LoadTracker:
         if not ready:
             return IDLE_REPORT
         finished = {load.req_id for load in ready}
-        loads, recent = self._loads, self._recent
+        loads = self._loads
         for req_id in finished:
             del loads[req_id]
-        recent.update(finished)
-        if len(recent) > RECENT_IDS_KEPT:
-            self._retire_recent()
+        self._remember_locked(finished)
         failed: set[str] = set()
         invalid: set[int] = set()
         failures: list[tuple[str, Failure]] = []
@@ -399,7 +402,8 @@ class LoadTracker:
                         None,
                         log,
                     )
-                self._stats.event("watchdog_fired")
+                if not load.notify_only:  # counted as what is reported: nothing, for those
+                    self._stats.event("watchdog_fired")
                 overdue.append(load)
         if not overdue:
             return
@@ -446,6 +450,19 @@ class LoadTracker:
             return
         now = self._clock()
         load.failure = Failure(stage, str(reason), peer, now)
+        if load.notify_only:
+            # Kept (the connector reads it through failure_of) but never reported, so it
+            # is neither counted nor logged as a failed load: stats match the reports.
+            log.add(
+                logging.WARNING,
+                "kvfail: notify-only load ended in error; not reported (no blocks)",
+                connector=self.name,
+                req_id=load.req_id,
+                stage=stage.value,
+                reason=str(reason),
+                peer=repr(peer) if peer is not None else "-",
+            )
+            return
         self._stats.failed(stage)
         log.add(
             logging.ERROR,
@@ -507,7 +524,7 @@ class LoadTracker:
         # Notify-only load (abort_immediately): the scheduler has already forgotten this
         # request, so reporting it in any channel would crash the engine (C7).
         del self._loads[load.req_id]
-        self._recent.add(load.req_id)
+        self._remember_locked((load.req_id,))
         self._stats.event("empty_loads")
 
     def _narrow_locked(self, load: _Load, block_ids: object, log: _Pending) -> None:
@@ -546,9 +563,17 @@ class LoadTracker:
             report=what,
         )
 
-    def _retire_recent(self) -> None:
-        self._recent_old = self._recent
-        self._recent = set()
+    def _remember_locked(self, req_ids: Collection[str]) -> None:
+        """Remember delivered ids for late reports, in two bounded generations.
+
+        The current generation is retired before it would exceed the limit, so each holds
+        at most ``recent_ids_kept`` ids or one drain's deliveries, whichever is larger.
+        """
+        recent = self._recent
+        if len(recent) + len(req_ids) > self._recent_kept:
+            self._recent_old = recent
+            self._recent = recent = set()
+        recent.update(req_ids)
 
     def _compact_deadlines(self) -> None:
         live = [

@@ -79,7 +79,8 @@ class TrackerMachine(RuleBasedStateMachine):
     def _fail(self, load: ModelLoad) -> None:
         if not load.failed:
             load.failed = True
-            self.model.failed_requests += 1
+            if load.blocks:  # a notify-only load is never reported, so never counted
+                self.model.failed_requests += 1
 
     # -- rules
     @rule(

@@ -481,3 +481,68 @@ def test_a_notify_only_load_with_no_peers_is_settled_quietly(spelling: object) -
     assert t.drain() is IDLE_REPORT
     stats = t.stats()
     assert len(t) == 0 and stats["empty_loads"] == 1 and stats["loads_failed"] == 0
+
+
+# --------------------------------------------------------------- notify-only loads
+
+
+@pytest.mark.usefixtures("quiet_kvfail_logs")
+def test_notify_only_loads_retain_no_memory_after_they_settle() -> None:
+    t = make()
+
+    def round_trip(rnd: int, n: int) -> None:
+        for i in range(n):
+            t.track(f"n{rnd}-{i}", [])
+            t.succeeded(f"n{rnd}-{i}")
+        t.drain()
+
+    tracemalloc.start()
+    round_trip(0, 20_000)  # warm up: the recent-id memory reaches its steady size
+    round_trip(1, 20_000)
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    for rnd in range(2, 5):
+        round_trip(rnd, 20_000)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(t) == 0
+    assert grown < 64 * 1024, f"retained {grown} bytes for 60,000 settled notify-only loads"
+
+
+def test_late_report_for_a_settled_notify_only_load_is_late() -> None:
+    t = make()
+    t.track("n1", [])
+    t.succeeded("n1")
+    assert not t.failed("n1", Stage.TRANSFER, "late")
+    assert t.stats()["late_reports"] == 1 and t.stats()["unknown_reports"] == 0
+
+
+def test_notify_only_load_past_its_deadline_is_not_counted_or_logged_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing is reported for it, so no stat or log line may claim a failed load."""
+    clock = ManualClock()
+    t = make(clock=clock, default_deadline_s=1.0)
+    t.track("n1", [])
+    clock.advance(2.0)
+    with caplog.at_level(logging.DEBUG, logger="kvfail"):
+        assert t.drain() is IDLE_REPORT
+    stats = t.stats()
+    assert len(t) == 0 and stats["empty_loads"] == 1
+    assert stats["loads_failed"] == 0 and stats["stage.watchdog"] == 0
+    assert stats["watchdog_fired"] == 0
+    assert "load failed" not in caplog.text and "n1" in caplog.text
+
+
+def test_failed_notify_only_load_is_not_counted_or_logged_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    t = make()
+    t.track("n1", [])
+    with caplog.at_level(logging.DEBUG, logger="kvfail"):
+        t.failed("n1", Stage.PEER, "P refused the notification")
+    assert t.drain() is IDLE_REPORT
+    stats = t.stats()
+    assert stats["loads_failed"] == 0 and stats["stage.peer"] == 0 and stats["empty_loads"] == 1
+    assert "load failed" not in caplog.text and "P refused the notification" in caplog.text
