@@ -16,6 +16,13 @@ are real with NIXL here:
 * ``freeze_peer``: SIGSTOP P after the handshake: the READ stays in ``PROC``. Only D's own
   deadline can end it (the suite's wait bounds the scenario); kvfail's connector declares
   and enforces ``kvfail_deadline_s``;
+* ``net_delay``: a slow but live P. P's process group is stopped once D added the
+  requests and continued :attr:`~kvfail.conformance.driver.PairDriver.NET_DELAY_S` later
+  (by :meth:`NixlDriver.observe`, after D's next step past that time). Over UCX/TCP a READ
+  is not one-sided on the wire: P's UCX worker answers each GET, so a warm D's READ waits
+  in ``PROC`` (as for ``freeze_peer``) and then completes with P's bytes; a cold D's
+  handshake waits on P's side-channel listener the same way. A delay of the handshake
+  alone would hold nothing for a warm D, which never handshakes again;
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
   silently, the handshake fails at its 5 s ``RCVTIMEO``;
 * ``unknown_engine``: P's real params naming another engine id;
@@ -39,13 +46,10 @@ world (``tp_mode="processes"``), D's rank ``r`` handshakes for and READs P's ran
 and the byte check is per rank. The driver keeps one pair (one P) per layout.
 
 Not advertised, on purpose: ``net_blackhole`` (the handshake would time out at 5 s, which
-is not the silent case the scenario means), protocol faults answered by P (NIXL's P does
-not answer a READ: one-sided RDMA semantics), ``net_delay`` (a slow but live P: the READ
-is one-sided and goes over UCX, so P takes part only in a cold D's handshake; a delay
-there, through a proxy in front of P's side channel, adds to the cold TP 2 handshake's
-own cost and ran into the scenario deadline, testing the machine, not the connector; a
-warm D never handshakes again), two KV-cache groups (not built by this driver yet),
-malformed params (the suite's malformations name Mooncake fields).
+is not the silent case the scenario means), protocol faults answered by P (NIXL's P sends
+no reply to a READ that could carry an error: its UCX worker serves the data, upstream's
+code is not on that path), malformed params (the suite's malformations name Mooncake
+fields).
 
 D runs in this process, so this process creates nixl agents and would segfault at exit:
 the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the process with
@@ -114,6 +118,7 @@ class NixlDriver(PairDriver):
             FaultPoint.KILL_BEFORE_PULL,
             FaultPoint.KILL_ONE_PEER,
             FaultPoint.FREEZE_PEER,
+            FaultPoint.NET_DELAY,
         }
     )
     #: SIGKILL faults: the pair's P (or its second P, ``kill_one_peer``) dies.
@@ -137,6 +142,8 @@ class NixlDriver(PairDriver):
         self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
         #: (D engine, request id) -> the stopped P the first provoke() kills (warm D).
         self._kill_on_provoke: dict[tuple[int, str], Any] = {}
+        #: ``net_delay``: id(P handle) -> (P, when observe() thaws it).
+        self._thaw_at: dict[int, tuple[Any, float]] = {}
         #: The bad metadata P was armed with in this scenario, if any.
         self._bad_metadata: str | None = None
         #: (faults, P request id) armed by ``notify_failed`` in this scenario.
@@ -227,6 +234,7 @@ class NixlDriver(PairDriver):
         self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
         self._scenario_pair = None
         self._kill_on_provoke.clear()
+        self._end_delays(now=True)
         self._repair_peers()
         if pair is None or pair.p is None or not pair.p.process.alive:
             return
@@ -249,6 +257,7 @@ class NixlDriver(PairDriver):
                 FaultPoint.KILL_BEFORE_PULL,
                 FaultPoint.KILL_ONE_PEER,
                 FaultPoint.FREEZE_PEER,
+                FaultPoint.NET_DELAY,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.PEER_BAD_METADATA,
@@ -293,6 +302,29 @@ class NixlDriver(PairDriver):
         pair = self._pair_of(engine)
         if pair is not None:
             pair.observe(engine)
+        self._end_delays()
+
+    def _delay(self, producer: Any) -> None:
+        """``net_delay``: stop P now and let it go on :attr:`NET_DELAY_S` later (in
+        :meth:`observe`, after D's next step past that time).
+
+        Why a stall of P's process and not of a message: with UCX over TCP a READ is not
+        one-sided on the wire: P's UCX worker (its agent's progress thread) answers each
+        GET with the data, so the READ of a stopped P stays in ``PROC`` (the
+        ``freeze_peer`` evidence) and completes once P runs again; a cold D's handshake
+        waits the same way on P's side-channel listener. P is alive throughout: a
+        process paused by its host (CPU starvation, a long GC, swapping) answers late."""
+        producer.process.freeze()
+        self._thaw_at[id(producer)] = (producer, time.monotonic() + self.NET_DELAY_S)
+
+    def _end_delays(self, *, now: bool = False) -> None:
+        """Thaw each ``net_delay`` P whose delay is over (every one when ``now``)."""
+        for key, (producer, at) in list(self._thaw_at.items()):
+            if now or time.monotonic() >= at:
+                del self._thaw_at[key]
+                proc = producer.process
+                if proc.alive and proc.frozen:
+                    proc.thaw()
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
@@ -329,7 +361,7 @@ class NixlDriver(PairDriver):
         warm = pair.handshaked(engine)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
         if point is not None and point in self.PEER_WIDE:
-            # One request: its P is the one that dies or stops.
+            # One request: its P is the one that dies, stops or stalls.
             self._fault_on_peer(engine, pair, pair.producer(), [request_id], point, warm)
         return request_id
 
@@ -343,7 +375,9 @@ class NixlDriver(PairDriver):
         warm: bool,
     ) -> None:
         """A fault on ``producer``'s whole process, once D added ``request_ids`` from it."""
-        if fault in self.KILLS and warm:
+        if fault is FaultPoint.NET_DELAY:
+            self._delay(producer)
+        elif fault in self.KILLS and warm:
             # A warm D posts its READ in the step that schedules the request, and a READ
             # to a dead P fails in that same step: the request would never be seen
             # waiting. So P is stopped now (the READ goes out to it, nothing answers)
@@ -365,7 +399,7 @@ class NixlDriver(PairDriver):
         peer: int = 0,
     ) -> list[str]:
         """P (``peer`` 1: the pair's second P) prefills every request and D adds them
-        all, then a fault on that P itself (SIGKILL, SIGSTOP) happens once, as
+        all, then a fault on that P itself (SIGKILL, SIGSTOP, a stall) happens once, as
         :meth:`add_remote_request` times it for one request; other faults are armed per
         request (see the base), on the driver's P only."""
         if peer == 0 and fault not in self.PEER_WIDE:
