@@ -56,6 +56,10 @@ ALL_PEERS: Final = _AllPeers()
 #: most this size or one drain's deliveries, so the memory does not grow with traffic.
 RECENT_IDS_KEPT: Final = 4096
 
+#: Stale entries the deadline heap may hold beyond twice the in-flight loads before it is
+#: compacted (delivered loads leave their entry behind; popping them is lazy).
+DEADLINE_HEAP_SLACK: Final = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
@@ -159,6 +163,7 @@ class LoadTracker:
         self._loads: dict[str, _Load] = {}
         self._ready: list[_Load] = []
         self._deadlines: list[tuple[float, int, _Load]] = []
+        self._heap_slack = DEADLINE_HEAP_SLACK
         self._seq = itertools.count()
         # Two generations of recently delivered ids, swapped in O(1), so that remembering
         # them costs one C-level set update per drain however large the burst.
@@ -241,8 +246,7 @@ class LoadTracker:
             self._settle_locked(load, ALL_PEERS, log)
         if deadline != math.inf and not load.settled:
             heapq.heappush(self._deadlines, (deadline, next(self._seq), load))
-            if len(self._deadlines) > 2 * len(self._loads) + 64:
-                self._compact_deadlines()
+            self._compact_deadlines_locked()
         return True
 
     def expect_peers(self, req_id: str, peers: int | Iterable[Hashable]) -> bool:
@@ -364,6 +368,7 @@ class LoadTracker:
         for req_id in finished:
             del loads[req_id]
         self._remember_locked(finished)
+        self._compact_deadlines_locked()
         failed: set[str] = set()
         invalid: set[int] = set()
         failures: list[tuple[str, Failure]] = []
@@ -525,6 +530,7 @@ class LoadTracker:
         # request, so reporting it in any channel would crash the engine (C7).
         del self._loads[load.req_id]
         self._remember_locked((load.req_id,))
+        self._compact_deadlines_locked()
         self._stats.event("empty_loads")
 
     def _narrow_locked(self, load: _Load, block_ids: object, log: _Pending) -> None:
@@ -551,7 +557,10 @@ class LoadTracker:
             load.failed_blocks |= named
 
     def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
-        late = isinstance(req_id, str) and (req_id in self._recent or req_id in self._recent_old)
+        # Still held but settled (expect_peers after the last peer), or recently delivered.
+        late = isinstance(req_id, str) and (
+            req_id in self._loads or req_id in self._recent or req_id in self._recent_old
+        )
         self._stats.event("late_reports" if late else "unknown_reports")
         log.add(
             logging.WARNING,
@@ -575,7 +584,14 @@ class LoadTracker:
             self._recent = recent = set()
         recent.update(req_ids)
 
-    def _compact_deadlines(self) -> None:
+    def _compact_deadlines_locked(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones (amortised O(1)).
+
+        Called wherever a load is added or leaves, so the heap stays within twice the
+        in-flight loads plus a constant, for every way a load can leave.
+        """
+        if len(self._deadlines) <= 2 * len(self._loads) + self._heap_slack:
+            return
         live = [
             e for e in self._deadlines if self._loads.get(e[2].req_id) is e[2] and not e[2].settled
         ]
