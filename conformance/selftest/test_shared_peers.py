@@ -1,6 +1,7 @@
 """P hand-off between drivers: a driver that stops leaves its healthy P to the session's
 registry (the next driver wanting the same P starts warm); a frozen, dead or second P is
-closed as before, and the registry closes what is left at the session's end."""
+closed as before, and the registry closes what is left at the session's end. A pair's
+own second P (``kill_one_peer``) lives for one scenario only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance import driver as drivers
 from kvfail.conformance.nixl_driver import NixlDriver
+from kvfail.peers.base import PeerPair
 
 
 class _Proc:
@@ -109,3 +111,40 @@ def test_a_dead_p_is_replaced_by_the_registered_replacement_first(
     assert started == [a.p] and a.owns_p and drivers.shared_producer("k") is a.p
     driver._replace_p(b)
     assert started == [a.p] and b.p is a.p and not b.owns_p
+
+
+class _ReadyProducer(_Producer):
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        return {}
+
+
+class _TwoPPair(PeerPair):
+    """A pair whose second P's are fakes (the real ones are real processes)."""
+
+    ready_timeout_s = 1.0
+
+    def __init__(self) -> None:
+        self._init_common()
+        self.started: list[_ReadyProducer] = []
+
+    def _new_producer(self) -> _ReadyProducer:
+        self.started.append(_ReadyProducer())
+        return self.started[-1]
+
+
+def test_a_second_p_is_reused_while_alive_replaced_once_dead_and_closed_after_the_scenario(
+    registry: dict[str, Any],
+) -> None:
+    """Why: a second P left running would idle through the rest of the session, and a
+    later scenario would inherit a peer it never asked for."""
+    pair = _TwoPPair()
+    first = pair.second_p()
+    assert pair.second_p() is first
+    first.process.alive = False  # the scenario SIGKILLed it
+    second = pair.second_p()
+    assert pair.started == [first, second] and first.closed
+    driver = NixlDriver("nixl-test")
+    driver._pair = pair
+    driver.after_scenario()
+    assert second.closed and pair.p2 is None
+    assert drivers.shared_producer("k") is None  # never offered to other drivers
