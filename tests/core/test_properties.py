@@ -17,11 +17,12 @@ and, at each drain, checks what the tracker delivered against it:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfail import ALL_PEERS, LoadTracker, Stage
 from kvfail.stages import Stage as StageEnum
@@ -93,6 +94,7 @@ class PropertyMachine(RuleBasedStateMachine):
         self.delivered_failures = 0
         self.delivered_successes = 0
         self.notify_only_settled = 0
+        self.fresh = itertools.count()
 
     # ------------------------------------------------------------------ the truth
 
@@ -146,7 +148,9 @@ class PropertyMachine(RuleBasedStateMachine):
         unknown = stats["unknown_reports"] - unknown_before
         assert late + unknown == 1
         after = self._after(req)
-        if req in self.loads or (after is not None and after <= RECENT_KEPT):
+        if req in self.loads:
+            assert late == 1, f"{req} is settled, not yet delivered: late, not unknown"
+        if after is not None and after <= RECENT_KEPT:
             assert late == 1, f"{req} was delivered {after} ids ago: late, not unknown"
         if req not in self.ever_remembered and req not in self.loads:
             assert unknown == 1, f"{req} was never tracked: unknown, not late"
@@ -250,6 +254,39 @@ class PropertyMachine(RuleBasedStateMachine):
         self._claim(truth, narrowed)
         if settle:
             self._settle(req, truth, peer)
+
+    @rule(
+        n=st.integers(1, 8),
+        how=st.sampled_from(["succeed", "fail", "abandon", "no_peers"]),
+    )
+    def notify_only_burst(self, n: int, how: str) -> None:
+        """Many notify-only loads (the scheduler's empty-block pulls), each with a new id."""
+        self.step += 1
+        for _ in range(n):
+            req = f"notify-{next(self.fresh)}"
+            assert self.tracker.track(req, [], peers=0 if how == "no_peers" else 2)
+            if how == "abandon":
+                assert self.tracker.failed(req, Stage.PEER, "x", peer=ALL_PEERS)
+            elif how != "no_peers":
+                assert self.tracker.succeeded(req, peer=0)
+                report = self.tracker.succeeded if how == "succeed" else self.tracker.failed
+                kwargs = {} if how == "succeed" else {"stage": Stage.PEER, "reason": "x"}
+                assert report(req, peer=1, **kwargs)  # type: ignore[operator]
+            self.notify_only_settled += 1
+            self._remember([req])
+
+    @precondition(lambda self: bool(self.ever_remembered - set(self.loads)))
+    @rule(data=st.data(), fail=st.booleans())
+    def late_report(self, data: st.DataObject, fail: bool) -> None:
+        """A report for an id delivered (or settled) some time ago."""
+        self.step += 1
+        req = data.draw(st.sampled_from(sorted(self.ever_remembered - set(self.loads))))
+        before = self.tracker.stats()
+        if fail:
+            accepted = self.tracker.failed(req, Stage.TRANSFER, "late")
+        else:
+            accepted = self.tracker.succeeded(req)
+        self._refused(req, accepted, before["late_reports"], before["unknown_reports"])
 
     @rule(seconds=st.floats(0.0, 3.0))
     def advance(self, seconds: float) -> None:

@@ -546,3 +546,23 @@ def test_failed_notify_only_load_is_not_counted_or_logged_failed(
     stats = t.stats()
     assert stats["loads_failed"] == 0 and stats["stage.peer"] == 0 and stats["empty_loads"] == 1
     assert "load failed" not in caplog.text and "P refused the notification" in caplog.text
+
+
+def test_expect_peers_after_the_load_settled_is_a_late_report() -> None:
+    t = make()
+    t.track("r1", [1])
+    t.succeeded("r1")
+    assert not t.expect_peers("r1", 2)  # settled, waiting for the drain
+    assert t.stats()["late_reports"] == 1 and t.stats()["unknown_reports"] == 0
+    assert t.drain().finished_recving == {"r1"}
+
+
+def test_deadline_heap_shrinks_when_loads_leave_without_new_tracks() -> None:
+    """Bounded by the loads in flight, not by past traffic: delivery compacts too."""
+    t = make(default_deadline_s=1000.0)
+    for i in range(500):
+        t.track(f"r{i}", [i] if i % 2 else [])  # half of them notify-only
+    for i in range(500):
+        t.succeeded(f"r{i}")
+    t.drain()
+    assert len(t) == 0 and len(t._deadlines) <= 64
