@@ -25,6 +25,7 @@ from typing import Any
 
 from kvfail import compat
 from kvfail.compat import UnsupportedLayoutError
+from kvfail.quarantine import QuarantineNotice
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats
 from kvfail.tracker import ALL_PEERS, Clock, LoadTracker, StepReport
@@ -35,6 +36,7 @@ class FailureReporterMixin:
 
     _kvfail_tracker: LoadTracker | None = None
     _kvfail_invalid: set[int]
+    _kvfail_rank: int = 0
 
     def init_failure_reporter(
         self,
@@ -45,11 +47,17 @@ class FailureReporterMixin:
         request_level_channel: bool | None = None,
         fence_retry_s: float = 0.0,
         clock: Clock = time.monotonic,
+        quarantine: bool = False,
+        rank: int = 0,
     ) -> LoadTracker:
         """Set up the tracker. Refuses, here and not at the first failure, a KV layout
         whose failures this vLLM could not be told about.
 
         ``request_level_channel``: None detects it from the installed vLLM.
+        ``quarantine``: the connector's scheduler half holds failed loads' blocks
+        (:class:`kvfail.vllm_quarantine.QuarantineConnector`), so a load whose transfer
+        may still write fails at once (see :meth:`load_failed`'s ``fenced``); ``rank``
+        names this worker's TP rank in the quarantine notices.
         """
         if request_level_channel is None:
             request_level_channel = compat.request_level_channel_available()
@@ -70,8 +78,10 @@ class FailureReporterMixin:
             fence=self.kvfail_fence if override else None,
             fence_retry_s=fence_retry_s,
             clock=clock,
+            quarantine=quarantine,
         )
         self._kvfail_invalid = set()
+        self._kvfail_rank = rank
         return self._kvfail_tracker
 
     @property
@@ -120,11 +130,27 @@ class FailureReporterMixin:
         peer: Hashable | None = None,
         settle: bool = True,
         block_ids: object = None,
+        fenced: bool = True,
     ) -> bool:
-        """The one failure call. Safe from any thread or event loop; idempotent; sticky."""
+        """The one failure call. Safe from any thread or event loop; idempotent; sticky.
+
+        ``fenced=False`` when the transfer may still write into the blocks (quarantine
+        only): reported now, its blocks held until :meth:`load_fenced`."""
         return self.failure_reporter.failed(
-            req_id, stage, reason, peer=peer, settle=settle, block_ids=block_ids
+            req_id, stage, reason, peer=peer, settle=settle, block_ids=block_ids, fenced=fenced
         )
+
+    def load_fenced(self, req_id: str) -> bool:
+        """The transfer of ``req_id`` can no longer write: a quarantined load's blocks go
+        back to the scheduler with this step's output."""
+        return self.failure_reporter.fenced(req_id)
+
+    def take_quarantine_notice(self) -> QuarantineNotice:
+        """This step's holds and releases, for ``build_connector_worker_meta`` (see
+        :mod:`kvfail.vllm_quarantine`); called after the step's drain."""
+        held, released = self.failure_reporter.take_quarantine_notice()
+        rank = self._kvfail_rank
+        return QuarantineNotice({(r, rank) for r in held}, {(r, rank) for r in released})
 
     def abandon_load(self, req_id: str, stage: Stage | str, reason: str) -> bool:
         """Fail a load and settle all its peer tasks: nothing was started, or all stopped."""

@@ -26,6 +26,8 @@ EVENT_COUNTERS: tuple[str, ...] = (
     "invalid_inputs",
     "watchdog_fired",
     "fence_deferred",
+    "loads_quarantined",
+    "quarantine_released",
 )
 
 

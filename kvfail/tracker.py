@@ -103,6 +103,10 @@ class _Load:
     #: Set when we must fail the request but hold no block ids we could name.
     request_level_only: bool = False
     settled: bool = False
+    #: The load failed while its transfer may still write into its blocks (see
+    #: :meth:`LoadTracker.failed`'s ``fenced``): with quarantine it is delivered at once
+    #: and its blocks are held until :meth:`LoadTracker.fenced` or the fence succeeds.
+    unfenced: bool = False
 
     @property
     def notify_only(self) -> bool:
@@ -142,7 +146,12 @@ class LoadTracker:
         fence_retry_s: float = 0.0,
         clock: Clock = time.monotonic,
         recent_ids_kept: int = RECENT_IDS_KEPT,
+        quarantine: bool = False,
     ) -> None:
+        """``quarantine``: the scheduler side can hold a failed load's blocks
+        (:mod:`kvfail.quarantine`), so a load whose transfer may still write is failed
+        at once (request-level: recompute gets fresh blocks) and its blocks are held
+        until fenced. Without it, such a load is not delivered until it is fenced."""
         if num_kv_cache_groups < 1:
             raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
         if default_deadline_s is not None and not default_deadline_s > 0:
@@ -171,6 +180,12 @@ class LoadTracker:
         self._recent_old: set[str] = set()
         self._recent_kept = recent_ids_kept
         self._stats = StatsRecorder()
+        self.quarantine = quarantine
+        #: Delivered loads whose blocks the scheduler holds until their write is fenced.
+        self._quarantined: dict[str, _Load] = {}
+        #: This step's quarantine notices, taken by :meth:`take_quarantine_notice`.
+        self._notice_held: set[str] = set()
+        self._notice_released: set[str] = set()
 
     # ------------------------------------------------------------------ registration
 
@@ -284,8 +299,15 @@ class LoadTracker:
         peer: Hashable | None = None,
         settle: bool = True,
         block_ids: object = None,
+        fenced: bool = True,
     ) -> bool:
         """Record a failure; sticky and idempotent. Returns False if the id is not tracked.
+
+        ``fenced=False``: the transfer may still write into the load's blocks (a push P
+        may still make, a read whose handle could not be released). With ``quarantine``
+        the failure is still delivered at once, and the blocks are held until
+        :meth:`fenced` says the write is over; it needs ``quarantine`` (without it,
+        leave the write to the fence hook, which holds the load instead).
 
         ``settle`` also settles the reporting peer's task (the usual case: the task that
         saw the error is done). ``peer=ALL_PEERS`` settles every task, for failures that
@@ -302,6 +324,10 @@ class LoadTracker:
 
         def fail(load: _Load, log: _Pending) -> None:
             self._fail_locked(load, _as_stage(stage), reason, peer, log)
+            if not fenced:
+                if not self.quarantine:
+                    raise ValueError("failed(fenced=False) needs a tracker with quarantine")
+                load.unfenced = True
             if block_ids is None:
                 load.all_blocks_failed = True
             else:
@@ -310,6 +336,60 @@ class LoadTracker:
                 self._settle_locked(load, peer, log)
 
         return self._on_load(req_id, "failure", fail)
+
+    def fenced(self, req_id: str) -> bool:
+        """The transfer of ``req_id`` can no longer write (it completed, its peer is
+        dead, or the peer's own expiry passed): a quarantined load's blocks go back to
+        the scheduler at the next step, a load not yet delivered is no longer unfenced.
+        Returns False (and counts it) for an id in neither state."""
+        log = _Pending()
+        try:
+            with self._lock:
+                held = self._quarantined.get(req_id)
+                if held is not None:
+                    self._release_locked(held, log)
+                    return True
+                load = self._loads.get(req_id)
+                if load is not None:
+                    load.unfenced = False
+                    return True
+                self._refuse_locked(req_id, "fenced", log)
+                return False
+        finally:
+            log.flush()
+
+    def is_quarantined(self, req_id: str) -> bool:
+        return req_id in self._quarantined
+
+    @property
+    def quarantined_blocks(self) -> int:
+        """Blocks of delivered loads still held for their transfer (this worker's view)."""
+        with self._lock:
+            return sum(len(load.flat) for load in self._quarantined.values())
+
+    def take_quarantine_notice(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(held, released) request ids since the last call: what the scheduler side
+        must apply (:class:`kvfail.quarantine.BlockQuarantine`) with this step's
+        report. Take it after :meth:`drain`, in the same step."""
+        if not (self._notice_held or self._notice_released):
+            return frozenset(), frozenset()
+        with self._lock:
+            held, released = frozenset(self._notice_held), frozenset(self._notice_released)
+            self._notice_held.clear()
+            self._notice_released.clear()
+        return held, released
+
+    def _release_locked(self, load: _Load, log: _Pending) -> None:
+        del self._quarantined[load.req_id]
+        self._notice_released.add(load.req_id)
+        self._stats.event("quarantine_released")
+        log.add(
+            logging.INFO,
+            "kvfail: quarantined load fenced; its blocks go back",
+            connector=self.name,
+            req_id=load.req_id,
+            blocks=len(load.flat),
+        )
 
     def _on_load(
         self,
@@ -378,7 +458,14 @@ class LoadTracker:
             if failure is None:
                 continue
             failures.append((load.req_id, failure))
-            if request_level or load.request_level_only:
+            if load.unfenced and self.quarantine:
+                # Request-level, so the scheduler drops everything the load computed and
+                # recomputes into fresh blocks, never into the held ones (C11).
+                failed.add(load.req_id)
+                self._quarantined[load.req_id] = load
+                self._notice_held.add(load.req_id)
+                self._stats.event("loads_quarantined")
+            elif request_level or load.request_level_only:
                 failed.add(load.req_id)
             elif load.all_blocks_failed or not load.failed_blocks:
                 invalid.update(load.flat)
@@ -391,10 +478,14 @@ class LoadTracker:
     def _run_watchdog(self, log: _Pending) -> None:
         now = self._clock()
         overdue: list[_Load] = []
+        held: list[_Load] = []  # quarantined loads whose fence is due a retry
         with self._lock:
             heap, loads = self._deadlines, self._loads
             while heap and heap[0][0] <= now:
                 deadline, _, load = heapq.heappop(heap)
+                if self._quarantined.get(load.req_id) is load:
+                    held.append(load)
+                    continue
                 if loads.get(load.req_id) is not load or load.settled:
                     continue  # delivered or re-tracked since; a stale heap entry
                 # Unsettled: some peer is silent, and may have written none of the blocks.
@@ -410,16 +501,33 @@ class LoadTracker:
                 if not load.notify_only:  # counted as what is reported: nothing, for those
                     self._stats.event("watchdog_fired")
                 overdue.append(load)
-        if not overdue:
+        if not (overdue or held):
             return
         # The fence runs outside our lock: it is connector code and may call back into us.
-        fenced = {load for load in overdue if self._fence is None or self._try_fence(load)}
+        fence = self._fence
+        fenced = {load for load in (*overdue, *held) if fence is None or self._try_fence(load)}
         with self._lock:
+            for load in held:
+                if self._quarantined.get(load.req_id) is not load:
+                    continue  # fenced() released it meanwhile
+                if load in fenced:
+                    self._release_locked(load, log)
+                else:
+                    retry = (now + self._fence_retry_s, next(self._seq), load)
+                    heapq.heappush(self._deadlines, retry)
             for load in overdue:
                 if load.settled or self._loads.get(load.req_id) is not load:
                     continue
-                if load in fenced:
+                if load in fenced:  # the fence holds now, whatever a report said before
+                    load.unfenced = False
                     self._settle_locked(load, ALL_PEERS, log)
+                elif self.quarantine:
+                    # Fail fast, free safely: delivered now, its blocks held until the
+                    # fence holds (retried at later drains) or fenced() is called.
+                    load.unfenced = True
+                    self._settle_locked(load, ALL_PEERS, log)
+                    retry = (now + self._fence_retry_s, next(self._seq), load)
+                    heapq.heappush(self._deadlines, retry)
                 else:
                     # A transfer that may still write into these blocks must not be
                     # delivered (C11); try again at a later drain.
@@ -590,10 +698,14 @@ class LoadTracker:
         Called wherever a load is added or leaves, so the heap stays within twice the
         in-flight loads plus a constant, for every way a load can leave.
         """
-        if len(self._deadlines) <= 2 * len(self._loads) + self._heap_slack:
+        loads, held = self._loads, self._quarantined
+        if len(self._deadlines) <= 2 * (len(loads) + len(held)) + self._heap_slack:
             return
         live = [
-            e for e in self._deadlines if self._loads.get(e[2].req_id) is e[2] and not e[2].settled
+            e
+            for e in self._deadlines
+            if (loads.get(e[2].req_id) is e[2] and not e[2].settled)
+            or held.get(e[2].req_id) is e[2]  # a quarantined load's fence retry
         ]
         heapq.heapify(live)
         self._deadlines = live
