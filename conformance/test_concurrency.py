@@ -366,6 +366,7 @@ def test_many_loads_peer_frozen(kvfail: Any) -> None:
     for rid in rids:
         kvfail.driver.provoke(engine, rid, point)
     budget = _deadline_budget(kvfail, deadline)
+    kvfail.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
     kvfail.run(engine, timeout_s=budget)
     _note_failure_steps(kvfail, engine, rids)
     extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
@@ -433,6 +434,7 @@ def test_slow_peer_not_failed_before_deadline(kvfail: Any) -> None:
     rids = _rids(kvfail, "slow")
     kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
     blocks = _start_loads(kvfail, engine, rids)
+    kvfail.wait_floor(getattr(kvfail.driver, "NET_DELAY_S", 0.0))  # P's own delay
     kvfail.run(engine, timeout_s=_deadline_budget(kvfail, deadline))
     failed = _failed_at(engine, rids)
     extra = [*_failed_early(kvfail, engine, rids, deadline), *_not_late(engine, blocks)]

@@ -152,7 +152,9 @@ def _note_detection(kvfail: Any, engine: Any, rid: str) -> float | None:
     return seconds
 
 
-def _failure_by_deadline(kvfail: Any, point: FaultPoint, *, warm: bool = False) -> None:
+def _failure_by_deadline(
+    kvfail: Any, point: FaultPoint, *, warm: bool = False, silent: bool = False
+) -> None:
     """A fault only the connector's own deadline can end (the scheduler has no timeout).
 
     D is built with a deadline requested (drivers set the configuration key kvfail's
@@ -176,6 +178,8 @@ def _failure_by_deadline(kvfail: Any, point: FaultPoint, *, warm: bool = False) 
     budget = (
         wait if deadline is None else min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
     )
+    if silent:  # nothing but the deadline can end it: a wait no connector can save
+        kvfail.wait_floor(budget if deadline is None else deadline)
     kvfail.run(engine, timeout_s=budget)
     extra = check_not_late(engine, rid, blocks)
     seconds = _note_detection(kvfail, engine, rid)
@@ -201,7 +205,7 @@ def test_silent_peer_caught_by_deadline(kvfail: Any) -> None:
     """P (or the path to it) never answers: only the connector's own deadline can end the
     load. The first silent fault the driver has (Mooncake: a blackholed bootstrap, so D
     is cold and stuck before any pull)."""
-    _failure_by_deadline(kvfail, kvfail.require_fault(*SILENT))
+    _failure_by_deadline(kvfail, kvfail.require_fault(*SILENT), silent=True)
 
 
 @pytest.mark.clauses("C1", "C2", "C10", "C11")
@@ -209,7 +213,7 @@ def test_silent_peer_caught_by_deadline(kvfail: Any) -> None:
 def test_frozen_peer_caught_by_deadline(kvfail: Any) -> None:
     """SIGSTOP P after D pulled from it once: P's sockets stay open and accept, nothing
     answers. D cannot tell a frozen P from a slow one; its deadline must end the load."""
-    _failure_by_deadline(kvfail, FaultPoint.FREEZE_PEER, warm=True)
+    _failure_by_deadline(kvfail, FaultPoint.FREEZE_PEER, warm=True, silent=True)
 
 
 @pytest.mark.clauses("C1", "C2", "C10", "C11")

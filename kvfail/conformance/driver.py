@@ -267,6 +267,11 @@ class Driver(ABC):
     def observe(self, engine: Engine) -> None:  # noqa: B027 - optional hook
         """Called after every step the suite takes on ``engine`` (timestamps reports)."""
 
+    def end_faults(self, engine: Engine) -> None:  # noqa: B027 - optional hook
+        """Let ``engine``'s peers finish what they owe it (thaw a frozen P): before the
+        leak oracle, so blocks a connector holds while a peer may still write can come
+        back. A dead peer stays dead."""
+
     def add_malformed_request(
         self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
     ) -> str:
@@ -922,6 +927,12 @@ class PairDriver(Driver):
 
     def after_scenario(self) -> None:
         self._repair_peers()
+
+    def end_faults(self, engine: Engine) -> None:
+        pair = self._pair_of(engine)
+        producer = pair.p
+        if producer is not None and producer.process.alive and producer.process.frozen:
+            pair.thaw_p()
 
     def _pair_of(self, engine: Engine) -> Any:
         return self._engine_pairs.get(id(engine), self._pair)

@@ -10,6 +10,7 @@ fails. Putting that here keeps each scenario a short, readable story.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -41,6 +42,9 @@ ACTIVE_BUDGET: dict[str, Any] = {"max_steps": 60, "timeout_s": 15.0}
 REAL_BUDGET_S = 10.0
 #: Loads a warm-up may take to succeed once (see ``ScenarioContext.warm_up``).
 WARM_UP_TRIES = 3
+#: How long the oracles wait, with the peers' faults ended, for blocks a connector holds
+#: back while a peer may still write (quarantine) to come back, before calling them leaked.
+HELD_BLOCKS_WAIT_S = 15.0
 #: A wall-clock run also steps D at least this often before it may end on its timeout
 #: (see ``Engine.run_until``): a verdict needs the connector to have had its drains.
 MIN_STEPS = 20
@@ -101,6 +105,7 @@ class ScenarioContext:
     require_drivers: bool = False
     engines: list[Engine] = field(default_factory=list)
     _seq: int = 0
+    _floor_s: float = 0.0
 
     # ------------------------------------------------------------ gating
 
@@ -187,6 +192,12 @@ class ScenarioContext:
         """Attach a measurement (e.g. a detection time) to this scenario's report record."""
         if self.node is not None:
             self.node.user_properties.append((key, value))
+
+    def wait_floor(self, seconds: float) -> None:
+        """Note a wait no connector could shorten (a deadline that must pass, a peer's
+        delay): ``bench.suite_speed`` sums these into the suite's floor."""
+        self._floor_s += seconds
+        self.note("floor_s", round(self._floor_s, 3))
 
     def warm_up(self, engine: Engine, *, tries: int = WARM_UP_TRIES) -> None:
         """One good load on ``engine`` first, so this D has talked to the peer ("warm").
@@ -278,6 +289,7 @@ class ScenarioContext:
         ids = list(engine.requests) if request_ids is None else list(request_ids)
         out = oracles.check_no_crash(engine)
         out += oracles.check_liveness(engine)
+        self._await_held_blocks(engine)
         out += oracles.check_no_leaks(engine)
         out += oracles.check_exactly_once(engine)
         out += oracles.check_no_readvertise_after_failure(engine)
@@ -287,6 +299,32 @@ class ScenarioContext:
             for rid in ids:
                 out += oracles.check_policy_outcome(engine, rid, failed=failed)
         return out
+
+    def _await_held_blocks(self, engine: Engine) -> None:
+        """Give blocks a connector holds back (quarantine) the time to come back.
+
+        A connector may keep a failed load's blocks while its peer may still write into
+        them: the contract's own rule (C11). Once every request is done, the peer's
+        faults are ended (a frozen P resumes and finishes its write; a dead P stays dead)
+        and D is stepped, for at most :data:`HELD_BLOCKS_WAIT_S`, until every block is
+        free again. What is still missing then is the leak oracle's to judge.
+        """
+        if engine.crashed is not None:
+            return
+        sched = engine.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        expected = engine.spec.num_blocks - 1  # the null block is never free
+        if pool.get_num_free_blocks() >= expected or sched.get_num_unfinished_requests():
+            return
+        started = time.monotonic()
+        self.driver.end_faults(engine)
+        while pool.get_num_free_blocks() < expected:
+            if time.monotonic() - started > HELD_BLOCKS_WAIT_S or engine.crashed is not None:
+                return
+            engine.step()
+            self.driver.observe(engine)
+            time.sleep(0.01)
+        self.note("held_blocks_back_s", round(time.monotonic() - started, 3))
 
     def check(
         self,
