@@ -33,3 +33,15 @@ def request_level_channel_available() -> bool:
 
 class UnsupportedLayoutError(RuntimeError):
     """Raised at construction when failures in this KV layout could not be reported."""
+
+
+@functools.cache
+def block_pool_binding_available() -> bool:
+    """Whether vLLM hands the connector its block pool (``bind_kv_cache_manager``): what
+    :mod:`kvfail.quarantine` needs to hold a failed load's blocks. Without it a load that
+    may still be written is held back until fenced, as before quarantine."""
+    try:
+        module = __import__(_BASE, fromlist=["KVConnectorBase_V1"])
+    except ImportError:
+        return False
+    return hasattr(getattr(module, "KVConnectorBase_V1", None), "bind_kv_cache_manager")

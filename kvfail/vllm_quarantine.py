@@ -10,8 +10,9 @@ This module imports vLLM; ``import kvfail`` does not. A connector puts
   ``aggregate``);
 * scheduler role: ``bind_kv_cache_manager`` gives the block pool,
   ``update_connector_output`` applies the notices before vLLM frees the request's blocks,
-  ``get_num_new_matched_tokens`` takes no remote load once the cap is reached, and
-  ``get_kv_connector_stats`` reports the held blocks as a gauge.
+  ``get_num_new_matched_tokens`` takes no remote load once the cap is reached,
+  ``has_pending_push_work`` keeps the engine stepping while blocks are held (the release
+  notices come with steps), and ``get_kv_connector_stats`` reports them as a gauge.
 
 Configuration (``kv_connector_extra_config``): ``kvfail_quarantine_max_blocks``, the cap
 on held blocks; default a quarter of the KV cache (:data:`DEFAULT_CAP_FRACTION`).
@@ -135,6 +136,12 @@ class QuarantineConnector:
                 connector_output, kv_connector_worker_meta=meta.inner
             )
         super().update_connector_output(connector_output)  # type: ignore[misc]
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while blocks are held: only a step brings the
+        workers' release notices, and an engine with no requests does not step."""
+        quarantine = self._kvfail_quarantine
+        return bool(quarantine) or bool(super().has_pending_push_work())  # type: ignore[misc]
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -28,6 +28,7 @@ from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.mooncake.worker import DEFAULT_DEADLINE_S, KvfailMooncakeWorker
 from kvfail.deadline import DEADLINE_KEY, seconds_from
+from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class KvfailMooncakeConnector(KvfailMetricsConnector, MooncakeConnector):
-    """Upstream's connector, built with our scheduler and worker halves."""
+class KvfailMooncakeConnector(QuarantineConnector, KvfailMetricsConnector, MooncakeConnector):
+    """Upstream's connector, built with our scheduler and worker halves; the scheduler
+    half holds a failed pull's blocks while P may still push (:mod:`kvfail.quarantine`)."""
 
     def __init__(
         self,

@@ -62,11 +62,15 @@ class KvfailMooncakeStats(MooncakeKVConnectorStats):
         super().reset()  # replaces ``data`` with upstream's empty lists: kvfail keys go too
 
     def aggregate(self, other: KVConnectorStats) -> KvfailMooncakeStats:
+        ours = {}
         for key, value in other.data.items():
             if _is_kvfail_key(key):
-                self.data[key] = self.data.get(key, 0) + value
+                ours[key] = value
             else:
                 self.data.setdefault(key, []).extend(value)
+        if ours:  # kvfail's own rule: counts add, levels (gauges) take the latest
+            merged = KVFailStats(data=self._kvfail_part()).aggregate(KVFailStats(data=ours))
+            self.data.update(merged.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -75,7 +79,7 @@ class KvfailMooncakeStats(MooncakeKVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self._kvfail_part().values())
+        return super().is_empty() and KVFailStats(data=self._kvfail_part()).is_empty()
 
     def clone_and_reset(self) -> KvfailMooncakeStats:
         with self._lock:

@@ -66,7 +66,7 @@ from vllm.logger import init_logger
 
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
-from kvfail import FailureReporterMixin, Stage
+from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 
@@ -80,6 +80,19 @@ logger = init_logger(__name__)
 #: bootstrap included, before the watchdog fails it. Upstream's only bound on a silent P is
 #: the DEALER's receive timeout, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s.
 DEFAULT_DEADLINE_S: Final = 30.0
+
+#: ``kv_connector_extra_config`` key: how long P may still push after D's pull request
+#: reached it (P's own expiry). Default: this process's
+#: ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, which P and D normally share.
+P_EXPIRY_KEY: Final = "kvfail_p_expiry_s"
+
+
+def default_p_expiry_s() -> float:
+    """P's expiry as this process's vLLM configuration says (read when a worker starts)."""
+    from vllm import envs
+
+    return float(envs.VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)
+
 
 #: Default for ``kv_connector_extra_config["kvfail_probe_interval_s"]``: how often each P
 #: worker that D is pulling from is probed for liveness; None/0 disables the probe.
@@ -175,10 +188,13 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         deadline = seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
         self._mc_grace_s = seconds_from(extra, "kvfail_fence_grace_s", 0.0) or 0.0
         self._mc_probe_s = seconds_from(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
+        self._mc_p_expiry_s = seconds_from(extra, P_EXPIRY_KEY, default_p_expiry_s())
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"{type(self).__name__}[{engine_id}]",
             default_deadline_s=deadline,
+            quarantine=compat.block_pool_binding_available(),
+            rank=self.tp_rank,
         )
         self._xfer_resp_decoder = _ReplyDecoder(self._xfer_resp_decoder)
         #: Guards the task registry below; never held while calling the tracker.
@@ -501,30 +517,33 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     # ------------------------------------------------------------------ watchdog
 
     def kvfail_fence(self, req_id: str) -> bool:
-        """Stop D's side of an overdue pull so its blocks can be released.
+        """Whether nothing can still write into an overdue (or quarantined) load's blocks.
 
-        What this does: cancels the request's P-worker tasks on the receiver loop
-        (their DEALER sockets close, so a late reply is never read), and a task that has
-        not started yet will skip the request (see ``_mc_pull``); a bootstrap still
-        in progress cannot start a pull for it afterwards (see ``receive_kv``).
+        Mooncake is P-push: once P has D's pull request, it writes into D's registered KV
+        memory with its own TransferEngine, whenever it gets to it, up to its own expiry
+        (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``); D holds no handle to cancel. So:
 
-        What it cannot guarantee (C11): Mooncake is P-push. Once P has received D's
-        request it writes into D's registered KV memory with its own TransferEngine;
-        D holds no handle to cancel and cannot tell a dead P from a stopped one. A P
-        that resumes after the deadline can still write into blocks the scheduler has
-        reused. ``kvfail_fence_grace_s`` holds the blocks that much longer first; choose
-        deadline + grace above P's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` to cover a P
-        that is slow rather than dead. With no task started (bootstrap phase) nothing
-        can have reached P, and the fence is exact.
+        * no pull task left for the request (none started: bootstrap phase; or every
+          task ended: P replied, failed, or was found dead and its task stopped): fenced;
+        * with quarantine (the tracker's, see :mod:`kvfail.quarantine`): the load was
+          already reported at its deadline; the pull keeps running so that its end
+          proves the write is over, and P's expiry (``kvfail_p_expiry_s``, counted from
+          the first fence) is the outer bound, at which the tasks are cancelled;
+        * without quarantine: the tasks are cancelled (a late reply is never read), and
+          ``kvfail_fence_grace_s`` holds the blocks that much longer first; choose
+          deadline + grace above P's expiry to cover a P that is slow rather than dead.
         """
         now = time.monotonic()
         with self._mc_lock:
             tasks = tuple(self._mc_tasks.get(req_id, ()))
-            first = self._mc_fenced_at.setdefault(req_id, now) if self._mc_grace_s else now
+            first = self._mc_fenced_at.setdefault(req_id, now)
+        quarantine = self.failure_reporter.quarantine
+        if tasks and quarantine and now - first < self._mc_p_expiry_s:
+            return False
         for task in tasks:
             with contextlib.suppress(RuntimeError):  # loop already closed
                 self.receiver_loop.call_soon_threadsafe(task.cancel)
-        if now - first < self._mc_grace_s:
+        if tasks and not quarantine and now - first < self._mc_grace_s:
             return False
         with self._mc_lock:
             self._mc_fenced_at.pop(req_id, None)
