@@ -59,9 +59,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.stats import KvfailNixlStats
+from kvfail import compat
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
+from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -122,6 +124,10 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
             name=f"KvfailNixlConnector[{engine_id}:tp{self.tp_rank}]",
             default_deadline_s=_deadline_from(vllm_config),
             fence_retry_s=FENCE_RETRY_S,
+            # A READ whose handle will not release is reported at the deadline anyway;
+            # the scheduler half holds its blocks until the fence releases the handle.
+            quarantine=compat.block_pool_binding_available(),
+            rank=self.tp_rank,
         )
 
     # ------------------------------------------------------------------ loads start
@@ -269,7 +275,7 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
 
 
-class KvfailNixlConnector(KvfailMetricsConnector, NixlPullConnector):
+class KvfailNixlConnector(QuarantineConnector, KvfailMetricsConnector, NixlPullConnector):
     """``NixlPullConnector`` with :class:`KvfailNixlWorker` as its worker.
 
     Load with ``kv_connector="KvfailNixlConnector"``,
