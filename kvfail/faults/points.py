@@ -115,6 +115,7 @@ class FaultPoint(enum.StrEnum):
     NET_RESET = "net_reset"
     NET_BLACKHOLE = "net_blackhole"
     NET_DELAY = "net_delay"
+    SLOW_PEER_PAST_DEADLINE = "slow_peer_past_deadline"
     PEER_ERROR_RESPONSE = "peer_error_response"
     PEER_ERR_REQS = "peer_err_reqs"
     PEER_FINISH_WITHOUT_RESULT = "peer_finish_without_result"
@@ -219,6 +220,14 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _S,
             Injection.PEER,
             "C2 C3 C10 C11",
+        ),
+        FaultPoint.SLOW_PEER_PAST_DEADLINE: _spec(
+            "P is alive but slow: it answers, and writes into D's blocks, only after D's "
+            "declared deadline failed the load; those blocks must not reach another request "
+            "until that write is over",
+            _S,
+            Injection.PEER,
+            "C1 C2 C10 C11",
         ),
         FaultPoint.PEER_ERROR_RESPONSE: _spec(
             "P answers the pull or handshake with an explicit error or a malformed reply",
