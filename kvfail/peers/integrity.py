@@ -14,17 +14,24 @@ D plays its model runner: in each forward it checks, per scheduled request,
 and then writes D's pattern into the positions it computes in this step, as a model
 would write their KV. Any other content in a computed position is a violation.
 
-Blocks of a remote-prefill request are *poisoned* with a release pattern when the
-scheduler frees them (failed, aborted or finished alike): no write may land after a
-release. A poisoned block that is handed to another request leaves the watch (its new
-owner's checks cover it); one still free when the scenario ends must still hold the
-poison. Blocks kept by vLLM's prefix cache are not poisoned, so a later cache hit reads
-what was computed.
+Blocks of a watched request are *poisoned* with a release pattern when they go back to
+the free pool (failed, aborted or finished alike): no write may land after a release. A
+block the request let go of that is still referenced without belonging to any request
+(a connector's quarantine holds it while a transfer may still write, see
+:mod:`kvfail.quarantine`) is poisoned only once it reaches the free pool: a write into it
+before then is what the hold is for. A poisoned block that is handed to another request
+leaves the watch (its new owner's checks cover it); one still free when the scenario
+ends must still hold the poison. Blocks kept by vLLM's prefix cache are not poisoned, so
+a later cache hit reads what was computed.
+
+Requests D computes itself (no load) can be watched the same way (:meth:`IntegrityLedger.track`
+with nothing loaded at their first schedule): their positions must hold D's pattern, so a
+stray write into blocks they were given is caught at their next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +48,7 @@ __all__ = [
     "IntegrityItem",
     "IntegrityLedger",
     "apply_integrity",
+    "block_digest",
     "check_poison",
     "d_seed",
     "poison_blocks",
@@ -55,8 +63,10 @@ def d_seed(prompt_seed: str) -> str:
     return f"D|{prompt_seed}"
 
 
-def _release_seed(req_id: str) -> str:
-    return f"released|{req_id}"
+def _release_seed(block_id: int) -> str:
+    # Per block, not per request: a block released again (by its next owner) gets the
+    # same bytes, so another request's watch of it in other layers stays valid.
+    return f"released|{block_id}"
 
 
 @dataclass(frozen=True)
@@ -100,30 +110,46 @@ def apply_integrity(view: RankView, items: list[IntegrityItem]) -> dict[str, tup
     return out
 
 
-def _whole_blocks(view: RankView, layer: int, blocks: Iterable[int]) -> tuple[list[int], int]:
-    ids = list(blocks)
-    return ids, len(ids) * view.kv_caches[view.built.layer_names[layer]].shape[2]
-
-
-def poison_blocks(view: RankView, blocks: tuple[tuple[int, ...], ...], req_id: str) -> None:
-    """On a rank: fill these blocks (one tuple per KV-cache group) with the release pattern."""
-    seed = rank_seed(_release_seed(req_id), view)
+def poison_blocks(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> None:
+    """On a rank: fill these blocks with the release pattern (``blocks[g]``: the block ids
+    whose layers of KV-cache group ``g`` to fill)."""
     for layer, name in enumerate(view.built.layer_names):
-        ids, end = _whole_blocks(view, layer, blocks[view.layer_group(layer)])
-        write_pattern(view.kv_caches[name], layer, ids, 0, end, seed)
+        kv = view.kv_caches[name]
+        for block in blocks[view.layer_group(layer)]:
+            seed = rank_seed(_release_seed(block), view)
+            write_pattern(kv, layer, [block], 0, kv.shape[2], seed)
 
 
-def check_poison(
-    view: RankView, blocks: tuple[tuple[int, ...], ...], req_id: str
-) -> dict[str, list[int]]:
-    """On a rank: layer -> block ids whose release pattern was overwritten."""
-    seed = rank_seed(_release_seed(req_id), view)
+def block_digest(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> str:
+    """On a rank: a digest of these blocks' bytes (one tuple per KV-cache group) in every
+    layer. Two digests taken while D does not step differ only if something else (a
+    transfer) wrote into the blocks: how a driver sees a late write land."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.blake2b(digest_size=16)
+    for layer, name in enumerate(view.built.layer_names):
+        ids = list(blocks[view.layer_group(layer)])
+        if ids:
+            data = view.kv_caches[name][ids].contiguous().view(torch.uint8)
+            digest.update(data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_poison(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> dict[str, list[int]]:
+    """On a rank: layer -> block ids whose release pattern was overwritten (``blocks`` as
+    for :func:`poison_blocks`)."""
     out: dict[str, list[int]] = {}
     for layer, name in enumerate(view.built.layer_names):
-        ids, end = _whole_blocks(view, layer, blocks[view.layer_group(layer)])
-        bad = mismatched_positions(view.kv_caches[name], layer, ids, 0, end, seed)
-        size = view.kv_caches[name].shape[2]
-        hit = sorted({ids[p // size] for p in bad})
+        kv = view.kv_caches[name]
+        hit = [
+            block
+            for block in blocks[view.layer_group(layer)]
+            if mismatched_positions(
+                kv, layer, [block], 0, kv.shape[2], rank_seed(_release_seed(block), view)
+            )
+        ]
         if hit:
             out[name] = hit
     return out
@@ -147,8 +173,14 @@ class _EngineState:
 
     #: request id -> its positions.
     requests: dict[str, _Ledger] = field(default_factory=dict)
-    #: request id -> its released, poisoned blocks still free.
-    watched: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    #: Released, poisoned block -> {KV-cache group whose layers at that block hold only
+    #: the poison: the request that released it}. Per group: a block another request
+    #: now owns in group g leaves the watch in g's layers only, as nobody writes a
+    #: block's layers of another group (a late transfer for a former owner still can).
+    watched: dict[int, dict[int, str]] = field(default_factory=dict)
+    #: request id -> (group, block) pairs it let go of whose block is still referenced
+    #: by no request (held by a quarantine): poisoned once they reach the free pool.
+    held: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     #: request id -> the ranks that checked it once already.
     checked: dict[str, set[int]] = field(default_factory=dict)
     #: Findings so far, clause first.
@@ -259,45 +291,87 @@ class IntegrityLedger:
     # ------------------------------------------------------------------ releases
 
     def after_step(self, engine: Engine) -> None:
-        """Poison the blocks of tracked requests the scheduler released, and stop
-        watching released blocks another request now owns."""
+        """Poison the blocks of tracked requests the scheduler released once they are
+        free (a block still held without an owner waits: a quarantine may let a transfer
+        finish into it), and stop watching a released block in the layers of the group
+        another request now owns it in."""
         from kvfail.peers.forwards import request_blocks
 
         state = self._of(engine)
         sched = engine.scheduler
-        live: set[int] = set()
+        groups = len(engine.built.kv_cache_config.kv_cache_groups)
+        live: list[set[int]] = [set() for _ in range(groups)]
         for rid in sched.requests:
-            for group in sched.kv_cache_manager.get_block_ids(rid):
-                live.update(group)
-        reused = [r for r, blocks in state.watched.items() if any(live & set(g) for g in blocks)]
-        for rid in reused:
-            del state.watched[rid]
+            for g, ids in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+                live[g].update(ids)
+        anywhere = set().union(*live)
+        for block in [b for b in state.watched if b in anywhere]:
+            watched = state.watched[block]
+            for g in [g for g in watched if block in live[g]]:
+                del watched[g]
+            if not watched:
+                del state.watched[block]
         pool = sched.kv_cache_manager.block_pool
+        # (group, block) pairs: a transfer writes a block's layers of its group only, and
+        # a request re-allocated after a failure may get its block ids back in other groups.
+        released: dict[str, set[tuple[int, int]]] = {}
         for rid, ledger in state.requests.items():
+            before = {(g, b) for g, ids in enumerate(ledger.blocks) for b in ids}
             if rid in sched.requests:
+                # A live request can let blocks go too (a request-level failure under
+                # recompute, a preemption): those are released like a finished one's.
                 ledger.blocks = request_blocks(engine, rid)
+                dropped = before - {(g, b) for g, ids in enumerate(ledger.blocks) for b in ids}
+                if dropped:
+                    released[rid] = dropped
                 continue
-            if not ledger.blocks:
-                continue
-            blocks = tuple(
-                tuple(b for b in group if pool.blocks[b].block_hash is None and b not in live)
-                for group in ledger.blocks
+            if before:
+                released[rid] = before
+                ledger.blocks = ()
+        for rid in list(state.held):
+            released[rid] = state.held.pop(rid) | released.get(rid, set())
+        for rid, pairs in released.items():
+            # Not cached: free now, or still held by something (a quarantine) if no
+            # request owns the block; one owned again in another group is poisoned in
+            # this group's layers, which its new owner does not use.
+            mine = {(g, b) for g, b in pairs if pool.blocks[b].block_hash is None}
+            held = {(g, b) for g, b in mine if pool.blocks[b].ref_cnt != 0 and b not in anywhere}
+            if held:
+                state.held[rid] = held
+            # Layers still watched for an earlier release keep that poison (and its
+            # check): re-poisoning them would erase a late write into them.
+            poison = tuple(
+                tuple(
+                    sorted(
+                        b
+                        for g2, b in mine - held
+                        if g2 == g and b not in live[g] and g not in state.watched.get(b, {})
+                    )
+                )
+                for g in range(groups)
             )
-            ledger.blocks = ()
-            if not any(blocks):
+            if not any(poison):
                 continue
             for worker in engine.workers:
-                worker.call(poison_blocks, blocks, rid, world_size=len(engine.workers))
-            state.watched[rid] = blocks
+                worker.call(poison_blocks, poison, world_size=len(engine.workers))
+            for g, ids in enumerate(poison):
+                for block in ids:
+                    state.watched.setdefault(block, {})[g] = rid
 
     def final_findings(self, engine: Engine) -> list[str]:
         """Every finding for ``engine``, after checking the released blocks still free."""
         self.after_step(engine)
         state = self._of(engine)
         out = list(state.findings)
-        for rid, blocks in state.watched.items():
+        groups = len(engine.built.kv_cache_config.kv_cache_groups)
+        by_rid: dict[str, list[list[int]]] = {}
+        for block, watched in sorted(state.watched.items()):
+            for g, rid in watched.items():
+                by_rid.setdefault(rid, [[] for _ in range(groups)])[g].append(block)
+        for rid, per_group in by_rid.items():
+            blocks = tuple(tuple(ids) for ids in per_group)
             for worker in engine.workers:
-                hit = worker.call(check_poison, blocks, rid, world_size=len(engine.workers))
+                hit = worker.call(check_poison, blocks, world_size=len(engine.workers))
                 if hit:
                     out.append(
                         f"C11 write after release: blocks of {rid} changed after the scheduler "
