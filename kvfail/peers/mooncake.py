@@ -144,6 +144,12 @@ class ProducerHandle(ProducerHandleBase):
             cmd["ranks"] = list(ranks)
         return self.request(cmd, timeout_s)
 
+    def late_pushes(self, timeout_s: float = 10.0) -> dict[str, dict[str, list[int]]]:
+        """The ``delay`` pulls P served so far: ``{"pushed": {req: [ranks]}, "written":
+        {req: [ranks]}}`` (the ranks whose push ran / wrote into D's blocks)."""
+        reply = self.request({"cmd": "late_pushes"}, timeout_s)
+        return {"pushed": dict(reply["pushed"]), "written": dict(reply["written"])}
+
 
 # --------------------------------------------------------------------------- D side
 

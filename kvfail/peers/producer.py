@@ -27,7 +27,11 @@ the reply echoes:
   (FINISH naming no request), moving no data for the armed requests; or
   ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself;
   or ``delay`` (with ``delay_s``): a slow but live P, which sleeps ``delay_s`` before
-  serving the pull for real (its other sender tasks and its engine go on). One-shot;
+  serving the pull for real (its other sender tasks and its engine go on; its own
+  expiry of the request is held off meanwhile, as for a send under way). One-shot;
+* ``{"cmd": "late_pushes"}``: the ``delay`` pulls served so far, per request: the ranks
+  whose push ran, and the ranks whose push wrote (``{"pushed": {req: [ranks]},
+  "written": {req: [ranks]}}``), so a driver knows when a slow P's write has landed;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
 * ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
 
@@ -77,6 +81,8 @@ class _FaultInjectingSender:
     kvfail_armed: dict[str, str]
     #: Seconds a ``delay`` fault holds the pull of each armed request.
     kvfail_delays: dict[str, float]
+    #: ``delay`` pulls served, by request: whether the push wrote (for ``late_pushes``).
+    kvfail_late_pushes: dict[str, bool]
 
     async def send_kv_to_decode(self, identity: bytes, sock: Any, meta: Any) -> None:
         import msgspec
@@ -91,10 +97,8 @@ class _FaultInjectingSender:
         for rid in hit[1:]:
             armed.pop(rid, None)
         if fault == "delay":
-            # A slow P: the reply and the data come late, but they come.
-            delays = getattr(self, "kvfail_delays", {})
-            await asyncio.sleep(max(delays.pop(r, 0.0) for r in hit))
-            fault = None
+            await self._kvfail_late_send(identity, sock, meta, hit)
+            return
         if fault is None or fault == "die_mid_transfer":
             self.kvfail_die_in_send = fault is not None
             await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
@@ -127,6 +131,34 @@ class _FaultInjectingSender:
             response = MooncakeXferResponse(status=MooncakeXferResponseStatus.FINISH)
         await sock.send_multipart((identity, self._encoder.encode(response)))  # type: ignore[attr-defined]
 
+    async def _kvfail_late_send(
+        self, identity: bytes, sock: Any, meta: Any, hit: list[str]
+    ) -> None:
+        """A slow P: the reply and the data come late, but they come.
+
+        While it sleeps, the armed requests count as being sent (upstream's ``sending``),
+        as they would for a P stuck inside its transfer: P's own expiry
+        (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``) must not drop a push that is only late,
+        or a delay close to it would make the fault vanish. Records, per request, whether
+        the push wrote (upstream counts a send as ``sent`` only when it did)."""
+        delays = getattr(self, "kvfail_delays", {})
+        delay_s = max(delays.pop(r, 0.0) for r in hit)
+        need_send = self.reqs_need_send  # type: ignore[attr-defined]
+        metas = {r: need_send.get(meta.req_blocks[r][0]) for r in hit}
+        held = [m for m in metas.values() if m is not None]
+        sent = {r: (m.sent if m is not None else 0) for r, m in metas.items()}
+        for m in held:
+            m.sending += 1
+        try:
+            await asyncio.sleep(delay_s)
+            self.kvfail_die_in_send = False
+            await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
+        finally:
+            for m in held:
+                m.sending -= 1
+            for r, m in metas.items():
+                self.kvfail_late_pushes[r] = m is not None and m.sent > sent[r]
+
     def _send_blocks(
         self, remote_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]
     ) -> int:
@@ -153,6 +185,7 @@ def _make_injecting(worker: Any) -> None:
     worker.__class__ = type(f"FaultInjecting{cls.__name__}", (_FaultInjectingSender, cls), {})
     worker.kvfail_armed = {}
     worker.kvfail_delays = {}
+    worker.kvfail_late_pushes = {}
 
 
 def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
@@ -165,6 +198,12 @@ def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
     if fault == "delay":
         sender.kvfail_delays[req_id] = delay_s
     return True
+
+
+def _late_pushes(view: RankView) -> dict[str, bool]:
+    """On a rank: the ``delay`` pulls its sender served (request -> whether it wrote)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    return dict(getattr(sender, "kvfail_late_pushes", None) or {})
 
 
 def _pattern_forward() -> SplitForward:
@@ -283,6 +322,17 @@ class _Producer:
         self.injected += 1
         return {"ok": True, "fault": fault, "req_id": req_id, "ranks": armed}
 
+    def late_pushes(self) -> dict[str, Any]:
+        """Per request, the ranks whose ``delay`` push ran and those whose push wrote."""
+        pushed: dict[str, list[int]] = {}
+        written: dict[str, list[int]] = {}
+        for w in self.engine.workers:
+            for req_id, wrote in w.call(_late_pushes).items():
+                pushed.setdefault(req_id, []).append(w.rank)
+                if wrote:
+                    written.setdefault(req_id, []).append(w.rank)
+        return {"ok": True, "pushed": pushed, "written": written}
+
     def stats(self) -> dict[str, Any]:
         sched = self.engine.scheduler
         return {
@@ -301,7 +351,12 @@ class _Producer:
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
         return dispatch(
             cmd,
-            {"prefill": self.prefill, "inject": self.inject, "stats": lambda _: self.stats()},
+            {
+                "prefill": self.prefill,
+                "inject": self.inject,
+                "stats": lambda _: self.stats(),
+                "late_pushes": lambda _: self.late_pushes(),
+            },
         )
 
 
