@@ -38,6 +38,7 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.capabilities import Capabilities
@@ -123,6 +124,9 @@ class Driver(ABC):
     connector_cls: type
     #: Sleep between engine steps: a real transport progresses in its own threads.
     poll_s: float = 0.0
+    #: ``slow_peer_past_deadline``: seconds after D added the load at which the slow P
+    #: answers and writes; None: only once the load was reported (P never answers first).
+    slow_peer_delay_s: float | None = None
 
     def unavailable(self) -> str | None:
         """None when the driver can run, else why not (printed in every skip)."""
@@ -183,6 +187,18 @@ class Driver(ABC):
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
         """Add a request to D whose prefix is to be loaded from the remote prefill."""
+
+    def add_local_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """Add a request D computes itself (no remote prefill), watched by the driver's
+        KV-integrity oracle where it has one: every position it computed must still hold
+        D's bytes at each of its steps, so a stray write into the blocks it was given (a
+        late transfer into reused blocks) is named. Default: added, not watched."""
+        engine.add_request(
+            request_id, prompt_len=prompt_len, prompt_seed=request_id, max_tokens=max_tokens
+        )
+        return request_id
 
     def add_remote_requests(
         self,
@@ -258,6 +274,12 @@ class Driver(ABC):
         """Seconds from adding ``request_id`` to its first report, when the driver timed it."""
         return None
 
+    def late_write(self, engine: Engine, request_id: str) -> str | None:
+        """``slow_peer_past_deadline``: None until the slow P's late write for
+        ``request_id`` has happened, then what it did (for the report). Only called for a
+        load armed with that fault, by a driver that advertises it."""
+        raise NotImplementedError(f"driver {self.name!r} has no slow peer")
+
     def integrity_findings(self, engine: Engine) -> list[str]:
         """The KV-integrity oracle's findings for everything ``engine`` ran (clause first;
         empty: every computed position held what it should, and nothing wrote into a
@@ -303,12 +325,22 @@ class ToyDriver(Driver):
     transport boundary: from then on every load from it that is in flight on a worker
     fails with stage ``peer_lost`` (checked after each step, in :meth:`observe`, and at
     :meth:`provoke`); loads from the other P are untouched.
+
+    ``slow_peer_past_deadline``: the in-memory P never answers the load, so only the
+    connector's deadline ends it; then, :attr:`LATE_WRITE_STEPS` D steps after the load
+    stopped waiting (its report reached the scheduler), the toy transport writes P's
+    bytes into the blocks the load was given (the load as the worker started it, copied
+    with the toy's own ``_deliver``, into D's real KV tensors on every rank): a slow P
+    whose write lands after D gave up. Steps, not seconds, as for ``net_delay``.
     """
 
     #: The toy reporter's watchdog deadline used by the silent-peer scenario.
     DEADLINE_S = 0.5
     #: D steps a ``net_delay`` load waits before the in-memory P answers.
     DELAY_STEPS = 3
+    #: D steps after a ``slow_peer_past_deadline`` load stopped waiting before the
+    #: in-memory P's late write lands (requests added right after it got its blocks).
+    LATE_WRITE_STEPS = 5
     REMOTE_ENGINE = "P-toy"
 
     def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:
@@ -336,6 +368,8 @@ class ToyDriver(Driver):
         self._reported_s: dict[tuple[str, str], float] = {}
         #: D engine id -> how many of its ``kv_reports`` :meth:`observe` has read.
         self._reports_read: dict[str, int] = {}
+        #: (D engine id, request id) -> a ``slow_peer_past_deadline`` load's late write.
+        self._late: dict[tuple[str, str], _ToyLateWrite] = {}
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
@@ -348,6 +382,7 @@ class ToyDriver(Driver):
                 FaultPoint.TP_ONE_RANK,
                 FaultPoint.NET_DELAY,  # the in-memory P answers DELAY_STEPS steps late
                 FaultPoint.KILL_ONE_PEER,  # a second in-memory P, whose loads all fail
+                FaultPoint.SLOW_PEER_PAST_DEADLINE,  # writes once the load stopped waiting
             }
         )
 
@@ -462,9 +497,21 @@ class ToyDriver(Driver):
         return request_id
 
     def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """``net_delay`` is set up before the request exists; the rest are provoked."""
+        """``net_delay`` and ``slow_peer_past_deadline`` are set up before the request
+        exists; the rest are provoked."""
         if point is FaultPoint.NET_DELAY:
             self._delayed[(str(engine.spec.engine_id), request_id)] = 0
+        elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            self._late[(str(engine.spec.engine_id), request_id)] = _ToyLateWrite()
+
+    def add_local_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """A request D computes itself, watched by the integrity oracle (nothing loaded)."""
+        self._integrity.track(engine, request_id, request_id, prompt_len)
+        return super().add_local_request(
+            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+        )
 
     def _workers(self, engine: Engine, ranks: Iterable[int] | None) -> list[Any]:
         wanted = None if ranks is None else set(ranks)
@@ -544,8 +591,10 @@ class ToyDriver(Driver):
                 for rid in report.finished_recving | report.failed_recving:
                     self._reported_s.setdefault((eid, rid), now)
         self._reports_read[eid] = len(reports)
-        # net_delay: the in-memory P answers once the load has waited DELAY_STEPS steps.
         waiting = engine.waiting_for_remote()
+        for key in [k for k in self._late if k[0] == eid]:
+            self._late_write_step(engine, key, waiting)
+        # net_delay: the in-memory P answers once the load has waited DELAY_STEPS steps.
         for key in [k for k in self._delayed if k[0] == eid]:
             if key[1] not in waiting:
                 if self._delayed[key]:  # it waited and ended otherwise (failed, aborted)
@@ -555,6 +604,42 @@ class ToyDriver(Driver):
             if self._delayed[key] >= self.DELAY_STEPS:
                 del self._delayed[key]
                 self.settle(engine, key[1])
+
+    def _late_write_step(
+        self, engine: Engine, key: tuple[str, str], waiting: frozenset[str]
+    ) -> None:
+        """``slow_peer_past_deadline``: note the load each worker started while it waits;
+        :attr:`LATE_WRITE_STEPS` steps after it stopped waiting, write P's bytes into
+        those blocks, on every rank (see the class docstring)."""
+        late = self._late[key]
+        rid = key[1]
+        if late.done is not None:
+            return
+        if rid in waiting:
+            for worker in engine.workers:
+                load = worker.connector._inflight.get(rid)
+                if load is not None:
+                    late.loads.setdefault(worker.rank, load)
+            return
+        if not late.loads:
+            return  # never in flight on a worker: nothing to write, so never "done"
+        if late.left_at is None:
+            late.left_at = engine.record.steps
+        if engine.record.steps - late.left_at < self.LATE_WRITE_STEPS:
+            return
+        for worker in engine.workers:
+            load = late.loads.get(worker.rank)
+            if load is not None:
+                worker.connector._deliver(load)
+        blocks = sorted({b for load in late.loads.values() for g in load.block_ids for b in g})
+        late.done = (
+            f"the toy's P wrote {rid}'s blocks {blocks} on ranks {sorted(late.loads)}, "
+            f"{engine.record.steps - late.left_at} steps after the load stopped waiting"
+        )
+
+    def late_write(self, engine: Engine, request_id: str) -> str | None:
+        late = self._late.get((str(engine.spec.engine_id), request_id))
+        return None if late is None else late.done
 
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
         key = (str(engine.spec.engine_id), request_id)
@@ -569,6 +654,7 @@ class ToyDriver(Driver):
         self._integrity.engines.clear()  # the scenario's engines are closed
         for timed in (self._delayed, self._added_at, self._reported_s, self._reports_read):
             timed.clear()
+        self._late.clear()
         self._peer_of.clear()
         self._dead_peers.clear()  # the next scenario's second P is a new one
 
@@ -577,6 +663,18 @@ class ToyDriver(Driver):
 
         TRANSPORT.clear()
         self._first.clear()
+
+
+@dataclass
+class _ToyLateWrite:
+    """A ``slow_peer_past_deadline`` load on the toy: what its late write will write."""
+
+    #: rank -> the load as that rank's worker started it (its blocks, P's key).
+    loads: dict[int, Any] = field(default_factory=dict)
+    #: D's step count when the load was first seen no longer waiting.
+    left_at: int | None = None
+    #: What the late write did, once done.
+    done: str | None = None
 
 
 # ------------------------------------------------------------------------ generic
@@ -724,6 +822,12 @@ class PairDriver(Driver):
     #: enough below :attr:`SCENARIO_DEADLINE_S` that a cold D's own set-up (bootstrap,
     #: first connection) on a loaded machine still fits before it.
     NET_DELAY_S = 0.5
+    #: How long after :attr:`SCENARIO_DEADLINE_S` a ``slow_peer_past_deadline`` P answers
+    #: and writes: well past a deadline enforced at D's drains (milliseconds apart), and
+    #: well within the scenario's bounded waits.
+    SLOW_PEER_PAST_S = 1.5
+    #: At most this often a driver asks P whether its late write has landed.
+    LATE_POLL_S = 0.25
     #: ``kvfail.peers.<transport>``: holds the pair and ``<transport>_available``.
     pair_module = ""
     #: The pair class's name, for messages.
@@ -733,6 +837,11 @@ class PairDriver(Driver):
     #: it is collected). Others leave the engines to reference counting (a collection
     #: costs ~0.85 s per scenario in a process holding vLLM).
     collect_closed_engines = False
+
+    @property
+    def slow_peer_delay_s(self) -> float:  # type: ignore[override]
+        """``slow_peer_past_deadline``: P answers this long after D added the load."""
+        return self.SCENARIO_DEADLINE_S + self.SLOW_PEER_PAST_S
 
     def _init_pair_driver(self, name: str, connector: str, connector_module: str | None) -> None:
         self.name = name
@@ -952,6 +1061,15 @@ class PairDriver(Driver):
         """Every fault is set up while the request is added (see the class docstring)."""
         self._fault_at_add[(id(engine), request_id)] = point  # type: ignore[attr-defined]
 
+    def add_local_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """A request D computes itself, watched by the pair's integrity oracle."""
+        self._pair_of(engine).integrity.track(engine, request_id, request_id, prompt_len)
+        return super().add_local_request(
+            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+        )
+
     def settle(
         self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
     ) -> None:
@@ -1000,6 +1118,11 @@ class MooncakeDriver(PairDriver):
     * a slow but live P (``net_delay``): P's sender sleeps :attr:`NET_DELAY_S` before it
       serves the pull for real, so the transfer and its reply come late (P-side, in the
       real process: a proxy in front of the bootstrap would delay only the lookup);
+    * a slow P that writes after D's deadline (``slow_peer_past_deadline``): the same,
+      for :attr:`slow_peer_delay_s` (the deadline the scenario asks D for, plus
+      :attr:`SLOW_PEER_PAST_S`); P's own expiry is held off meanwhile, so P really
+      pushes into D's blocks then, whatever D did (Mooncake is P-push: D has no handle
+      on that write). :meth:`late_write` asks P whether each of its ranks pushed;
     * driver-side abort and empty pulls.
 
     P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
@@ -1035,6 +1158,11 @@ class MooncakeDriver(PairDriver):
         self._p_module = p_connector_module
         self._seen: dict[int, int] = {}
         self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
+        #: (D engine, request id) -> the P armed to write late (``slow_peer_past_deadline``).
+        self._late: dict[tuple[int, str], Any] = {}
+        #: (D engine, request id) -> what its late write did, once P says it happened.
+        self._late_done: dict[tuple[int, str], str] = {}
+        self._late_polled = 0.0
         #: Bootstrap proxies by pair (``id``), made on first use, closed by the pair.
         self._proxies: dict[int, Any] = {}
         self._init_pair_driver(name, connector, connector_module)
@@ -1092,6 +1220,7 @@ class MooncakeDriver(PairDriver):
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.NET_BLACKHOLE,
                 FaultPoint.NET_DELAY,
+                FaultPoint.SLOW_PEER_PAST_DEADLINE,
                 FaultPoint.ABORT_WHILE_WAITING,
                 FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
                 FaultPoint.TP_ONE_RANK,
@@ -1183,6 +1312,9 @@ class MooncakeDriver(PairDriver):
             pair.inject(request_id, "finish_without_result")
         elif point is FaultPoint.NET_DELAY:
             pair.inject(request_id, "delay", delay_s=self.NET_DELAY_S)
+        elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            pair.inject(request_id, "delay", delay_s=self.slow_peer_delay_s)
+            self._late[(id(engine), request_id)] = pair.p
         elif point in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
             pair.kill_p()  # one request: its P is the one that dies
         elif point is FaultPoint.KILL_DURING_TRANSFER:
@@ -1255,6 +1387,38 @@ class MooncakeDriver(PairDriver):
         if point is FaultPoint.ABORT_WHILE_WAITING:
             engine.abort(request_id)
         # The others were armed before the request was added (see arm()).
+
+    def late_write(self, engine: Engine, request_id: str) -> str | None:
+        """Whether P's delayed push for ``request_id`` ran on every P rank (asked of P
+        at most every :attr:`LATE_POLL_S`); then which ranks' push wrote into D."""
+        key = (id(engine), request_id)
+        if key in self._late_done:
+            return self._late_done[key]
+        producer = self._late.get(key)
+        now = time.monotonic()
+        if producer is None or now - self._late_polled < self.LATE_POLL_S:
+            return None
+        self._late_polled = now
+        if not producer.process.alive or producer.process.frozen:
+            return None
+        try:
+            pushes = producer.late_pushes()
+        except Exception:  # P busy or gone: asked again at the next poll, within the bound
+            return None
+        pushed = pushes["pushed"].get(request_id, [])
+        if len(pushed) < len(engine.workers):
+            return None
+        written = pushes["written"].get(request_id, [])
+        self._late_done[key] = (
+            f"P pushed {request_id} {self.slow_peer_delay_s:g} s after the pull; the push "
+            f"wrote into D on rank(s) {written} of {sorted(pushed)}"
+        )
+        return self._late_done[key]
+
+    def after_scenario(self) -> None:
+        self._late.clear()
+        self._late_done.clear()
+        super().after_scenario()
 
 
 # ------------------------------------------------------------------------ resolve

@@ -23,6 +23,15 @@ are real with NIXL here:
   in ``PROC`` (as for ``freeze_peer``) and then completes with P's bytes; a cold D's
   handshake waits on P's side-channel listener the same way. A delay of the handshake
   alone would hold nothing for a warm D, which never handshakes again;
+* ``slow_peer_past_deadline``: the same stall, for
+  :attr:`~kvfail.conformance.driver.PairDriver.slow_peer_delay_s` (the deadline the
+  scenario asks D for, plus ``SLOW_PEER_PAST_S``): a warm D's READ is posted to the
+  stopped P, D's deadline passes, and the READ completes when P goes on, writing P's
+  bytes into the blocks D gave the load, whatever D did with them meanwhile. Needs a warm
+  D (a cold D's READ would wait for the handshake, and nothing would be posted). At the
+  thaw the driver digests the load's blocks on every D rank, lets P run
+  :attr:`NixlDriver.LATE_SETTLE_S` without stepping D, and digests them again: what
+  changed meanwhile only the transfer wrote (:meth:`NixlDriver.late_write` says where);
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
   silently, the handshake fails at its 5 s ``RCVTIMEO``;
 * ``unknown_engine``: P's real params naming another engine id;
@@ -63,6 +72,7 @@ import signal
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvfail.conformance.driver import (
@@ -94,6 +104,36 @@ def nixl_bases() -> tuple[type, type | None] | None:
     return NixlConnector, KvfailNixlConnector
 
 
+@dataclass
+class _LateRead:
+    """A ``slow_peer_past_deadline`` READ: its stopped P, D, and what landed at the thaw."""
+
+    producer: Any
+    engine: Any
+    #: The request's blocks (one tuple per KV-cache group), read while its load waited.
+    blocks: tuple[tuple[int, ...], ...] | None = None
+    done: str | None = None
+
+    def digests(self) -> list[str]:
+        """Each D rank's digest of the blocks (empty: never seen waiting, or D gone)."""
+        from kvfail.peers.integrity import block_digest
+
+        if self.blocks is None or self.engine.closed or self.engine.crashed is not None:
+            return []
+        workers = self.engine.workers
+        return [w.call(block_digest, self.blocks, world_size=len(workers)) for w in workers]
+
+    def settle(self, before: list[str], delay_s: float) -> None:
+        after = self.digests()
+        changed = [rank for rank, (a, b) in enumerate(zip(before, after, strict=False)) if a != b]
+        where = f"on D rank(s) {changed}" if changed else "on no D rank"
+        seen = "" if before else " (the load's blocks were never seen)"
+        self.done = (
+            f"P, stopped while D's READ was posted, went on {delay_s:g} s after D added it; "
+            f"the load's blocks changed {where} while D did not step{seen}"
+        )
+
+
 #: The P processes a throwaway pull has warmed (see ``NixlDriver._warm_p``).
 _WARM_P: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -119,6 +159,7 @@ class NixlDriver(PairDriver):
             FaultPoint.KILL_ONE_PEER,
             FaultPoint.FREEZE_PEER,
             FaultPoint.NET_DELAY,
+            FaultPoint.SLOW_PEER_PAST_DEADLINE,
         }
     )
     #: SIGKILL faults: the pair's P (or its second P, ``kill_one_peer``) dies.
@@ -128,6 +169,9 @@ class NixlDriver(PairDriver):
         FaultPoint.PEER_BAD_METADATA: "garbled",
         FaultPoint.PEER_METADATA_MISMATCH: "layout",
     }
+    #: After a ``slow_peer_past_deadline`` P is thawed, how long its UCX worker gets to
+    #: answer the READ it was sent while stopped (a loopback GET takes milliseconds).
+    LATE_SETTLE_S = 0.5
     #: P requests D never reads (their leases are ended after the scenario): ended in a
     #: batch once this many are pending, so a long scenario does not run P out of blocks.
     UNRELEASED_BATCH = 16
@@ -144,6 +188,8 @@ class NixlDriver(PairDriver):
         self._kill_on_provoke: dict[tuple[int, str], Any] = {}
         #: ``net_delay``: id(P handle) -> (P, when observe() thaws it).
         self._thaw_at: dict[int, tuple[Any, float]] = {}
+        #: ``slow_peer_past_deadline``: (D engine, request id) -> its late write.
+        self._late: dict[tuple[int, str], _LateRead] = {}
         #: The bad metadata P was armed with in this scenario, if any.
         self._bad_metadata: str | None = None
         #: (faults, P request id) armed by ``notify_failed`` in this scenario.
@@ -234,6 +280,7 @@ class NixlDriver(PairDriver):
         self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
         self._scenario_pair = None
         self._kill_on_provoke.clear()
+        self._late.clear()
         self._end_delays(now=True)
         self._repair_peers()
         if pair is None or pair.p is None or not pair.p.process.alive:
@@ -258,6 +305,7 @@ class NixlDriver(PairDriver):
                 FaultPoint.KILL_ONE_PEER,
                 FaultPoint.FREEZE_PEER,
                 FaultPoint.NET_DELAY,
+                FaultPoint.SLOW_PEER_PAST_DEADLINE,
                 FaultPoint.REFUSE,
                 FaultPoint.UNKNOWN_ENGINE,
                 FaultPoint.PEER_BAD_METADATA,
@@ -302,11 +350,16 @@ class NixlDriver(PairDriver):
         pair = self._pair_of(engine)
         if pair is not None:
             pair.observe(engine)
+        waiting = engine.waiting_for_remote()
+        for (eid, rid), late in self._late.items():
+            if eid == id(engine) and late.blocks is None and rid in waiting:
+                groups = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+                late.blocks = tuple(tuple(g) for g in groups)
         self._end_delays()
 
-    def _delay(self, producer: Any) -> None:
-        """``net_delay``: stop P now and let it go on :attr:`NET_DELAY_S` later (in
-        :meth:`observe`, after D's next step past that time).
+    def _delay(self, producer: Any, seconds: float | None = None) -> None:
+        """``net_delay``: stop P now and let it go on :attr:`NET_DELAY_S` (or ``seconds``)
+        later (in :meth:`observe`, after D's next step past that time).
 
         Why a stall of P's process and not of a message: with UCX over TCP a READ is not
         one-sided on the wire: P's UCX worker (its agent's progress thread) answers each
@@ -315,16 +368,31 @@ class NixlDriver(PairDriver):
         waits the same way on P's side-channel listener. P is alive throughout: a
         process paused by its host (CPU starvation, a long GC, swapping) answers late."""
         producer.process.freeze()
-        self._thaw_at[id(producer)] = (producer, time.monotonic() + self.NET_DELAY_S)
+        at = time.monotonic() + (self.NET_DELAY_S if seconds is None else seconds)
+        self._thaw_at[id(producer)] = (producer, at)
+
+    def late_write(self, engine: Engine, request_id: str) -> str | None:
+        """Once the stopped P was thawed and had :attr:`LATE_SETTLE_S` to answer the READ:
+        on which D ranks the load's blocks changed meanwhile (D not stepping)."""
+        late = self._late.get((id(engine), request_id))
+        return None if late is None else late.done
 
     def _end_delays(self, *, now: bool = False) -> None:
-        """Thaw each ``net_delay`` P whose delay is over (every one when ``now``)."""
+        """Thaw each ``net_delay`` P whose delay is over (every one when ``now``); for a
+        ``slow_peer_past_deadline`` P, see whether its late READ answers land."""
         for key, (producer, at) in list(self._thaw_at.items()):
             if now or time.monotonic() >= at:
                 del self._thaw_at[key]
+                late = [] if now else [v for v in self._late.values() if v.producer is producer]
+                before = [v.digests() for v in late]
                 proc = producer.process
                 if proc.alive and proc.frozen:
                     proc.thaw()
+                if not late:
+                    continue
+                time.sleep(self.LATE_SETTLE_S)  # D does not step: only P's answers write
+                for entry, digests in zip(late, before, strict=True):
+                    entry.settle(digests, self.slow_peer_delay_s)
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
@@ -377,6 +445,16 @@ class NixlDriver(PairDriver):
         """A fault on ``producer``'s whole process, once D added ``request_ids`` from it."""
         if fault is FaultPoint.NET_DELAY:
             self._delay(producer)
+        elif fault is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            if not warm:
+                raise RuntimeError(
+                    f"NixlDriver: {fault.value} needs a warm D (one load from P first): a "
+                    "cold D's READ would wait for the handshake, and no late write could land"
+                )
+            self._delay(producer, self.slow_peer_delay_s)
+            self._late.update(
+                {(id(engine), rid): _LateRead(producer, engine) for rid in request_ids}
+            )
         elif fault in self.KILLS and warm:
             # A warm D posts its READ in the step that schedules the request, and a READ
             # to a dead P fails in that same step: the request would never be seen
