@@ -39,6 +39,9 @@ class                      what is broken                               clause  
                            fails any load unanswered after one step
 ``FailsEveryPeerOnLoss``   when one peer is lost, fails every load in   C8       false
                            flight, the live peers' too                           failure
+``FreesWhileWriting``      fails an overdue load at its deadline and    C11      integrity
+                           frees its blocks at once, though a slow P            or leak
+                           still writes into them (no quarantine)
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
@@ -47,6 +50,8 @@ load in flight it is indistinguishable from a working connector, which is why th
 scenarios exist. ``FailsBeforeDeadline`` is flagged by the slow-peer scenario there: a
 peer that answers at once, or never, does not show it. ``FailsEveryPeerOnLoss`` is
 flagged by the two-P scenario there: with one peer, all loads in flight are that peer's.
+``FreesWhileWriting`` is flagged by ``conformance/test_quarantine.py``: only a P that
+writes after the deadline, into blocks other requests were given, shows it.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ __all__ = [
     "FailsBeforeDeadline",
     "FailsEveryPeerOnLoss",
     "Flag",
+    "FreesWhileWriting",
     "NoFailureChannel",
     "ReportsFewerBlocks",
     "ReportsLate",
@@ -302,6 +308,20 @@ class FailsEveryPeerOnLoss(ToyConnector):
         for other in sorted(self.inflight()):  # the dead peer's and everyone else's
             failed |= super().fail(other, stage=stage, reason=reason)
         return failed
+
+
+class FreesWhileWriting(ToyConnector):
+    """Fails fast WITHOUT quarantine: its watchdog fails an overdue load at the deadline
+    and says the transfer is fenced, so the tracker delivers the failure and the
+    scheduler frees the blocks at once, while the slow P's transfer still writes into
+    them (the suite's ``slow_peer_past_deadline``: the toy transport writes after the
+    request was let go). A connector that cancels only its own side of a push (Mooncake:
+    D closes its socket, P still writes into D's memory) or whose READ completes after
+    its handle was given up breaks this way; the blocks reach other requests, which then
+    run on the late bytes (C11, the integrity oracle), and nothing can tell the scheduler."""
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        return True  # "fenced", whatever the transfer may still do
 
 
 class Flag(NamedTuple):
