@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,8 +197,10 @@ def poll(
     *,
     timeout_s: float = BOUND_S,
     settle_s: float = 0.2,
+    until: Callable[[Observed], bool] | None = None,
 ) -> Observed:
-    """Run worker passes until every id in ``want`` finished, then ``settle_s`` more."""
+    """Run worker passes until every id in ``want`` finished (and ``until`` holds, if
+    given), then ``settle_s`` more; at most ``timeout_s`` in all."""
     obs = Observed()
     deadline = time.monotonic() + timeout_s
     done_at: float | None = None
@@ -222,7 +224,7 @@ def poll(
         for block in invalid:
             obs.invalid[block] += 1
             obs.invalid_pass.setdefault(block, index)
-        if done_at is None and want <= obs.finished.keys():
+        if done_at is None and want <= obs.finished.keys() and (until is None or until(obs)):
             done_at = time.monotonic()
         time.sleep(0.01)
     return obs
@@ -421,7 +423,10 @@ def test_silent_peer_is_failed_by_the_watchdog(
     assert stage_counts(connector)[Stage.WATCHDOG] - before[Stage.WATCHDOG] == 1
     # Let P's late reply go out, then make sure it changes nothing.
     remaining = started + LATE_S + 0.5 - time.monotonic()
-    after = poll(connector, set(), timeout_s=max(remaining, 0.1), settle_s=BOUND_S)
+    released = lambda o: pull.req_id in o.released  # noqa: E731 - P's reply ends the pull
+    after = poll(
+        connector, set(), timeout_s=max(remaining, 0.1) + 30.0, settle_s=BOUND_S, until=released
+    )
     assert not after.finished and not after.invalid and not after.failed
     assert fake_p.exchanges_for(pull.req_id)[0].replied_at  # P did answer, too late
     assert after.released == {pull.req_id}  # its reply ended the pull: blocks go back
