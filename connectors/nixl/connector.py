@@ -19,9 +19,10 @@ routes by group count. Here every D-side failure becomes one
 * ``get_transfer_results`` lets upstream poll handles and post-process successes, then
   settles each finished load in the tracker and returns the tracker's report; upstream's
   own failed set and invalid-block queue are drained and discarded;
-* a load older than ``kvfail_deadline_s`` is failed by the tracker's watchdog, and
-  :meth:`KvfailNixlWorker.kvfail_fence` releases (cancels) its NIXL handles before the
-  blocks are handed back; if a release fails the request stays held (C11).
+* a load older than ``kvfail_deadline_s`` is failed by the tracker's watchdog and
+  reported at once; :meth:`KvfailNixlWorker.kvfail_fence` lets its blocks go back only
+  once every NIXL handle it posted has ended and been released, and until then the
+  blocks are quarantined (C11).
 
 Upstream's failed set ``_recv_failures`` is still filled, on purpose: it is what makes
 upstream skip KV post-processing for a failed request (vLLM #40364; post-processing a
@@ -230,16 +231,19 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         )
 
     def kvfail_fence(self, req_id: str) -> bool:
-        """Cancel an overdue load: release every handle it still owns.
+        """True once no handle of this load can still write into its blocks.
 
-        NIXL cancels an active transfer on release, or refuses (raises) if it cannot; a
-        refused handle is kept, so upstream keeps polling it and we retry, and the
-        blocks stay held. Only when nothing can write into them is the load forgotten.
+        A READ still in ``PROC`` is left alone: releasing it does not stop a UCX GET whose
+        reply is already on its way (over TCP the reply lands after the release, seen in
+        the suite as a write into freed blocks). Upstream keeps polling it; once it is
+        ``DONE`` or ``ERR`` it is released, by upstream or here, and a retry returns True.
+        A release NIXL refuses is kept and retried likewise. Until then the tracker has
+        already reported the load and the scheduler half holds its blocks.
         """
         # Until it is forgotten, upstream must treat it as failed (no post-processing).
         self._recv_failures.add(req_id)
         handles = self._recving_transfers.get(req_id, [])
-        kept = [h for h in handles if not self._try_release_xfer_handle(req_id, h)]
+        kept = [h for h in handles if not self._release_if_ended(req_id, h)]
         if kept:
             self._recving_transfers[req_id] = kept
             return False
@@ -248,6 +252,17 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         self._pending_recv_notifs.pop(req_id, None)
         self._recv_failures.discard(req_id)
         return True
+
+    def _release_if_ended(self, req_id: str, handle: Any) -> bool:
+        """Release a handle that can no longer write; False keeps it (in flight, unknown
+        or refused)."""
+        try:
+            state = self.nixl_wrapper.check_xfer_state(handle)
+        except Exception:  # upstream's own poll logs and handles this
+            return False
+        if state == "PROC":
+            return False
+        return self._try_release_xfer_handle(req_id, handle)
 
     # ------------------------------------------------------------------ per step
 

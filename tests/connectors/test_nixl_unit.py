@@ -129,21 +129,27 @@ def _fence_scenarios(worker: Any) -> dict[str, Any]:
         def __init__(self, real: Any) -> None:
             self.real = real
             self.fail_release = True
+            self.in_flight = True  # the stuck READ's reply has not landed yet
             self.releases = 0
+            self.released_in_flight = 0
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.real, name)
 
         def check_xfer_state(self, handle: Any) -> str:
             if handle is stuck:
-                return "PROC"
+                return "PROC" if self.in_flight else "DONE"
             if handle is errored:
                 return "ERR"
             return str(self.real.check_xfer_state(handle))
 
+        def get_xfer_telemetry(self, handle: Any) -> Any:
+            return None if handle is stuck else self.real.get_xfer_telemetry(handle)
+
         def release_xfer_handle(self, handle: Any) -> None:
             if handle is stuck or handle is errored:
                 self.releases += 1
+                self.released_in_flight += handle is stuck and self.in_flight
                 if self.fail_release:
                     raise RuntimeError("NIXL_ERR_REPOST_ACTIVE (test double)")
                 return
@@ -188,9 +194,20 @@ def _fence_scenarios(worker: Any) -> dict[str, Any]:
         out["err_held"] = "err" in worker._recving_transfers
         out["releases_tried"] = flaky.releases
         out["stats_while_held"] = worker.failure_stats().as_dict()
+        out["released_in_flight"] = flaky.released_in_flight
         flaky.fail_release = False
+        # Still in flight: a release would now succeed, but nothing may free the blocks.
         time.sleep(0.15)
-        delivered: list[tuple[list[str], list[int]]] = []
+        done, invalid = step()
+        delivered: list[tuple[list[str], list[int]]] = [(sorted(done), sorted(invalid))]
+        out["held_while_in_flight"] = (
+            "fence" not in done
+            and not set(invalid) & {7, 8}
+            and not notices["released"]
+            and "fence" in worker._recving_transfers
+        )
+        flaky.in_flight = False  # the late reply lands; the READ is DONE
+        time.sleep(0.15)
         for _ in range(3):
             done, invalid = step()
             delivered.append((sorted(done), sorted(invalid)))
@@ -384,15 +401,19 @@ def test_stats_carry_upstream_and_kvfail_counters_in_one_object(child: dict) -> 
     assert _stat(child, "kvfail.loads_failed") == 3
 
 
-def test_a_handle_whose_release_fails_is_reported_at_its_deadline_and_held(child: dict) -> None:
+def test_an_overdue_read_is_reported_at_its_deadline_and_held_while_in_flight(child: dict) -> None:
     """Fail fast, free safely: the overdue READ is reported once, by request id, while
-    its handle (and so its blocks, in the scheduler half) stays held."""
+    its handle (and so its blocks, in the scheduler half) stays held. A READ still in
+    PROC is never released (a release does not stop a reply already on its way), even
+    when NIXL would accept the release."""
     fence = child["fence"]
     assert fence["finished_while_held"] == ["fence"], fence
     assert fence["failed_while_held"] == ["fence"], fence
     assert fence["notices_while_held"] == {"held": ["fence"], "released": []}, fence
     assert fence["held_while_release_fails"], fence
     assert fence["err_held"], fence  # no deadline: held by its own pending handle
+    assert fence["released_in_flight"] == 0, fence
+    assert fence["held_while_in_flight"], fence
     held = fence["stats_while_held"]
     assert held["stage.watchdog"] >= 1 and held["loads_quarantined"] == 1, held
     assert held["loads_succeeded"] == 0
