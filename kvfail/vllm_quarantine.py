@@ -95,7 +95,9 @@ class QuarantineConnector:
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         inner = super().build_connector_worker_meta()  # type: ignore[misc]
-        worker = getattr(self, "connector_worker", None)
+        # Upstream's split connectors keep the worker half apart; a one-class connector
+        # (both roles in one class) is its own worker.
+        worker = getattr(self, "connector_worker", self)
         take = getattr(worker, "take_quarantine_notice", None)
         notice = take() if take is not None else QuarantineNotice()
         if not notice:

@@ -6,11 +6,12 @@ Why: a conformance suite is only worth its negative controls. Each control in
 (fast; tests the oracles) and in the REAL ``KvfailMooncakeConnector`` (its worker broken
 in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
 We run the real suite (``conformance/test_scenarios.py``; the toy session also
-``conformance/test_concurrency.py``) against them in in-process sessions and read its
-``report.json`` (each control flagged by its :data:`~kvfail.conformance.negative.EXPECTED_FLAGS`
-scenario and its ``EXTRA_FLAGS`` ones). In-process, so vLLM is imported once; everything
-the inner run needs is imported (and one engine run) before it, because ``pytester``
-(used for the skip test) unloads modules the inner session imported.
+``conformance/test_concurrency.py`` and ``conformance/test_quarantine.py``) against them
+in in-process sessions and read its ``report.json`` (each control flagged by its
+:data:`~kvfail.conformance.negative.EXPECTED_FLAGS` scenario and its ``EXTRA_FLAGS`` ones).
+In-process, so vLLM is imported once; everything the inner run needs is imported (and one
+engine run) before it, because ``pytester`` (used for the skip test) unloads modules the
+inner session imported.
 
 The real-connector session runs only the scenarios the controls are built to break, plus
 the two they must still pass, under ``recompute`` (where the scheduler would silently run
@@ -39,6 +40,8 @@ from kvfail.harness.toy import ToyConnector
 SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
 #: The concurrency scenarios: a control built to lose concurrent failures is flagged there.
 CONCURRENCY = Path(__file__).resolve().parents[1] / "test_concurrency.py"
+#: The quarantine scenario: a control that frees blocks a slow P still writes is flagged there.
+QUARANTINE = Path(__file__).resolve().parents[1] / "test_quarantine.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 CONTROLS = sorted(negative.EXPECTED_FLAGS)
 REAL_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL)
@@ -62,9 +65,10 @@ BASICS = ("test_successful_load", "test_local_request_untouched")
 
 
 def _inner(out: Path, connectors: list[str], *extra: str) -> tuple[int, list[dict[str, Any]]]:
-    """One inner session of both scenario modules at tp1 (the controls are each built to
+    """One inner session of the scenario modules at tp1 (the controls are each built to
     break one clause in the basic layout; the project's ini adds tp2-g2 to its run)."""
-    args = [str(SUITE), str(CONCURRENCY), "-p", "no:cacheprovider", "-q", "--layout", "tp1"]
+    args = [str(SUITE), str(CONCURRENCY), str(QUARANTINE), "-p", "no:cacheprovider", "-q"]
+    args += ["--layout", "tp1"]
     args += ["--kvfail-report", str(out), *extra]
     for spec in connectors:
         args += ["--connector", spec]

@@ -294,6 +294,12 @@ class Driver(ABC):
         leak oracle, so blocks a connector holds while a peer may still write can come
         back. A dead peer stays dead."""
 
+    def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
+        """What the connector's workers hold for requests still waiting when the suite's
+        wait ran out (handshakes, transfers and their states): evidence for a liveness
+        finding, never a verdict. Empty when the driver cannot look."""
+        return []
+
     def add_malformed_request(
         self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
     ) -> str:
@@ -327,11 +333,13 @@ class ToyDriver(Driver):
     :meth:`provoke`); loads from the other P are untouched.
 
     ``slow_peer_past_deadline``: the in-memory P never answers the load, so only the
-    connector's deadline ends it; then, :attr:`LATE_WRITE_STEPS` D steps after the load
-    stopped waiting (its report reached the scheduler), the toy transport writes P's
-    bytes into the blocks the load was given (the load as the worker started it, copied
-    with the toy's own ``_deliver``, into D's real KV tensors on every rank): a slow P
-    whose write lands after D gave up. Steps, not seconds, as for ``net_delay``.
+    connector's deadline ends it; the toy transport holds a write for it
+    (``ToyConnector.hold_write``), so the toy's fence quarantines its blocks. Then,
+    :attr:`LATE_WRITE_STEPS` D steps after the load stopped waiting (its report reached
+    the scheduler), the write lands (``ToyConnector.land_write``): P's bytes go into the
+    blocks the load was given, in D's real KV tensors on every rank, wherever the
+    scheduler has them by then: a slow P whose write lands after D gave up. Steps, not
+    seconds, as for ``net_delay``.
     """
 
     #: The toy reporter's watchdog deadline used by the silent-peer scenario.
@@ -618,8 +626,9 @@ class ToyDriver(Driver):
         if rid in waiting:
             for worker in engine.workers:
                 load = worker.connector._inflight.get(rid)
-                if load is not None:
-                    late.loads.setdefault(worker.rank, load)
+                if load is not None and worker.rank not in late.loads:
+                    late.loads[worker.rank] = load
+                    worker.connector.hold_write(rid)  # P's write is on its way
             return
         if not late.loads:
             return  # never in flight on a worker: nothing to write, so never "done"
@@ -630,7 +639,7 @@ class ToyDriver(Driver):
         for worker in engine.workers:
             load = late.loads.get(worker.rank)
             if load is not None:
-                worker.connector._deliver(load)
+                worker.connector.land_write(rid, load)
         blocks = sorted({b for load in late.loads.values() for g in load.block_ids for b in g})
         late.done = (
             f"the toy's P wrote {rid}'s blocks {blocks} on ranks {sorted(late.loads)}, "
@@ -1036,6 +1045,10 @@ class PairDriver(Driver):
 
     def after_scenario(self) -> None:
         self._repair_peers()
+
+    def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
+        probe = getattr(self._pair_of(engine), "stuck_state", None)
+        return [] if probe is None else list(probe(engine, list(request_ids)))
 
     def end_faults(self, engine: Engine) -> None:
         pair = self._pair_of(engine)

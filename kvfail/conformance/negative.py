@@ -348,6 +348,7 @@ EXPECTED_FLAGS: dict[str, Flag] = {
     "WritesAfterRelease": Flag("test_failures_and_successes_same_step", "C11 "),
     "FailsBeforeDeadline": Flag("test_slow_peer_not_failed_before_deadline", "C10 early failure"),
     "FailsEveryPeerOnLoss": Flag("test_two_peers_one_killed", "C8 false failure"),
+    "FreesWhileWriting": Flag("test_slow_peer_writes_after_deadline", "C11 "),
 }
 
 #: Further scenarios that must flag a control besides its :data:`EXPECTED_FLAGS` one: the

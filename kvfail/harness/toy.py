@@ -34,6 +34,7 @@ Behaviour
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -48,8 +49,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvfail import FailureReporterMixin, Stage
+from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.deadline import seconds_from
+from kvfail.vllm_quarantine import QuarantineConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +64,10 @@ if TYPE_CHECKING:
 __all__ = ["TRANSPORT", "ToyConnector", "ToyLoad", "ToyMetadata", "ToySave", "ToyTransport"]
 
 Key = tuple[str, str]  # (producer engine id, producer request id)
+
+#: In-process toy workers have no TP rank of their own (the harness simulates TP), so each
+#: gets its own key for the quarantine's per-rank holds.
+_WORKER_KEYS = itertools.count()
 
 
 class ToyTransport:
@@ -116,7 +122,7 @@ class ToyMetadata(KVConnectorMetadata):
     saves: dict[str, ToySave] = field(default_factory=dict)
 
 
-class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
+class _ToyConnectorCore(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
     """Test double; see the module docstring. Both roles live in one class, as in vLLM."""
 
     def __init__(
@@ -150,6 +156,8 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         self._sent: set[str] = set()
         self._raw = KVConnectorTransferResults()
         self._raw_invalid: set[int] = set()
+        #: Loads whose transport write is still on its way (:meth:`hold_write`).
+        self._writes_pending: set[str] = set()
         #: Every load this worker ever started, in order (tests inspect it).
         self.started: list[str] = []
         #: The watchdog deadline of the worker's loads, declared for the conformance suite.
@@ -159,6 +167,8 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
                 num_kv_cache_groups=self.num_groups,
                 name=f"toy[{self.engine_id}]",
                 default_deadline_s=self.kv_load_deadline_s,
+                quarantine=compat.block_pool_binding_available(),
+                rank=next(_WORKER_KEYS),
             )
 
     # ------------------------------------------------------------ scheduler side
@@ -271,11 +281,33 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        invalid = super().get_block_ids_with_load_errors()
+        invalid = FailureReporterMixin.get_block_ids_with_load_errors(self)
         raw, self._raw_invalid = self._raw_invalid, set()
         return invalid | raw
 
+    def kvfail_fence(self, req_id: str) -> bool:
+        """Nothing can write into the load's blocks unless the transport still has a
+        write for it on its way (:meth:`hold_write`)."""
+        return req_id not in self._writes_pending
+
     # ------------------------------------------------------------ test commands
+
+    def hold_write(self, req_id: str) -> bool:
+        """The transport has a write for this in-flight load on its way: until
+        :meth:`land_write`, its blocks must not go back (a deadline failure is reported
+        at once, the blocks quarantined)."""
+        if req_id not in self._inflight:
+            return False
+        self._writes_pending.add(req_id)
+        return True
+
+    def land_write(self, req_id: str, load: ToyLoad) -> None:
+        """The write held by :meth:`hold_write` lands: P's bytes go into ``load``'s
+        blocks now (wherever the scheduler has them by then), and the load is fenced."""
+        self._deliver(load)
+        self._writes_pending.discard(req_id)
+        if self.failure_reporter.is_quarantined(req_id):
+            self.load_fenced(req_id)
 
     def inflight(self) -> set[str]:
         """Loads started on this worker and not yet reported."""
@@ -335,3 +367,8 @@ class ToyConnector(FailureReporterMixin, KVConnectorBase_V1, SupportsHMA):
         self._raw.failed_recving.update(failed_recving)
         self._raw.finished_sending.update(finished_sending)
         self._raw_invalid.update(invalid_block_ids)
+
+
+class ToyConnector(QuarantineConnector, _ToyConnectorCore):
+    """The toy with kvfail's quarantine in front, as the shipped connectors have it: a
+    load failed while its write is pending is reported at once and its blocks held."""
