@@ -288,7 +288,14 @@ class ScenarioContext:
 
         ids = list(engine.requests) if request_ids is None else list(request_ids)
         out = oracles.check_no_crash(engine)
-        out += oracles.check_liveness(engine)
+        stuck = oracles.check_liveness(engine)
+        if stuck and engine.crashed is None:
+            try:
+                state = self.driver.stuck_state(engine, sorted(engine.waiting_for_remote()))
+            except Exception as exc:  # evidence only: never hide the finding itself
+                state = [f"(the driver's stuck_state raised {exc!r})"]
+            stuck += [f"C2/C10 state: {line}" for line in state]
+        out += stuck
         self._await_held_blocks(engine)
         out += oracles.check_no_leaks(engine)
         out += oracles.check_exactly_once(engine)

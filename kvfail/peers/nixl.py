@@ -355,6 +355,34 @@ def _notify_fired(view: RankView) -> tuple[list[str], list[str]]:
         return list(faults.dropped), list(faults.raised)
 
 
+def _load_state(view: RankView, req_id: str) -> str:
+    """One D rank's NIXL worker state for ``req_id``: evidence for a stuck load."""
+    w: Any = getattr(view.connector, "connector_worker", None)
+    if w is None:
+        return "no NIXL worker"
+    parts: list[str] = []
+    meta = w._recving_metadata.get(req_id)
+    remote = getattr(getattr(meta, "remote", None), "engine_id", None)
+    parts.append("no metadata" if meta is None else f"metadata (P {remote})")
+    states = []
+    for handle in w._recving_transfers.get(req_id, ()):
+        try:
+            states.append(str(w.nixl_wrapper.check_xfer_state(handle)))
+        except Exception as exc:
+            states.append(f"check raised {exc!r}")
+    parts.append(f"handles {states}")
+    if remote is not None:
+        parts.append(f"P agents {len(w._remote_agents.get(remote, {}))}")
+        parts.append(f"handshake pending {remote in w._handshake_futures}")
+    parts.append(f"ready queue {w._ready_requests.qsize()}")
+    parts.append(f"failed {req_id in w._recv_failures}")
+    tracker = getattr(w, "_kvfail_tracker", None)
+    if tracker is not None:
+        failure = tracker.failure_of(req_id)
+        parts.append(f"kvfail tracked {tracker.is_tracked(req_id)} failure {failure}")
+    return ", ".join(parts)
+
+
 def _has_remote_agent(view: RankView, engine_id: str) -> bool:
     nixl_worker = getattr(view.connector, "connector_worker", None)
     agents = getattr(nixl_worker, "_remote_agents", {})
@@ -588,6 +616,14 @@ class NixlPair(PeerPair):
         if producer is None:
             return False
         return all(w.call(_has_remote_agent, producer.engine_id) for w in engine.workers)
+
+    def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
+        """Each D rank's NIXL state for these requests (see :func:`_load_state`)."""
+        return [
+            f"{rid} rank {w.rank}: {w.call(_load_state, rid)}"
+            for rid in req_ids
+            for w in engine.workers
+        ]
 
     def fault_after_handshake(
         self,
