@@ -185,6 +185,13 @@ def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -
     assert up.reported_s is None, up  # upstream has no deadline for a READ in PROC
     assert _status(pair, UP_FAIL, f"frozen-{UP_FAIL}") == "WAITING_FOR_REMOTE_KVS"
     DETECTION["frozen, upstream"] = None
+    # What a stuck load looks like from D's workers (the suite's liveness evidence).
+    (up_state,) = pair.stuck_state(pair.decoders[UP_FAIL], [f"frozen-{UP_FAIL}"])
+    assert "handles ['PROC']" in up_state and "handshake pending False" in up_state, up_state
+    # kvfail reported its load, but never released the READ still in flight: a released
+    # UCX GET can still land its reply, so its handle (and blocks) are held until it ends.
+    (kv_state,) = pair.stuck_state(pair.decoders[KVFAIL], [f"frozen-{KVFAIL}"])
+    assert "handles ['PROC']" in kv_state, kv_state
     pair.thaw_p()
     _finish(pair, UP_FAIL, f"frozen-{UP_FAIL}")
     assert not up.failed and pair.verify(f"frozen-{UP_FAIL}"), up
