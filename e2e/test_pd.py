@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from e2e.client import Outcome, prompts
+from e2e.client import Outcome, complete_all, prompts
 from e2e.conftest import SUMMARY
 from e2e.pd import (
     POLICIES,
@@ -288,6 +288,93 @@ def test_freeze_p_mid_run(dep: Deployment, refs: dict[str, Any], summary: dict[s
         ref = local_reference(dep.d[pol], ps)
         outs = through_proxy(dep.proxies[pol], dep.model, ps)
         assert [o.token_ids for o in outs] == ref, f"after thaw: {_brief(outs)}"
+
+
+#: A slow P goes on this long after D's deadline, while D serves other requests.
+SLOW_PAST_S = 3.0
+#: D's own requests keep running this long after the slow P went on (its late writes land).
+FILL_AFTER_S = 5.0
+#: D's own requests in flight at once, wave after wave, on each D.
+N_FILL = 4
+
+
+def _fill_waves(d: Any, fill: list[list[int]], until: float) -> list[Outcome]:
+    """D's own requests (no P), one concurrent wave after another until ``until``: some are
+    always running, and take whatever blocks the scheduler frees, while a slow P writes."""
+    outs: list[Outcome] = []
+    wave = 0
+    while time.monotonic() < until:
+        outs += asyncio.run(complete_all(d.url, d.model, fill, wave * len(fill)))
+        wave += 1
+    return outs
+
+
+def test_slow_p_past_deadline(dep: Deployment, summary: dict[str, Any]) -> None:
+    """P is slow, not dead: stopped once every decode waits after its prefill, it goes on
+    ``SLOW_PAST_S`` after D's deadline, and its KV transfers then complete into the blocks
+    D gave the loads. Meanwhile each D serves its own requests, wave after wave, before,
+    across and after P goes on. The delayed requests' clients get their error (``fail``)
+    or the fault-free tokens (``recompute``) in time; every one of D's own requests gives
+    its fault-free tokens (a late write into blocks handed to them would change them); and
+    D's KV usage comes back to its baseline once the late writes are over."""
+    base = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
+    usage0 = {pol: metric(base[pol], "vllm:kv_cache_usage_perc") for pol in POLICIES}
+    fill = prompts(N_FILL, seed=3000)
+    fill_ref = {pol: local_reference(dep.d[pol], fill) for pol in POLICIES}
+    for pol in POLICIES:
+        assert all(r is not None for r in fill_ref[pol]), fill_ref[pol]
+    fills: dict[Policy, list[Outcome]] = {}
+    threads: list[threading.Thread] = []
+    timing: dict[str, float] = {}
+
+    def slow_p() -> None:
+        dep.p.proc.freeze()
+        t0 = time.monotonic()
+        timing["frozen_at"] = t0
+        thaw = threading.Timer(DEADLINE_S + SLOW_PAST_S, dep.p.proc.thaw)
+        thaw.daemon = True
+        thaw.start()
+        threads.append(thaw)
+        until = t0 + DEADLINE_S + SLOW_PAST_S + FILL_AFTER_S
+        for pol in POLICIES:
+            t = threading.Thread(
+                target=lambda pol=pol: fills.__setitem__(pol, _fill_waves(dep.d[pol], fill, until)),
+                name=f"fill-{pol}", daemon=True)
+            t.start()
+            threads.append(t)
+
+    try:
+        results = _fault_run(dep, 6, slow_p, n_held=N_PROMPTS)
+        for t in threads:
+            t.join(DEADLINE_S + SLOW_PAST_S + FILL_AFTER_S + 120.0)
+    finally:
+        if dep.p.proc.alive:
+            dep.p.proc.thaw()
+    _assert_policy_outcomes(dep, results, "slow_p", summary, silent=True)
+    report: dict[str, Any] = {}
+    for pol in POLICIES:
+        outs = fills.get(pol, [])
+        wrong = [o.prompt_idx for o in outs
+                 if o.ok and o.token_ids != fill_ref[pol][o.prompt_idx % N_FILL]]
+        errors = [o for o in outs if not o.ok]
+        report[pol] = {"own_requests": len(outs), "wrong_tokens": wrong,
+                       "errors": [(o.prompt_idx, o.status, (o.error or "")[:80])
+                                  for o in errors]}
+        assert outs, f"{pol}: none of D's own requests ran while P was slow"
+        assert not wrong, f"{pol}: D's own requests got wrong tokens: {report[pol]}"
+        assert not errors, f"{pol}: D's own requests failed: {report[pol]}"
+    # Once P went on, its late transfers end and whatever D held for them comes back.
+    report["idle"] = {pol: wait_idle(dep.d[pol], usage0[pol], 60.0) for pol in POLICIES}
+    report["idle"]["p"] = wait_idle(dep.p, None, 60.0)
+    _record(summary, dep, "slow_p_own_requests", report)
+    ps = _prompt_set(7)[:2]
+    for pol in POLICIES:  # P/D serves again, with the fault-free tokens
+        ref = local_reference(dep.d[pol], ps)
+        outs = through_proxy(dep.proxies[pol], dep.model, ps)
+        if not all(o.ok for o in outs):  # a first pull after the thaw may be cold
+            warm_up(dep.proxies[pol], dep.d[pol], dep.model)
+            outs = through_proxy(dep.proxies[pol], dep.model, ps)
+        assert [o.token_ids for o in outs] == ref, f"after the slow P: {_brief(outs)}"
 
 
 def test_kill_p_mid_run(dep: Deployment, summary: dict[str, Any]) -> None:
