@@ -2,18 +2,19 @@
 
 Why: NIXL's Python API creates every agent with the C++ config field ``pthrDelay``
 pinned to 0, so the agent's progress thread polls the transport without pause. That is
-the right call on a GPU host, where the thread owns a core. On this project's 2-core CPU
-rig every agent (each P, each D engine, each TP rank) then takes a whole core: measured
-0.99 CPU-seconds per second for an idle agent, and a NIXL P left idle while the Mooncake
-scenarios ran made the audit CPU-bound (183 % CPU over 260 s). Starved engines step
-late, and a deadline check that runs at a drain runs late with them. With a 100 µs delay
-the same thread uses 0.02 CPU-seconds per second, and a transfer waits at most that
-long for the thread's next poll.
+the right call on a GPU host, where the thread owns a core. On a small CPU rig every
+agent (each P, each D engine, each TP rank) then takes a whole core, idle or not;
+starved engines step late, and a deadline check that runs at a drain runs late with them.
+With a pause of about 100 µs the thread costs a small fraction of a core, and a transfer
+waits at most that long for the thread's next poll (``bench.nixl_progress`` measures both).
 
 The rig opts in with ``KVFAIL_NIXL_PTHR_DELAY_US`` (set in ``kvfail.peers.nixl.NIXL_ENV``
 and in the e2e servers' environment; unset or ``0`` keeps NIXL's own behaviour). It sets
-that one public field of ``nixlAgentConfig`` as each later agent is created; no code path
-of NIXL or vLLM changes. No vLLM import, and NIXL is imported only when the variable is set.
+that one public field of ``nixlAgentConfig`` as each later agent is created, by wrapping
+the binding NIXL's API module creates agents through. That is a patch of the system under
+test (the connector's own agents get the delay), so each agent it changes is recorded as
+the rig patch ``nixl_progress_delay`` (:mod:`kvfail.rig_patches`), and reports list it.
+No vLLM import, and NIXL is imported only when the variable is set.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from kvfail import rig_patches
 
 __all__ = ["ENV", "apply_from_env", "current_delay_us", "set_progress_delay"]
 
@@ -40,6 +43,7 @@ class _DelayedAgents:
     def nixlAgent(self, name: str, config: Any) -> Any:
         if getattr(config, "useProgThread", False) and config.pthrDelay == 0:
             config.pthrDelay = self.delay_us
+            rig_patches.record("nixl_progress_delay", f"{self.delay_us} µs")
         return self._binding.nixlAgent(name, config)
 
     def __getattr__(self, name: str) -> Any:

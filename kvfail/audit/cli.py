@@ -267,6 +267,9 @@ def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -
     incomplete = getattr(runner, "incomplete", None)
     if incomplete is not None and not args.quick:
         audit.dynamic_incomplete = incomplete()
+    if not args.quick:
+        patches = getattr(runner, "rig_patches", None)
+        audit.rig_patches = None if patches is None else list(patches)
     if audit.dynamic_incomplete:
         print(f"kvfail audit: dynamic tier incomplete: {audit.dynamic_incomplete}", file=sys.stderr)
     text = RENDERERS[args.fmt](audit)

@@ -24,6 +24,8 @@ Time (issue #6: the full audit must fit in 5 minutes on a 2-core machine):
 
 Every cell comes from a scenario that ran in the child (its ``report.json``, or the
 ``records.jsonl`` it appends as each scenario ends when it was killed before the end).
+The rig patches the child applied to the system under test come from the same files
+(``rig_patches.json``, or each record's ``rig_patches``), so the audit names them too.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class ConformanceRunner:
         self._cut: str | None = None
         self.leftovers: list[str] = []
         self.error: str | None = None
+        #: The rig patches the child applied (``kvfail.rig_patches.summarize`` entries);
+        #: None until a report of the child's was read.
+        self.rig_patches: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ parent side
 
@@ -174,6 +179,7 @@ class ConformanceRunner:
             return
         for rec in records:
             self._records[str(rec["connector"])].append(rec)
+        self.rig_patches = _read_patches(tmp / "rig_patches.json", self._records)
 
     def incomplete(self) -> str | None:
         """One line when some collected scenarios have no result (budget, stop), else None."""
@@ -255,6 +261,11 @@ class ConformanceRunner:
                 f"dynamic tier: {len(recs)} scenario runs ({len(by_scenario)} scenarios; "
                 f"{variants}) in {seconds:.1f} s"
             )
+        patched = sorted({str(n) for rs in by_scenario.values() for r in rs for n in _patches(r)})
+        if patched:
+            target.notes.append(
+                f"dynamic tier ran under rig patches: {', '.join(patched)} (docs/rig-patches.md)"
+            )
         if cut:
             total = sum(len(v) for v in collected.values())
             short = "budget; rerun with a larger --budget-s" if "budget" in why else why
@@ -296,6 +307,32 @@ class _Relay:
             )
         elif ev.get("event") == "budget":
             self.progress(f"dynamic tier: budget spent, {ev['not_run']} not run ({clock})")
+
+
+def _patches(rec: dict[str, Any]) -> list[str]:
+    return [str(n) for n in rec.get("rig_patches") or []]
+
+
+def _read_patches(path: Path, records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The child's ``rig_patches.json``; when it was stopped before writing one, the
+    patches its records name, described from the catalogue (no counts)."""
+    if path.exists():
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, list):
+                return [dict(p) for p in loaded]
+    from kvfail.rig_patches import CATALOGUE
+
+    by_name: dict[str, set[str]] = defaultdict(set)
+    for connector, recs in records.items():
+        for rec in recs:
+            for name in _patches(rec):
+                by_name[name].add(connector)
+    return [
+        {**dataclasses.asdict(patch), "connectors": sorted(by_name[name])}
+        for name, patch in CATALOGUE.items()
+        if name in by_name
+    ]
 
 
 def _variant(rec: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Any
 
 from kvfail.audit.inventory import Target
 from kvfail.audit.static import CHECKS, FAIL, NA, PASS, UNKNOWN, CheckSpec, Finding
@@ -52,6 +53,10 @@ class Audit:
     elapsed_s: float = 0.0
     #: Set when the dynamic tier ran but some scenarios have no result (``--budget-s``).
     dynamic_incomplete: str | None = None
+    #: What the dynamic tier's rig changed in the system under test
+    #: (``kvfail.rig_patches.summarize`` entries); None where no runner said (the static
+    #: tier reads source only and patches nothing).
+    rig_patches: list[dict[str, Any]] | None = None
 
 
 def vllm_version() -> str | None:
@@ -169,6 +174,21 @@ def _legend(audit: Audit) -> list[str]:
     return lines
 
 
+def _patch_lines(audit: Audit) -> list[str]:
+    """The rig patches the dynamic tier ran under (docs/rig-patches.md), or that none were."""
+    if audit.dynamic_note is not None or audit.rig_patches is None:  # nothing ran, or unknown
+        return []
+    if not audit.rig_patches:
+        return ["Rig patches: none recorded (the dynamic tier ran on an unpatched system)."]
+    out = ["Rig patches (what the dynamic tier's rig changed in the system under test):"]
+    for p in audit.rig_patches:
+        touches = "touches the connector under test" if p.get("touches_connector") else "rig only"
+        who = ", ".join(p.get("connectors") or []) or "-"
+        out.append(f"  {p['name']}: {p['target']} ({touches}; connectors: {who})")
+        out.append(f"    changes: {p['change']}; without it: {p['without']}")
+    return out
+
+
 def _violation_lines(audit: Audit) -> list[str]:
     """MUST violations in full (evidence, resembling issue); SHOULD ones one line each."""
     out: list[str] = []
@@ -199,6 +219,9 @@ def render_table(audit: Audit, width: int = 13) -> str:
     lines += [fmt.format(*r) for r in body]
     notes = [f"{r.target.name}: {'; '.join(r.target.notes)}" for r in audit.rows if r.target.notes]
     lines += ["", *_legend(audit), "", "Rows:", *(f"  {n}" for n in notes)]
+    patches = _patch_lines(audit)
+    if patches:
+        lines += ["", *patches]
     viol = _violation_lines(audit)
     if viol:
         lines += ["", "Violations:", *viol]
@@ -224,6 +247,9 @@ def render_markdown(audit: Audit) -> str:
         cells = [f"`{row.target.name}`", *_row_cells(row, columns)]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines += ["", *(f"{x}  " for x in _legend(audit))]
+    patches = _patch_lines(audit)
+    if patches:
+        lines += ["", "## Rig patches", "", "```", *patches, "```"]
     viol = _violation_lines(audit)
     if viol:
         lines += ["", "## Violations", "", "```", *viol, "```"]
@@ -238,6 +264,7 @@ def render_json(audit: Audit) -> str:
         "elapsed_s": round(audit.elapsed_s, 3),
         "dynamic_tier": audit.dynamic_note or "ran",
         "dynamic_incomplete": audit.dynamic_incomplete,
+        "rig_patches": audit.rig_patches if audit.dynamic_note is None else None,
         "checks": [
             {
                 "id": c.id,

@@ -6,7 +6,9 @@ over connector x policy here, so an out-of-tree connector runs the same suite wi
 flag, as SQLAlchemy's ``--dburi``. The plugin also enforces the outcome vocabulary: a
 conformance skip must name a missing capability (or an unavailable driver); any other
 skip is turned into a failure, so nothing can be hidden. At the end it prints the matrix
-per connector and, with ``--kvfail-report``, writes ``report.json`` / ``report.md``.
+per connector and the rig patches applied to the system under test
+(:mod:`kvfail.rig_patches`), and, with ``--kvfail-report``, writes ``report.json`` /
+``report.md``. The clauses each scenario cites are defined in ``docs/contract.md``.
 
 Hooks are inert for tests that do not use the ``kvfail`` fixture, so loading the plugin
 globally does not change any other test run.
@@ -14,6 +16,9 @@ globally does not change any other test run.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
@@ -21,11 +26,18 @@ from typing import Any
 
 import pytest
 
+from kvfail import rig_patches
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
 from kvfail.conformance.driver import spec_problem
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layouts
-from kvfail.conformance.report import Outcome, Record, render_durations, render_matrix
+from kvfail.conformance.report import (
+    Outcome,
+    Record,
+    render_durations,
+    render_matrix,
+    render_patches,
+)
 
 __all__ = ["POLICIES"]
 
@@ -53,6 +65,8 @@ class _State:
     caps: dict[str, Capabilities] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     session_start: float = field(default_factory=time.monotonic)
+    #: The rig-patch log every process of this run appends to (see ``_PatchLog``).
+    patches: _PatchLog | None = None
 
     def resolve(self, spec: str) -> Any:
         """The driver for ``spec``, resolved once (not started). Raises
@@ -99,6 +113,52 @@ class _State:
             self.broken[spec] = f"{spec}: driver failed to start ({type(exc).__name__}: {exc})"
             return None
         return driver
+
+
+class _PatchLog:
+    """This run's rig-patch records (:mod:`kvfail.rig_patches`), from every process.
+
+    Why a file: patches take effect in D's TP rank processes and in P processes too; the
+    path goes to them through ``$KVFAIL_RIG_PATCH_LOG``, which children inherit. Records
+    are read as each scenario ends and credited to that scenario's connector: a patch is
+    process-wide or made while that connector's engines were built, so a connector's
+    records list what it ran under so far."""
+
+    def __init__(self) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="kvfail-rig-patches-", suffix=".jsonl")
+        os.close(fd)
+        self.previous = os.environ.get(rig_patches.LOG_ENV)
+        os.environ[rig_patches.LOG_ENV] = self.path
+        self.offset = 0
+        self.applied: list[rig_patches.Application] = []
+        self.by_connector: dict[str, set[str]] = {}
+
+    def credit(self, connector: str) -> list[str]:
+        """Read what was recorded since the last call; the patches ``connector`` ran under."""
+        new, self.offset = rig_patches.read_log(self.path, self.offset)
+        self.applied += new
+        names = self.by_connector.setdefault(connector, set())
+        names.update(a.name for a in new)
+        return [n for n in rig_patches.CATALOGUE if n in names]
+
+    def summary(self) -> list[dict[str, Any]]:
+        new, self.offset = rig_patches.read_log(self.path, self.offset)
+        self.applied += new
+        out = rig_patches.summarize(self.applied)
+        for entry in out:
+            entry["connectors"] = sorted(
+                c for c, names in self.by_connector.items() if entry["name"] in names
+            )
+        return out
+
+    def close(self) -> None:
+        if os.environ.get(rig_patches.LOG_ENV) == self.path:
+            if self.previous is None:
+                os.environ.pop(rig_patches.LOG_ENV, None)
+            else:
+                os.environ[rig_patches.LOG_ENV] = self.previous
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
 
 _STATE = pytest.StashKey[_State]()
@@ -227,6 +287,7 @@ def pytest_configure(config: pytest.Config) -> None:
         require_drivers=require,
         baseline=baseline,
         write_baseline=config.getoption("--kvfail-write-baseline", default=None),
+        patches=_PatchLog(),
     )
 
 
@@ -443,9 +504,11 @@ def _record(item: pytest.Item) -> None:
             break
     clauses = [str(a) for m in item.iter_markers("clauses") for a in m.args]
     guards = [str(a) for m in item.iter_markers("guards") for a in m.args]
+    connector = str(callspec.params["kvfail_connector"])
+    patched = state.patches.credit(connector) if state.patches is not None else []
     state.records.append(
         Record(
-            connector=str(callspec.params["kvfail_connector"]),
+            connector=connector,
             scenario=getattr(item, "originalname", item.name),
             policy=str(callspec.params["kvfail_policy"]),
             layout=callspec.params["kvfail_layout"].name,
@@ -457,6 +520,7 @@ def _record(item: pytest.Item) -> None:
             nodeid=item.nodeid,
             details={str(k): v for k, v in getattr(item, "user_properties", [])},
             violations=item.stash.get(_VIOLATIONS, []) if outcome == "failed" else [],
+            rig_patches=patched,
         )
     )
 
@@ -498,13 +562,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if state.write_baseline:
         path = _write_baseline(state)
         tr.write_line(f"kvfail baseline written: {path}")
+    patches = state.patches.summary() if state.patches is not None else []
+    tr.write_sep("-", "kvfail rig patches (docs/rig-patches.md)")
+    tr.write_line(render_patches(patches))
     tr.write_sep("-", "kvfail scenario durations")
     tr.write_line(render_durations(state.records))
     if state.report_dir:
         from kvfail.conformance.report import write_report
 
         caps_json = {spec: c.as_dict() for spec, c in state.caps.items()}
-        json_path, md_path = write_report(state.report_dir, state.records, caps_json)
+        json_path, md_path = write_report(
+            state.report_dir, state.records, caps_json, rig_patches=patches
+        )
         tr.write_line(f"kvfail report: {json_path} {md_path}")
 
 
@@ -545,6 +614,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
     if state is None:
         return
+    if state.patches is not None:
+        state.patches.close()
     from kvfail.conformance.driver import close_shared_producers
 
     try:

@@ -4,7 +4,10 @@ Why: a connector author (and a reviewer comparing connectors) needs one table pe
 connector saying, for each scenario and policy, passed / failed / skipped (with the
 missing capability) / xfailed (with the known finding), plus the clause each row tests.
 ``report.json`` is the machine-readable form (one record per scenario x policy) and
-``report.md`` the rendered matrix, as ADBC's generated support tables.
+``report.md`` the rendered matrix, as ADBC's generated support tables. The clauses are
+defined in ``docs/contract.md``. A verdict reached on a patched system must say so: each
+record names the rig patches its connector ran under, and ``rig_patches.json`` and
+``report.md`` describe them (``docs/rig-patches.md``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["OUTCOMES", "Outcome", "Record", "render_durations", "render_matrix", "write_report"]
+__all__ = [
+    "OUTCOMES",
+    "Outcome",
+    "Record",
+    "render_durations",
+    "render_matrix",
+    "render_patches",
+    "write_report",
+]
 
 Outcome = Literal["passed", "failed", "skipped", "xfailed"]
 OUTCOMES: tuple[Outcome, ...] = ("passed", "failed", "skipped", "xfailed")
@@ -40,6 +51,9 @@ class Record:
     layout: str = "tp1"
     #: The oracles' findings, clause first, when the scenario failed on them.
     violations: list[str] = field(default_factory=list)
+    #: Rig patches (:data:`kvfail.rig_patches.CATALOGUE` names) this connector ran under
+    #: by the end of this scenario.
+    rig_patches: list[str] = field(default_factory=list)
 
 
 def _cell(record: Record | None) -> str:
@@ -108,18 +122,55 @@ def render_durations(records: Iterable[Record]) -> str:
     return "\n".join(lines)
 
 
+def render_patches(patches: Iterable[Mapping[str, Any]]) -> str:
+    """The rig patches applied in a run (``kvfail.rig_patches.summarize``), one block each."""
+    patches = list(patches)
+    if not patches:
+        return "none recorded: the system under test ran unpatched"
+    lines = []
+    for p in patches:
+        who = ", ".join(p.get("connectors") or []) or "-"
+        touches = "touches the connector under test" if p["touches_connector"] else "rig only"
+        lines.append(
+            f"{p['name']}: {p['target']} ({touches}); applied {p['applied']}x in "
+            f"{p['processes']} process(es) [{', '.join(p['where'])}]; connectors: {who}"
+        )
+        lines.append(f"    changes: {p['change']}")
+        lines.append(f"    why: {p['why']}")
+        lines.append(f"    without it: {p['without']}")
+    return "\n".join(lines)
+
+
 def write_report(
     directory: str | Path,
     records: Iterable[Record],
     capabilities: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    rig_patches: Iterable[Mapping[str, Any]] = (),
 ) -> tuple[Path, Path]:
-    """Write ``report.json`` (records) and ``report.md`` (matrix); returns their paths."""
+    """Write ``report.json`` (records), ``report.md`` (matrix), ``capabilities.json`` and
+    ``rig_patches.json``; returns the first two paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     recs = list(records)
     json_path, md_path = out / "report.json", out / "report.md"
     json_path.write_text(json.dumps([asdict(r) for r in recs], indent=2) + "\n")
+    patches = [dict(p) for p in rig_patches]
     md = ["# kvfail conformance report\n", render_matrix(recs, markdown=True)]
+    md.append("## Rig patches\n")
+    if patches:
+        md.append("What the rig changed in the system under test (`docs/rig-patches.md`):\n")
+        md.append("| patch | target | changes | touches the connector | applied | connectors |")
+        md.append("|---|---|---|---|---|---|")
+        for p in patches:
+            md.append(
+                f"| `{p['name']}` | `{p['target']}` | {p['change']} | "
+                f"{'yes' if p['touches_connector'] else 'no'} | {p['applied']}x in "
+                f"{p['processes']} process(es) | {', '.join(p.get('connectors') or []) or '-'} |"
+            )
+        md.append("")
+    else:
+        md.append("None recorded: the system under test ran unpatched.\n")
     if capabilities:
         md.append("## Capabilities\n")
         for connector, caps in capabilities.items():
@@ -134,4 +185,5 @@ def write_report(
             md.append("")
     md_path.write_text("\n".join(md) + "\n")
     (out / "capabilities.json").write_text(json.dumps(capabilities or {}, indent=2) + "\n")
+    (out / "rig_patches.json").write_text(json.dumps(patches, indent=2) + "\n")
     return json_path, md_path
