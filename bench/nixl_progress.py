@@ -1,6 +1,6 @@
 """CPU an idle NIXL agent costs: NIXL's busy-spinning progress thread vs the rig's delay.
 
-Why it matters here: on this 2-core rig every agent (each P, each D engine, each TP rank)
+Why it matters here: on a small CPU rig every agent (each P, each D engine, each TP rank)
 is a process-long poller; see ``kvfail.nixl_progress``. Each side runs in its own child
 process (a real agent over UCX TCP on loopback, nothing else), interleaved, and is
 measured by the child's own CPU time over the same idle window. The figure is the

@@ -30,7 +30,9 @@ HOST = "127.0.0.1"
 Connector = Literal["nixl", "mooncake"]
 Role = Literal["kv_producer", "kv_consumer"]
 
-#: Why each variable: see /work/shared/reference/serve-cpu.md and workers-on-cpu.md.
+#: Every server's environment: vLLM's CPU build, several servers sharing a small machine
+#: (a 1 GiB KV cache each, OpenMP threads not pinned to cores, which every server would
+#: pin to the same ones), and no network (the model is local; no usage statistics).
 BASE_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
@@ -72,7 +74,7 @@ SERVE_MODULES = ("watchfiles", "setproctitle", "pythonjsonlogger",
                  "prometheus_fastapi_instrumentator", "blake3", "ijson",
                  "compressed_tensors", "loguru", "model_hosting_container_standards", "jmespath")
 
-#: Server start budget: 1-2.5 min measured alone, more with two or three at once on 2 cores.
+#: Server start budget: minutes on a small CPU machine, more with several servers starting.
 START_TIMEOUT_S = 420.0
 
 

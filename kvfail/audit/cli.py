@@ -28,7 +28,7 @@ from kvfail.audit.static import Finding, Graph, audit_target
 # ``tier="DYNAMIC"`` and its own ``check_spec``), or raises to mark the tier failed for it.
 DynamicRunner = Callable[[Target], list[Finding]]
 
-#: Set by the conformance package (or the lead's CLI wiring) to enable the dynamic tier.
+#: A runner used instead of the default :class:`~kvfail.audit.dynamic.ConformanceRunner`.
 DYNAMIC_RUNNER: DynamicRunner | None = None
 #: ``kvfail.audit.dynamic.DEFAULT_BUDGET_S`` (not imported here: ``--quick`` stays light).
 _DEFAULT_BUDGET_S = 480.0
@@ -177,8 +177,8 @@ def collect(
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """The static tier parses ~140 modules into ASTs it keeps: every object it allocates
-    lives to the end, so the cyclic collector only rescans them (half its CPU time,
-    measured). Off while the audit runs."""
+    lives to the end, so the cyclic collector would only rescan them, a large share of
+    the tier's CPU time. Off while the audit runs."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -1,7 +1,7 @@
 """Static checks: what a connector's installed source says about the load-error contract.
 
 Every finding is labelled ``STATIC``: it is a reading of the source (AST), never a test
-result. Each check names the contract clause it reads for (``contract.md``), its RFC 2119
+result. Each check names the contract clause it reads for (``docs/contract.md``), its RFC 2119
 level, and the upstream issue a failing cell resembles. The call graph is followed from the
 worker hooks through ``self.method`` references, module functions and ``self.attr.method``
 where ``attr``'s class can be read from an assignment or annotation, which covers the

@@ -2,7 +2,7 @@
 
 Tests, reports and the compliance matrix must all say the same thing about a fault: what
 it is, whether a connector can be expected to notice it promptly or only through its own
-deadline, and which contract clauses (``contract.md``) it puts under test. Keeping that
+deadline, and which contract clauses (``docs/contract.md``) it puts under test. Keeping that
 here, as frozen data with no behaviour, gives every consumer one vocabulary and lets the
 matrix be derived rather than hand-maintained.
 """
@@ -27,7 +27,7 @@ __all__ = [
 
 
 class Clause(enum.StrEnum):
-    """Clause numbers of the load-error contract (``contract.md``)."""
+    """Clause numbers of the load-error contract, defined in ``docs/contract.md``."""
 
     C1 = "C1"
     C2 = "C2"

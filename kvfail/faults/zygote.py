@@ -1,9 +1,9 @@
 """A standby interpreter that has imported the heavy modules once and forks peers from it.
 
-Why: every P process imports vLLM and torch before it can serve, 10-80 s of CPU on a
-2-core machine, and the suite starts a new P after every scenario that kills one. A zygote
-pays the import once; each peer is then a ``fork`` of it (tens of milliseconds) that runs
-its ``python -m`` module as ``__main__``, exactly as a fresh interpreter would.
+Why: every P process imports vLLM and torch before it can serve, tens of seconds of CPU
+on a small machine, and the suite starts a new P after every scenario that kills one. A
+zygote pays the import once; each peer is then a ``fork`` of it, which runs its
+``python -m`` module as ``__main__``, exactly as a fresh interpreter would.
 
 A forked peer is still a real process in a session of its own: it is killed, frozen and
 cut off like any other (:class:`~kvfail.faults.PeerProcess` signals its group), and its

@@ -1,4 +1,4 @@
-"""One test per property of the load tracker (issue #2, section 3)."""
+"""One test per property of the load tracker (:class:`kvfail.tracker.LoadTracker`)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ reported a success. kvfail's worker re-checks the layout as ordinary code
 (``connectors/nixl/layout.py``). The D runs in a child interpreter started with ``-O``
 (``tests/peers/nixl_layout_under_O.py``) against a real P process over UCX; this test,
 in a normal interpreter, judges what it prints. Upstream's ``NixlConnector`` runs the same
-fault beside it: under ``-O`` it reports the load a success and runs on wrong KV (seen
-2026-12-01). ~40-90 s (two vLLM imports).
+fault beside it: under ``-O`` it reports the load a success and runs on wrong KV. Slow:
+two vLLM imports.
 """
 
 from __future__ import annotations
