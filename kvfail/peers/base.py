@@ -108,6 +108,15 @@ def p_zygote() -> Zygote | None:
 # --------------------------------------------------------------------------- P handle
 
 
+def tracker_state(worker: Any, req_id: str) -> str | None:
+    """What a kvfail worker's tracker holds for ``req_id`` (None for an upstream worker):
+    part of a stuck load's evidence."""
+    tracker = getattr(worker, "_kvfail_tracker", None)
+    if tracker is None:
+        return None
+    return f"kvfail tracked {tracker.is_tracked(req_id)} failure {tracker.failure_of(req_id)}"
+
+
 class ProducerHandleBase:
     """The P process and its line protocol (see :mod:`kvfail.peers.protocol`).
 

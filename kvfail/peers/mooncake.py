@@ -42,7 +42,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
-from kvfail.peers.base import PeerPair, ProducerHandleBase, closed_port, with_param
+from kvfail.peers.base import (
+    PeerPair,
+    ProducerHandleBase,
+    closed_port,
+    tracker_state,
+    with_param,
+)
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
 
 if TYPE_CHECKING:
@@ -173,6 +179,23 @@ class DecodeRecord:
     #: (``rank<r>`` with no positions: the request was computed locally, nothing loaded).
     mismatches: dict[str, list[int]] = field(default_factory=dict)
     checked_ranks: set[int] = field(default_factory=set)
+
+
+def _load_state(view: Any, req_id: str) -> str:
+    """One D rank's Mooncake worker state for ``req_id``: evidence for a stuck load."""
+    w: Any = getattr(view.connector, "connector_worker", None)
+    if w is None:
+        return "no Mooncake worker"
+    parts = [
+        f"finished recving {req_id in getattr(w, 'finished_recving_reqs', ())}",
+        f"bootstrap queries pending {len(getattr(w, '_pending_bootstrap_queries', {}))}",
+    ]
+    tasks = getattr(w, "_mc_tasks", None)
+    if tasks is not None:  # kvfail's worker: its pull tasks for this request
+        mine = list(tasks.get(req_id, ()))
+        parts.append(f"pull tasks {len(mine)} ({sum(t.done() for t in mine)} done)")
+    tracked = tracker_state(w, req_id)
+    return ", ".join(parts if tracked is None else [*parts, tracked])
 
 
 class MooncakePair(PeerPair):
@@ -306,6 +329,14 @@ class MooncakePair(PeerPair):
         """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``), on
         every P rank or only on ``ranks`` (a ``delay`` fault: ``delay_s`` late)."""
         self._producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
+
+    def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
+        """Each D rank's Mooncake state for these requests (see :func:`_load_state`)."""
+        return [
+            f"{rid} rank {w.rank}: {w.call(_load_state, rid)}"
+            for rid in req_ids
+            for w in engine.workers
+        ]
 
     # ------------------------------------------------------------------ requests
 

@@ -70,6 +70,7 @@ from kvfail.peers.base import (
     ProducerHandleBase,
     closed_port,
     repo_pythonpath,
+    tracker_state,
     with_param,
 )
 from kvfail.peers.nixl_producer import (
@@ -376,11 +377,8 @@ def _load_state(view: RankView, req_id: str) -> str:
         parts.append(f"handshake pending {remote in w._handshake_futures}")
     parts.append(f"ready queue {w._ready_requests.qsize()}")
     parts.append(f"failed {req_id in w._recv_failures}")
-    tracker = getattr(w, "_kvfail_tracker", None)
-    if tracker is not None:
-        failure = tracker.failure_of(req_id)
-        parts.append(f"kvfail tracked {tracker.is_tracked(req_id)} failure {failure}")
-    return ", ".join(parts)
+    tracked = tracker_state(w, req_id)
+    return ", ".join(parts if tracked is None else [*parts, tracked])
 
 
 def _has_remote_agent(view: RankView, engine_id: str) -> bool:

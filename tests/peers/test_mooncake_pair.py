@@ -209,6 +209,11 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     reasons = _failure_reasons(pair, "cold-proxy-blackhole", monkeypatch)
     params = MooncakePair.via_proxy(pair.prefill("proxy-blackhole", 100), proxy)
     rec = pair.add("proxy-blackhole", params, prompt_len=100, consumer="cold-proxy-blackhole")
+    for _ in range(3):  # the load is scheduled; D's bootstrap query hangs at the proxy
+        consumer.step()
+    # What a stuck load looks like from D's worker (the suite's liveness evidence).
+    (state,) = pair.stuck_state(consumer, ["proxy-blackhole"])
+    assert state.startswith("proxy-blackhole rank 0: finished recving False"), state
     # At the default timeout (3 x 30 s) this wait would run out: the lowered one ended it.
     _finish(pair, "cold-proxy-blackhole", "proxy-blackhole", timeout_s=15)
     assert rec.failed and rec.reported_s is not None, rec
