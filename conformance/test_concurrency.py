@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import check_not_late
+from kvfail.conformance.suite import check_not_late, deadline_findings, declared_text
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 
@@ -62,11 +62,6 @@ ONE_OF_MANY = (
 #: second half of the aborts, so the failures (already on their way) reach the connector
 #: first. A bound set here, never asserted.
 RACE_SETTLE_S = 0.5
-#: The deadline scenarios' wait, as in ``test_scenarios.py``: the suite waits
-#: min(--kvfail-silent-wait, max(3 x declared deadline + 1 s, this floor)); a report later
-#: than the declared deadline + max(this margin floor, the deadline) is late.
-DEADLINE_BUDGET_FLOOR_S = 5.0
-DEADLINE_MARGIN_FLOOR_S = 3.0
 #: Steps a slow peer's load must have waited: fewer, and the delay did not hold it, so a
 #: connector that fails loads after one step would pass (the scenario proves nothing).
 MIN_DELAY_STEPS = 2
@@ -335,18 +330,6 @@ def test_two_peers_one_killed(kvfail: Any) -> None:
     kvfail.assert_clean(found)
 
 
-def _deadline_budget(kvfail: Any, deadline: float | None) -> float:
-    """The suite's bounded wait for a deadline scenario (see ``DEADLINE_BUDGET_FLOOR_S``)."""
-    wait = float(kvfail.silent_wait_s)
-    if deadline is None:
-        return wait
-    return min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
-
-
-def _declared(deadline: float | None) -> str:
-    return "declares no deadline" if deadline is None else f"declares {deadline:g} s"
-
-
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
 @pytest.mark.guards("#35943", "#50754")
 def test_many_loads_peer_frozen(kvfail: Any) -> None:
@@ -365,28 +348,16 @@ def test_many_loads_peer_frozen(kvfail: Any) -> None:
     blocks = _start_loads(kvfail, engine, rids)
     for rid in rids:
         kvfail.driver.provoke(engine, rid, point)
-    budget = _deadline_budget(kvfail, deadline)
+    budget = kvfail.deadline_budget(deadline)
     kvfail.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
     kvfail.run(engine, timeout_s=budget)
     _note_failure_steps(kvfail, engine, rids)
     extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
-    stranded = sorted(rid for rid in rids if rid in engine.waiting_for_remote())
-    if stranded:
-        extra.append(
-            f"C10 no deadline: {len(stranded)} of {len(rids)} loads ({stranded}) unreported "
-            f"after the suite's wait of {budget:g} s; the connector {_declared(deadline)}"
-        )
+    stranded = [rid for rid in rids if rid in engine.waiting_for_remote()]
     times = [t for t in (kvfail.driver.detection_s(engine, rid) for rid in rids) if t is not None]
     if times:
         kvfail.note("detected_s", round(max(times), 3))
-    if deadline is not None and times:
-        margin = max(DEADLINE_MARGIN_FLOOR_S, deadline)
-        late = [t for t in times if t > deadline + margin]
-        if late:
-            extra.append(
-                f"C10 past deadline: {len(late)} loads reported after up to {max(late):.1f} s; "
-                f"deadline {deadline:g} s + margin {margin:g} s"
-            )
+    extra += deadline_findings(rids, stranded, times, deadline, budget)
     kvfail.check(engine, rids, failed=True, extra=extra)
 
 
@@ -402,12 +373,12 @@ def _failed_early(kvfail: Any, engine: Any, rids: list[str], deadline: float | N
         if deadline is None or seconds is None or seconds < deadline:
             out.append(
                 f"C10 early failure: {rid} reported failed at step {steps[0]}{when}, its "
-                f"peer alive and answering late; the connector {_declared(deadline)}"
+                f"peer alive and answering late; the connector {declared_text(deadline)}"
             )
         else:
             out.append(
                 f"C8 false failure: {rid} of a slow but live peer reported failed at step "
-                f"{steps[0]}{when}; the connector {_declared(deadline)}"
+                f"{steps[0]}{when}; the connector {declared_text(deadline)}"
             )
     return out
 
@@ -435,7 +406,7 @@ def test_slow_peer_not_failed_before_deadline(kvfail: Any) -> None:
     kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
     blocks = _start_loads(kvfail, engine, rids)
     kvfail.wait_floor(getattr(kvfail.driver, "NET_DELAY_S", 0.0))  # P's own delay
-    kvfail.run(engine, timeout_s=_deadline_budget(kvfail, deadline))
+    kvfail.run(engine, timeout_s=kvfail.deadline_budget(deadline))
     failed = _failed_at(engine, rids)
     extra = [*_failed_early(kvfail, engine, rids, deadline), *_not_late(engine, blocks)]
     waited = {rid: _waited_steps(engine, rid) for rid in rids}

@@ -29,10 +29,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import MIN_STEPS, REAL_BUDGET_S, check_not_late
+from kvfail.conformance.suite import (
+    MIN_STEPS,
+    REAL_BUDGET_S,
+    check_not_late,
+    deadline_findings,
+    declared_text,
+)
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 
+# The clauses each scenario cites (@pytest.mark.clauses) are defined in docs/contract.md.
 pytestmark = pytest.mark.vllm
 
 #: The slow load's prompt: four blocks loaded (block size 32), small enough that it, the
@@ -61,23 +68,6 @@ DRAIN_S = 30.0
 #: ended and the late write was over: a connector that holds blocks for a transfer must
 #: learn that the transfer is over (completion, P dead, P's expiry) and let them go.
 RETURN_WAIT_S = 15.0
-#: As in ``test_scenarios.py``: the suite waits min(--kvfail-silent-wait, max(3 x declared
-#: deadline + 1 s, this floor)); a report later than the declared deadline + max(this
-#: margin floor, the deadline) is late.
-DEADLINE_BUDGET_FLOOR_S = 5.0
-DEADLINE_MARGIN_FLOOR_S = 3.0
-
-
-def _declared(deadline: float | None) -> str:
-    return "declares no deadline" if deadline is None else f"declares {deadline:g} s"
-
-
-def _deadline_budget(kvfail: Any, deadline: float | None) -> float:
-    """The suite's bounded wait for a deadline scenario (see ``DEADLINE_BUDGET_FLOOR_S``)."""
-    wait = float(kvfail.silent_wait_s)
-    if deadline is None:
-        return wait
-    return min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
 
 
 def _step_until(
@@ -171,7 +161,7 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
     )
     mine = _blocks_of(engine, [rid])  # what it holds while it waits, per group
     poll_s = kvfail.driver.poll_s or 0.01
-    budget = _deadline_budget(kvfail, deadline)
+    budget = kvfail.deadline_budget(deadline)
     _step_until(
         kvfail,
         engine,
@@ -186,24 +176,15 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
         kvfail.note("detected_s", round(seconds, 3))
     stranded = rid in engine.waiting_for_remote()
     failed = rid in oracles.failed_requests(engine)
-    if stranded:
+    found += deadline_findings(
+        [rid], [rid] if stranded else [], [] if seconds is None else [seconds], deadline, budget
+    )
+    if not stranded and deadline is not None and seconds is not None and must_fail and not failed:
         found.append(
-            f"C10 no deadline: {rid} unreported after the suite's wait of {budget:g} s; "
-            f"the connector {_declared(deadline)}"
+            f"C10 deadline not enforced: {rid} succeeded {seconds:.1f} s after it was "
+            f"added, once its slow P answered ({delay:g} s); the connector "
+            f"{declared_text(deadline)}"
         )
-    elif deadline is not None and seconds is not None:
-        margin = max(DEADLINE_MARGIN_FLOOR_S, deadline)
-        if seconds > deadline + margin:
-            found.append(
-                f"C10 past deadline: {rid} reported after {seconds:.1f} s; deadline "
-                f"{deadline:g} s + margin {margin:g} s"
-            )
-        if must_fail and not failed:
-            found.append(
-                f"C10 deadline not enforced: {rid} succeeded {seconds:.1f} s after it was "
-                f"added, once its slow P answered ({delay:g} s); the connector "
-                f"{_declared(deadline)}"
-            )
     if not stranded and engine.crashed is None:
         fillers = [kvfail.rid("filler") for _ in range(FILLERS)]
         for filler in fillers:

@@ -28,6 +28,7 @@ from typing import Any
 __all__ = [
     "CATALOGUE",
     "LOG_ENV",
+    "PEER_PROCESS_PREFIX",
     "Application",
     "RigPatch",
     "read_log",
@@ -38,6 +39,9 @@ __all__ = [
 
 #: File every process appends its records to (one JSON object per line); unset: memory only.
 LOG_ENV = "KVFAIL_RIG_PATCH_LOG"
+#: Process labels of the rig's P processes (``python -m kvfail.peers.<module>``): a patch
+#: made only there leaves the connector under test (D's) as it is.
+PEER_PROCESS_PREFIX = "kvfail.peers."
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +54,8 @@ class RigPatch:
     #: What it changes, in a sentence.
     change: str
     why: str
-    #: Whether the connector under test can see the change (its own code or objects).
+    #: Whether the connector under test can see the change (its own code or objects) when
+    #: it is made in D's processes; made only in P processes, it touches the rig's peers.
     touches_connector: bool
     #: How to run without it, or why one cannot.
     without: str
@@ -70,7 +75,8 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 why="NIXL's busy poll takes a whole core per agent, idle or not; on a small CPU "
                 "rig the engines then step late and deadline checks run late with them",
                 touches_connector=True,
-                without="set KVFAIL_NIXL_PTHR_DELAY_US=0 (every agent keeps NIXL's busy poll)",
+                without="set KVFAIL_NIXL_PTHR_DELAY_US=0: D's agents keep NIXL's busy poll "
+                "(the rig's P processes keep the delay)",
                 site="kvfail.nixl_progress",
             ),
             RigPatch(
@@ -168,7 +174,8 @@ def read_log(path: str | Path, offset: int = 0) -> tuple[list[Application], int]
 
 def summarize(apps: Iterable[Application]) -> list[dict[str, Any]]:
     """One entry per patch that took effect: its description, how often, in which
-    processes; in catalogue order (a report lists them the same way every run)."""
+    processes; in catalogue order (a report lists them the same way every run).
+    ``touches_connector`` is false when every application was in a P process."""
     by_name: dict[str, list[Application]] = {}
     for app in apps:
         by_name.setdefault(app.name, []).append(app)
@@ -177,9 +184,11 @@ def summarize(apps: Iterable[Application]) -> list[dict[str, Any]]:
         seen = by_name.get(name)
         if not seen:
             continue
+        in_d = [a for a in seen if not a.process.startswith(PEER_PROCESS_PREFIX)]
         out.append(
             {
                 **asdict(patch),
+                "touches_connector": patch.touches_connector and bool(in_d),
                 "applied": len(seen),
                 "processes": len({a.pid for a in seen}),
                 "where": sorted({a.process for a in seen}),

@@ -182,7 +182,11 @@ def _patch_lines(audit: Audit) -> list[str]:
         return ["Rig patches: none recorded (the dynamic tier ran on an unpatched system)."]
     out = ["Rig patches (what the dynamic tier's rig changed in the system under test):"]
     for p in audit.rig_patches:
-        touches = "touches the connector under test" if p.get("touches_connector") else "rig only"
+        touches = (
+            "touches the connector under test"
+            if p.get("touches_connector")
+            else "the rig's P processes only"
+        )
         who = ", ".join(p.get("connectors") or []) or "-"
         out.append(f"  {p['name']}: {p['target']} ({touches}; connectors: {who})")
         out.append(f"    changes: {p['change']}; without it: {p['without']}")

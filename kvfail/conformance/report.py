@@ -130,7 +130,11 @@ def render_patches(patches: Iterable[Mapping[str, Any]]) -> str:
     lines = []
     for p in patches:
         who = ", ".join(p.get("connectors") or []) or "-"
-        touches = "touches the connector under test" if p["touches_connector"] else "rig only"
+        touches = (
+            "touches the connector under test"
+            if p["touches_connector"]
+            else "the rig's P processes only"
+        )
         lines.append(
             f"{p['name']}: {p['target']} ({touches}); applied {p['applied']}x in "
             f"{p['processes']} process(es) [{', '.join(p['where'])}]; connectors: {who}"

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvfail import nixl_progress, rig_patches
+from kvfail.conformance.report import render_patches
 from kvfail.rig_patches import CATALOGUE, LOG_ENV, read_log, record, summarize
 
 
@@ -69,6 +70,10 @@ def test_summary_counts_processes_in_catalogue_order(log: Path) -> None:
     assert (nixl["applied"], nixl["processes"], nixl["details"]) == (2, 2, ["100 µs"])
     assert nixl["where"] == ["kvfail.peers.nixl_producer", "pytest"]
     assert nixl["touches_connector"] is True
+    # Made only in P processes (D ran with KVFAIL_NIXL_PTHR_DELAY_US=0): D is untouched.
+    only_p = summarize([apps[2]])
+    assert only_p[0]["touches_connector"] is False
+    assert "the rig's P processes only" in render_patches(only_p)
 
 
 class _Accelerator:
