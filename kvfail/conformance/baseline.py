@@ -4,7 +4,8 @@ Why a file and not a table in the code: a verdict must come from what a connecto
 A table keyed by class name gave an unmodified subclass of upstream's connector another
 verdict than upstream's, for the same behaviour. A baseline is a claim the user makes and
 passes explicitly; each entry pins one exact (connector class, scenario, policy, layout)
-to the clauses it is expected to break, so that:
+to the clauses it is expected to break (clauses as ``docs/contract.md`` defines them), so
+that:
 
 * a failure is absorbed (reported as ``xfailed``) only when it is a
   :class:`~kvfail.conformance.suite.ConformanceViolation` whose every violation cites
