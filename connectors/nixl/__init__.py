@@ -1,6 +1,8 @@
-"""kvfail's NIXL connector: upstream's ``NixlPullConnector`` on the kvfail failure mixin.
+"""kvfail's NIXL connectors: upstream's ``NixlPullConnector`` and ``NixlPushConnector`` on
+the kvfail failure mixin.
 
-Load with ``kv_connector="KvfailNixlConnector", kv_connector_module_path="connectors.nixl"``.
+Load with ``kv_connector="KvfailNixlConnector"`` (pull) or ``"KvfailNixlPushConnector"``
+(push), ``kv_connector_module_path="connectors.nixl"``.
 Importing this imports vLLM; the scheduler role needs no nixl package, the worker role does.
 """
 
@@ -11,6 +13,7 @@ from connectors.nixl.connector import (
     KvfailNixlConnector,
     KvfailNixlWorker,
 )
+from connectors.nixl.push import KvfailNixlPushConnector, KvfailNixlPushWorker
 from connectors.nixl.stats import KvfailNixlStats
 
 __all__ = [
@@ -18,6 +21,8 @@ __all__ = [
     "DEFAULT_DEADLINE_S",
     "FAILURE_STAGES",
     "KvfailNixlConnector",
+    "KvfailNixlPushConnector",
+    "KvfailNixlPushWorker",
     "KvfailNixlStats",
     "KvfailNixlWorker",
 ]

@@ -1,0 +1,436 @@
+"""Upstream's NIXL *push* connector with its D-side failures routed through kvfail.
+
+In push mode P WRITEs into D's blocks: D's scheduler stages a registration (D's block
+ids, D's side channel), D's worker handshakes with P (notification agents only) and
+sends it as a ``PUSH_REG`` notification, P matches it with its finished request,
+handshakes back with D and posts the WRITE, whose NIXL notification tells D the bytes
+are there. D owns no transfer handle, so it cannot cancel anything: once P has a
+registration, only P decides whether and when it writes. Upstream D has no working
+deadline (the scheduler's registration "watchdog" only logs), so a P that dies or
+stops strands the request with its blocks.
+
+Here, as in :mod:`connectors.nixl.connector`, every D-side event is one call into the
+mixin:
+
+* a load with local blocks is tracked when the worker first sees it (``track_load``);
+* P's completion notification finishes it (``load_succeeded``, from upstream's
+  ``finished_recving``);
+* a failed registration handshake, or no agent to send it to, fails it at ``handshake``
+  (fenced: P never got the registration, and a handshake that ends later never sends
+  it, see :meth:`KvfailNixlPushWorker._do_send_reg_notif`);
+* the deadline (``kvfail_deadline_s``) fails it at ``watchdog`` and reports it at once,
+  request-level, so recompute runs in fresh blocks. Its fence
+  (:meth:`KvfailNixlPushWorker.kvfail_fence`) holds (False) while P may still write:
+  the registration went out and neither P's completion notification arrived nor is P
+  known dead. :class:`~kvfail.vllm_quarantine.QuarantineConnector` keeps the blocks out
+  of the free pool until then, bounded by its cap;
+* a completion notification for a load D already failed is counted as a late report
+  and never passed to the scheduler (C7); it ends the hold.
+
+"P known dead" is its side channel refusing a TCP connection (nothing listens on the
+port that served the handshake: P's engine process is gone; a stopped P still accepts).
+P's own lease is no such bound: D cannot observe it, and on P it only drops requests not
+yet matched, never a WRITE already posted or one matched right after a thaw (see
+``README.md``).
+
+Nothing here copies upstream code or patches vLLM; the overridden methods are
+upstream's private ones (vLLM 0.32.0) and each calls upstream's version.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPushConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import (
+    NixlPushConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
+
+from connectors.nixl.connector import FENCE_RETRY_S, _deadline_from
+from connectors.nixl.stats import KvfailNixlStats
+from kvfail import compat
+from kvfail.compat import KVConnectorTransferResults
+from kvfail.reporter import FailureReporterMixin
+from kvfail.stages import Stage
+from kvfail.vllm_quarantine import QuarantineConnector
+from kvfail.vllm_stats import KvfailMetricsConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+        ReqMeta,
+    )
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = [
+    "PROBE_INTERVAL_S",
+    "PUSH_FAILURE_STAGES",
+    "KvfailNixlPushConnector",
+    "KvfailNixlPushWorker",
+]
+
+logger = logging.getLogger("kvfail.nixl.push")
+
+#: Upstream ``_log_failure`` types on D's push path that fail the load. Both mean the
+#: registration was never sent, so nothing can write. ``push_reg_notif_failed`` is absent:
+#: a failed send does not prove P did not get it, so the load waits for its deadline.
+PUSH_FAILURE_STAGES: Final[dict[str, Stage]] = {"push_reg_handshake_failed": Stage.HANDSHAKE}
+#: How often a held load's P is probed for death (a non-blocking connect to its side
+#: channel; each probe costs one SYN on the engine thread, never a wait).
+PROBE_INTERVAL_S: Final = 0.5
+#: How long a load fenced before its registration went out stays closed to a late send.
+#: A handshake still pending then ends within zmq's receive timeout and re-queues the
+#: registration once; this outlasts that with room to spare, and bounds the memory.
+CLOSED_KEEP_S: Final = 120.0
+
+
+@dataclass
+class _Held:
+    """A failed load whose registration P may still act on."""
+
+    host: str
+    port: int
+    #: P's completion notifications still owed (one per P rank writing here); None until
+    #: the first arrives, as upstream learns P's TP size from it.
+    owed: int | None = None
+    notified: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Probe:
+    """A non-blocking connect to one P's side channel, polled at drains."""
+
+    sock: socket.socket | None = None
+    started: float = 0.0
+    dead: bool = False
+    waiters: set[str] = field(default_factory=set)
+
+
+class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
+    """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # Registration state is shared by the writer thread (sends) and the engine
+        # thread (fence); this lock makes "sent" and "never to be sent" exclusive.
+        self._kvfail_reg_lock = threading.Lock()
+        self._kvfail_reg_sent: set[str] = set()
+        self._kvfail_reg_closed: dict[str, float] = {}
+        self._kvfail_held: dict[str, _Held] = {}
+        self._kvfail_probes: dict[tuple[str, int], _Probe] = {}
+        #: Completion notifications for loads D already failed (C7: counted, not passed).
+        self.kvfail_late_notifications = 0
+        self.init_failure_reporter(
+            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
+            name=f"KvfailNixlPushConnector[{engine_id}:tp{self.tp_rank}]",
+            default_deadline_s=_deadline_from(vllm_config),
+            fence_retry_s=FENCE_RETRY_S,
+            # A push P may still make is reported at the deadline; the scheduler half
+            # holds its blocks until P's write is provably over.
+            quarantine=compat.block_pool_binding_available(),
+            rank=self.tp_rank,
+        )
+
+    # ------------------------------------------------------------------ loads start
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """Track every load that has blocks to receive before upstream queues it.
+
+        A load without local blocks (a request aborted before it was scheduled) sends no
+        registration and receives nothing; it is left to upstream.
+        """
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if any(meta.local_block_ids):
+                self.track_load(req_id, meta.local_block_ids)
+        super().start_load_kv(metadata)
+
+    def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
+        """Send a registration only for a load still waiting, and remember it was sent.
+
+        A handshake that ends after the deadline re-queues the registration; by then the
+        load was reported and its blocks may belong to another request, so P must never
+        learn them. Runs on the writer thread.
+        """
+        with self._kvfail_reg_lock:
+            tracker = self.failure_reporter
+            if req_id in self._kvfail_reg_closed or not tracker.is_tracked(req_id):
+                logger.warning("kvfail: not sending a registration for ended load %r", req_id)
+                return
+            self._kvfail_reg_sent.add(req_id)
+            # Under the lock: a fence deciding "never sent" must not interleave.
+            super()._do_send_reg_notif(req_id, reg_data)
+
+    # ------------------------------------------------------------------ failures
+
+    def _log_failure(
+        self,
+        failure_type: str,
+        req_id: str | None,
+        msg: str = "",
+        error: BaseException | None = None,
+        meta: ReqMeta | None = None,
+        **extra_context: Any,
+    ) -> None:
+        """Upstream's single failure log line; we record the stage where it is known."""
+        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
+        stage = PUSH_FAILURE_STAGES.get(failure_type)
+        if stage is None or req_id is None:
+            return
+        reason = failure_type if error is None else f"{failure_type}: {error!r}"
+        # settle=False: upstream reports it done through its failed queue next step.
+        self.load_failed(req_id, stage, reason, settle=False)
+
+    def _handle_failed_transfer(
+        self,
+        req_id: str,
+        handle: Any,
+        failed_req_ids: set[str] | None = None,
+        record_failed_transfer: bool = True,
+    ) -> bool:
+        """Back the stage up for the D path that logs no failure (no P agent to send
+        the registration to)."""
+        tracker = self.failure_reporter
+        if tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None:
+            self.load_failed(
+                req_id, Stage.HANDSHAKE, "no P agent for the registration", settle=False
+            )
+        return super()._handle_failed_transfer(
+            req_id, handle, failed_req_ids, record_failed_transfer
+        )
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        """True once P can no longer write into this load's blocks.
+
+        Never sent: closed for good, so a late handshake cannot send it. Sent: held
+        until P's completion notifications for it arrived or P is known dead (its side
+        channel refuses connections). Upstream forgets the load here, so a late
+        notification is never passed on (see :meth:`_get_new_notifs`).
+        """
+        with self._kvfail_reg_lock:
+            sent = req_id in self._kvfail_reg_sent
+            if not sent:
+                now = time.monotonic()
+                closed = self._kvfail_reg_closed
+                for old in [r for r, t in closed.items() if now - t > CLOSED_KEEP_S]:
+                    del closed[old]
+                closed[req_id] = now
+        meta = self._recving_metadata.pop(req_id, None)
+        self.consumer_notification_counts_by_req.pop(req_id, None)
+        if not sent:
+            return True
+        held = self._kvfail_held.get(req_id)
+        if held is None:
+            remote = None if meta is None else meta.remote
+            if remote is None or not remote.host or not remote.port:
+                held = _Held("", 0)  # nowhere to probe: only a notification ends it
+            else:
+                held = _Held(remote.host, int(remote.port))
+            self._kvfail_held[req_id] = held
+        if held.done or self._p_dead(req_id, held):
+            self._forget(req_id)
+            return True
+        return False
+
+    def _forget(self, req_id: str) -> None:
+        self._kvfail_held.pop(req_id, None)
+        with self._kvfail_reg_lock:
+            self._kvfail_reg_sent.discard(req_id)
+        for key, probe in list(self._kvfail_probes.items()):
+            probe.waiters.discard(req_id)
+            if not probe.waiters:
+                _close(probe)
+                del self._kvfail_probes[key]
+
+    # ------------------------------------------------------------------ P dead?
+
+    def _p_dead(self, req_id: str, held: _Held) -> bool:
+        """Whether P's side channel refused a connection (its process is gone).
+
+        Non-blocking: a connect is started and read back at a later drain; a stopped or
+        slow P (the connect is accepted, or pending) counts as alive.
+        """
+        if not held.port:
+            return False
+        key = (held.host, held.port)
+        probe = self._kvfail_probes.setdefault(key, _Probe())
+        probe.waiters.add(req_id)
+        if probe.dead:
+            return True
+        now = time.monotonic()
+        if probe.sock is None:
+            if now - probe.started >= PROBE_INTERVAL_S:
+                probe.started = now
+                probe.dead = _start_probe(probe, key)
+            return probe.dead
+        probe.dead = _read_probe(probe, now)
+        return probe.dead
+
+    # ------------------------------------------------------------------ notifications
+
+    def _get_new_notifs(self) -> set[str]:
+        """Take P's completion notifications for held loads before upstream sees them.
+
+        Upstream would log one as an unrecognized request; here it is counted as a late
+        report (the tracker refuses the id: C7, never reaches the scheduler) and ends
+        the hold once every P rank writing here has notified.
+        """
+        if self._kvfail_held:
+            keep: list[bytes] = []
+            while True:
+                try:
+                    notif = self._pending_completion_notifs.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._late_notification(notif):
+                    keep.append(notif)
+            for notif in keep:
+                self._pending_completion_notifs.put(notif)
+        return super()._get_new_notifs()
+
+    def _late_notification(self, notif: bytes) -> bool:
+        try:
+            msg = notif.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        if msg.startswith("HB:"):
+            return False
+        req_id, _, tp_size = msg.rpartition(":")
+        held = self._kvfail_held.get(req_id)
+        if held is None or not tp_size.isdigit():
+            return False
+        if held.owed is None:
+            held.owed = max(1, int(tp_size) // self.world_size)
+        held.notified += 1
+        self.kvfail_late_notifications += 1
+        self.load_succeeded(req_id)  # counted as a late report, never delivered
+        if held.notified >= held.owed and not held.done:
+            held.done = True
+            logger.warning("kvfail: P's late write for failed load %r is over", req_id)
+            if self.load_fenced(req_id):
+                self._forget(req_id)
+        return True
+
+    # ------------------------------------------------------------------ per step
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Upstream polls; the tracker decides what is reported."""
+        no_blocks = {r for r, m in self._recving_metadata.items() if not any(m.local_block_ids)}
+        upstream = super().get_transfer_results()
+        # Upstream's invalid-block queue is superseded by the tracker.
+        NixlPushConnectorWorker.get_block_ids_with_load_errors(self)
+        passthrough = upstream.finished_recving & no_blocks
+        finished = upstream.finished_recving - passthrough
+        for req_id in finished:
+            self.load_succeeded(req_id)
+        if finished:
+            with self._kvfail_reg_lock:
+                self._kvfail_reg_sent -= finished
+        return self.transfer_results(upstream.finished_sending, finished_recving=passthrough)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return FailureReporterMixin.get_block_ids_with_load_errors(self)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
+        return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
+
+    def shutdown(self) -> None:
+        for probe in self._kvfail_probes.values():
+            _close(probe)
+        self._kvfail_probes.clear()
+        super().shutdown()
+
+
+def _start_probe(probe: _Probe, addr: tuple[str, int]) -> bool:
+    """Start a non-blocking connect; True if refused at once (P is gone)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    code = sock.connect_ex(addr)
+    if code in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
+        if code == 0:
+            sock.close()  # accepted: P's listener is there
+            return False
+        probe.sock = sock
+        return False
+    sock.close()
+    return code == errno.ECONNREFUSED
+
+
+def _read_probe(probe: _Probe, now: float) -> bool:
+    """Read back a pending connect; a connect still pending after the interval is
+    dropped (unknown is alive) and retried later."""
+    import select
+
+    sock = probe.sock
+    assert sock is not None
+    _, writable, _ = select.select([], [sock], [], 0)
+    if not writable:
+        if now - probe.started >= PROBE_INTERVAL_S:
+            _close(probe)
+        return False
+    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    _close(probe)
+    return code == errno.ECONNREFUSED
+
+
+def _close(probe: _Probe) -> None:
+    if probe.sock is not None:
+        probe.sock.close()
+        probe.sock = None
+
+
+class KvfailNixlPushConnector(QuarantineConnector, KvfailMetricsConnector, NixlPushConnector):
+    """``NixlPushConnector`` with :class:`KvfailNixlPushWorker` as its worker.
+
+    Load with ``kv_connector="KvfailNixlPushConnector"``,
+    ``kv_connector_module_path="connectors.nixl"``. Extra config ``kvfail_deadline_s``
+    sets D's deadline. A P may run upstream's ``NixlPushConnector`` or this class: on P
+    nothing is changed.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
+        # NixlPushConnector.__init__ would build upstream's worker (a second NIXL agent).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        #: The load deadline the worker enforces, declared for the conformance suite.
+        self.kv_load_deadline_s = _deadline_from(vllm_config)
+        self.connector_scheduler: NixlPushConnectorScheduler | None = None
+        self.connector_worker: NixlPushConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPushConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KvfailNixlPushWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KvfailNixlStats(data=data) if data is not None else KvfailNixlStats()

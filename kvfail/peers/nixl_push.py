@@ -1,0 +1,95 @@
+"""A real NIXL *push* P/D pair: P WRITEs into D's blocks over UCX TCP on 127.0.0.1.
+
+Why its own pair: in push mode the data flows the other way, so the rig must also do
+for D what vLLM's engine core does for P: serve D's handshake metadata on D's side
+channel (P handshakes with D before it WRITEs). Everything else is :class:`NixlPair`: P
+is the same zygote-forked :mod:`kvfail.peers.nixl_producer` process (its connector
+``NixlPushConnector``, upstream's, unchanged), D engines are harness engines in this
+process, the integrity oracle watches D's blocks, and faults are real signals to P.
+
+Faults that are honest with push on TCP loopback:
+
+* freeze P (SIGSTOP) after both handshakes (a warm pair), before D registers: D's
+  ``PUSH_REG`` waits in the kernel's socket buffer, P writes nothing, D's deadline
+  fires; thawed, P reads the registration and WRITEs into D's blocks (a late write);
+* kill P (SIGKILL) after D registered: P's side channel refuses connections from then
+  on, which is how kvfail's D learns P is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvfail.peers.nixl import NixlPair
+from kvfail.peers.nixl_producer import _handshake_payload
+
+if TYPE_CHECKING:
+    from kvfail.harness import Engine
+
+__all__ = ["NixlPushPair", "late_notifications", "quarantined"]
+
+#: kvfail's push connector (D) and upstream's (P, and an upstream D).
+KVFAIL_PUSH = ("KvfailNixlPushConnector", "connectors.nixl")
+UPSTREAM_PUSH = ("NixlPushConnector", None)
+
+
+class NixlPushPair(NixlPair):
+    """P (subprocess, upstream ``NixlPushConnector``) + D engines here, in push mode.
+
+    D defaults to kvfail's ``KvfailNixlPushConnector``; pass ``connector=
+    "NixlPushConnector"`` (``connector_module=None``) for upstream's D.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("connector", KVFAIL_PUSH[0])
+        kwargs.setdefault("connector_module", KVFAIL_PUSH[1])
+        kwargs.setdefault("p_connector", UPSTREAM_PUSH[0])
+        kwargs.setdefault("p_connector_module", UPSTREAM_PUSH[1])
+        if int(kwargs.get("tp_size", 1)) != 1:
+            raise ValueError("the push pair runs TP 1 only")
+        super().__init__(**kwargs)
+
+    def consumer(
+        self,
+        policy: str = "fail",
+        *,
+        name: str | None = None,
+        connector: str | None = None,
+        connector_module: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+    ) -> Engine:
+        """As :meth:`NixlPair.consumer`, then D's side channel is started: what the
+        engine core does after KV registration (P handshakes with D to WRITE)."""
+        key = name or policy
+        fresh = key not in self.decoders
+        engine = super().consumer(
+            policy,
+            name=name,
+            connector=connector,
+            connector_module=connector_module,
+            extra_config=extra_config,
+        )
+        if fresh:
+            conn = engine.scheduler.connector
+            assert conn is not None
+            payloads = {(0, w.rank): w.call(_handshake_payload) for w in engine.workers}
+            conn.set_xfer_handshake_metadata_pp_aware(payloads)
+        return engine
+
+
+def _worker(engine: Engine) -> Any:
+    return engine.workers[0].connector.connector_worker  # type: ignore[attr-defined]
+
+
+def quarantined(engine: Engine) -> dict[str, int]:
+    """D's scheduler-side quarantine: held loads and blocks (empty for upstream's D)."""
+    quarantine = getattr(engine.scheduler.connector, "quarantine", None)
+    if quarantine is None:
+        return {"loads": 0, "blocks": 0}
+    return {"loads": len(quarantine), "blocks": quarantine.blocks_held}
+
+
+def late_notifications(engine: Engine) -> int:
+    """P's completion notifications kvfail's D took for loads it had already failed."""
+    return int(getattr(_worker(engine), "kvfail_late_notifications", 0))

@@ -1,0 +1,175 @@
+"""NIXL push mode over a real pair: P WRITEs into a real D engine (vLLM's Scheduler).
+
+Why: in push mode D owns no transfer handle, so failing a load fast is only safe if its
+blocks stay held while P may still write. These tests check that on real processes: a
+real P (upstream ``NixlPushConnector``, forked from the P zygote) and a D engine with
+``KvfailNixlPushConnector`` (3 s deadline), UCX over TCP on 127.0.0.1, faults as signals.
+
+Order matters: the freeze test thaws P; the kill test (last) ends it. No assertion reads
+a time: each is about what D reported, what it holds, and in what order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.peers.nixl import nixl_available
+
+_REASON = nixl_available()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+from kvfail.harness import Engine, oracles  # noqa: E402
+from kvfail.peers.nixl import install_exit_guard  # noqa: E402
+from kvfail.peers.nixl_push import (  # noqa: E402
+    NixlPushPair,
+    late_notifications,
+    quarantined,
+)
+
+pytestmark = pytest.mark.vllm
+
+DEADLINE_S = 3.0
+KVFAIL = "kvfail-push"
+#: Bound on every wait below (a failure names what was still missing).
+WAIT_S = 40.0
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest) -> Iterator[NixlPushPair]:
+    install_exit_guard(request.config)
+    p = NixlPushPair(build_default_consumer=False)
+    try:
+        p.consumer("fail", name=KVFAIL, extra_config={"kvfail_deadline_s": DEADLINE_S})
+        # A first verified push: both handshakes (D->P for the registration, P->D for
+        # the WRITE) are then done, and out of what the fault tests look at.
+        p.warm(KVFAIL, tries=3)
+        yield p
+    finally:
+        p.close()
+
+
+def _engine(pair: NixlPushPair) -> Engine:
+    return pair.decoders[KVFAIL]
+
+
+def _stats(pair: NixlPushPair) -> dict[str, int]:
+    worker = _engine(pair).workers[0].connector.connector_worker
+    return dict(worker.failure_stats().as_dict())
+
+
+def _step_until(pair: NixlPushPair, done: Callable[[], bool], what: str) -> int:
+    """Step D until ``done()``; returns the steps taken. Bounded by :data:`WAIT_S`."""
+    engine = _engine(pair)
+    steps = 0
+    end = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < end, f"not seen within {WAIT_S}s: {what}"
+        engine.step()
+        pair.observe(engine)
+        steps += 1
+        time.sleep(0.005)
+    return steps
+
+
+def _all_blocks_free(pair: NixlPushPair) -> bool:
+    engine = _engine(pair)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == engine.spec.num_blocks - 1
+
+
+def _p_finished_sending(pair: NixlPushPair, rid: str) -> bool:
+    """P's WRITE for ``rid`` completed and P let its blocks go (bounded wait)."""
+    assert pair.p is not None
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        if rid in pair.p.stats()["finished_sending"]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_happy_push_bytes_arrive_exactly(pair: NixlPushPair) -> None:
+    rid = "push-happy"
+    rec = pair.prefill_and_add(rid, prompt_len=100, consumer=KVFAIL)
+    run = pair.run([rid], consumer=KVFAIL, timeout_s=WAIT_S)
+    assert run.ok, (run, rec)
+    assert pair.verify(rid), rec.mismatches  # every pushed token of every layer is P's
+    assert not rec.failed and _engine(pair).status(rid) is not None
+    assert _engine(pair).status(rid).name == "FINISHED_LENGTH_CAPPED"
+    assert oracles.check_all(_engine(pair), [rid], failed=False) == []
+    assert _p_finished_sending(pair, rid)  # P's WRITE completed and P freed its blocks
+    assert quarantined(_engine(pair)) == {"loads": 0, "blocks": 0}
+
+
+def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
+    pair: NixlPushPair,
+) -> None:
+    """P stopped before it could WRITE: D reports at its deadline and holds the blocks;
+    thawed, P WRITEs into the held blocks, and only its completion notification (counted
+    as late, never passed on) gives them back."""
+    engine = _engine(pair)
+    before = _stats(pair)
+    late_before = late_notifications(engine)
+    rid = "push-frozen"
+    params = pair.prefill(rid, 100)  # P's blocks are ready; P waits for D's registration
+    pair.freeze_p()
+    thawed = False
+    try:
+        rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
+        _step_until(pair, lambda: rec.reported_s is not None, "the deadline's report")
+        assert rec.failed and engine.status(rid).name == "FINISHED_ERROR", rec
+        after = _stats(pair)
+        assert after["stage.watchdog"] - before["stage.watchdog"] == 1, (before, after)
+        # The registration went out, so a stopped P may still write: held, not freed.
+        held = quarantined(engine)
+        assert held["loads"] == 1 and held["blocks"] > 0, held
+        assert not _all_blocks_free(pair)
+        for _ in range(50):  # however long P stays stopped, nothing gives the blocks back
+            engine.step()
+            pair.observe(engine)
+        assert quarantined(engine) == held
+        pair.thaw_p()
+        thawed = True
+        _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the hold's release")
+    finally:
+        if not thawed:
+            pair.thaw_p()
+    assert late_notifications(engine) - late_before == 1
+    after = _stats(pair)
+    assert after["late_reports"] - before["late_reports"] >= 1, (before, after)
+    assert after["loads_failed"] - before["loads_failed"] == 1, (before, after)
+    assert _p_finished_sending(pair, rid)  # the late WRITE really happened
+    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    # No byte of another request changed, and nothing wrote into a freed block.
+    assert pair.integrity_findings(engine) == []
+    assert oracles.check_all(engine, [rid], failed=True) == []
+    # D still serves pushes afterwards.
+    ok = "push-after-thaw"
+    pair.prefill_and_add(ok, prompt_len=60, consumer=KVFAIL)
+    run = pair.run([ok], consumer=KVFAIL, timeout_s=WAIT_S)
+    assert run.ok and pair.verify(ok), (run, pair.records[ok])
+
+
+def test_killed_p_blocks_come_back_once_p_is_known_dead(pair: NixlPushPair) -> None:
+    """P stopped (so its WRITE cannot happen first), D fails the load and holds it; P is
+    then SIGKILLed: its side channel refuses connections and the blocks come back."""
+    engine = _engine(pair)
+    late_before = late_notifications(engine)
+    rid = "push-killed"
+    params = pair.prefill(rid, 100)
+    pair.freeze_p()
+    rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
+    _step_until(pair, lambda: rec.reported_s is not None, "the deadline's report")
+    assert rec.failed and quarantined(engine)["loads"] == 1
+    pair.kill_p()
+    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "release once P is dead")
+    assert late_notifications(engine) == late_before  # no write: P died stopped
+    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    assert pair.integrity_findings(engine) == []
+    assert oracles.check_all(engine, [rid], failed=True) == []
