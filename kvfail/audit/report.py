@@ -156,6 +156,7 @@ def _legend(audit: Audit) -> list[str]:
         ),
         "ok = pass, FAIL = violation, ? = not decidable from source (external code), "
         "- = not applicable / not installed; * = heuristic.",
+        "Clauses (C1-C14) as defined in kvfail's docs/contract.md:",
     ]
     lines += [
         f"  {c.clause} {c.level:<6} {c.id}: {c.title}" + (" (heuristic)" if c.heuristic else "")

@@ -530,7 +530,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if state is None or not state.records:
         return
     tr = terminalreporter
-    tr.write_sep("=", "kvfail conformance matrix")
+    tr.write_sep("=", "kvfail conformance matrix (clauses: docs/contract.md)")
     for spec, caps in state.caps.items():
         have = [
             n

@@ -160,7 +160,11 @@ def write_report(
     json_path, md_path = out / "report.json", out / "report.md"
     json_path.write_text(json.dumps([asdict(r) for r in recs], indent=2) + "\n")
     patches = [dict(p) for p in rig_patches]
-    md = ["# kvfail conformance report\n", render_matrix(recs, markdown=True)]
+    md = [
+        "# kvfail conformance report\n",
+        "Clauses (C1-C14) as defined in `docs/contract.md` of kvfail.\n",
+        render_matrix(recs, markdown=True),
+    ]
     md.append("## Rig patches\n")
     if patches:
         md.append("What the rig changed in the system under test (`docs/rig-patches.md`):\n")
