@@ -8,12 +8,13 @@ Policy is ``fail``: the figure is the time from fault injection to the request's
 state (``FINISHED_ERROR``), and the D engine steps in between. Cases of one fault are
 stepped together (round-robin), as concurrent engines would be.
 
-Faults (``workers-on-cpu.md``): ``refuse`` (side-channel port nobody listens on: zmq
-retries silently, the handshake fails at its 5 s ``RCVTIMEO``); ``unknown_engine`` (P
-answers the handshake for another engine id); ``metadata_garbled`` / ``metadata_layout``
-(P's real side channel answers with agent bytes NIXL cannot load / a KV layout unlike D's,
-see ``NixlPair.serve_bad_metadata``); ``silent`` (SIGSTOP P after the handshake,
-READ stuck in ``PROC``: upstream has no deadline, reported as ``>cap s (not reached)``);
+Faults (:mod:`kvfail.peers.nixl` injects them): ``refuse`` (side-channel port nobody
+listens on: zmq retries silently, the handshake fails at its 5 s ``RCVTIMEO``);
+``unknown_engine`` (P answers the handshake for another engine id); ``metadata_garbled``
+/ ``metadata_layout`` (P's real side channel answers with agent bytes NIXL cannot load / a
+KV layout unlike D's, see ``NixlPair.serve_bad_metadata``); ``silent`` (SIGSTOP P after
+the handshake, READ stuck in ``PROC``: upstream has no deadline, reported as ``>cap s (not
+reached)``);
 ``kill_hs`` (SIGKILL P after the handshake, before the READ: ``nixlRemoteDisconnectError``
 when the READ is posted); ``kill_warm`` (a D that pulled before adds its request after P
 died).

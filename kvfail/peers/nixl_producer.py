@@ -2,8 +2,8 @@
 
 Why a process: a fault on P must be a real one (SIGKILL makes UCX see the endpoint die,
 SIGSTOP leaves it connected and silent), and only a separate OS process gives that. Also,
-any process that created a nixl UCX agent segfaults at a normal interpreter exit
-(``workers-on-cpu.md``), so P always ends with ``os._exit``.
+any process that created a nixl UCX agent segfaults at a normal interpreter exit, so P
+always ends with ``os._exit``.
 
 P is the harness :class:`~kvfail.harness.Engine`: vLLM's real ``Scheduler`` (whose
 SCHEDULER-role NIXL connector serves the zmq side-channel handshake) and a real

@@ -3,10 +3,9 @@
 Why: the config builder's claims (LBHNC, real ``KVCacheTensor`` entries, world of one,
 ``kv_buffer_device="cpu"``) only matter if a real transport can register the memory and
 report through the harness. Runs in a subprocess because any process that created a nixl
-UCX agent segfaults at interpreter exit (``workers-on-cpu.md``), so it ends with
-``os._exit``. The fault is a closed side-channel port: NIXL's handshake times out after
-its 5 s zmq ``RCVTIMEO`` and reports the load as failed. Marked slow (~20-40 s: a second
-vLLM import plus the timeout).
+UCX agent segfaults at interpreter exit, so it ends with ``os._exit``. The fault is a
+closed side-channel port: NIXL's handshake times out after its 5 s zmq ``RCVTIMEO`` and
+reports the load as failed. Marked slow: a second vLLM import plus the timeout.
 """
 
 from __future__ import annotations
