@@ -21,17 +21,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvfail.peers.nixl import NixlPair
+from kvfail.peers.nixl import NixlPair, nixl_available
 from kvfail.peers.nixl_producer import _handshake_payload
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine
 
-__all__ = ["NixlPushPair", "late_notifications", "quarantined"]
+__all__ = ["NixlPushPair", "late_notifications", "nixl_push_available", "quarantined"]
 
 #: kvfail's push connector (D) and upstream's (P, and an upstream D).
 KVFAIL_PUSH = ("KvfailNixlPushConnector", "connectors.nixl")
 UPSTREAM_PUSH = ("NixlPushConnector", None)
+
+
+def nixl_push_available() -> str | None:
+    """None when a push pair can run here (the same needs as a pull pair)."""
+    return nixl_available()
 
 
 class NixlPushPair(NixlPair):
