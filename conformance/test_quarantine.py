@@ -201,7 +201,14 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
                 landed.append(late)
             return late is not None
 
-        _step_until(kvfail, engine, written, timeout_s=LATE_WRITE_WAIT_S, poll_s=FILL_POLL_S)
+        _step_until(
+            kvfail,
+            engine,
+            written,
+            timeout_s=LATE_WRITE_WAIT_S,
+            poll_s=FILL_POLL_S,
+            min_steps=MIN_STEPS,  # a step-driven late write (the toy) is not starved by load
+        )
         if landed:
             kvfail.note("late_write", landed[0])
             after = engine.record.steps + POST_WRITE_STEPS

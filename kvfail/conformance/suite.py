@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -48,6 +48,12 @@ HELD_BLOCKS_WAIT_S = 15.0
 #: A wall-clock run also steps D at least this often before it may end on its timeout
 #: (see ``Engine.run_until``): a verdict needs the connector to have had its drains.
 MIN_STEPS = 20
+#: A deadline scenario waits min(--kvfail-silent-wait, max(3 x the declared deadline + 1 s,
+#: this floor)): long enough for any connector that keeps the deadline it declares.
+DEADLINE_BUDGET_FLOOR_S = 5.0
+#: A report later than the declared deadline + max(this floor, the deadline) is late: a
+#: margin for the drain after the deadline and for a loaded machine, never a timing claim.
+DEADLINE_MARGIN_FLOOR_S = 3.0
 #: Request ids are unique in the process: a real P (possibly shared by several drivers)
 #: must never see an id twice.
 _RIDS = itertools.count(1)
@@ -86,6 +92,42 @@ def check_not_late(engine: Engine, request_id: str, blocks: Iterable[int]) -> li
                 f"C3 late: failure of {request_id} ({what}) reached the scheduler at step "
                 f"{r.step}, after finished_recving at step {first}"
             )
+    return out
+
+
+def declared_text(deadline: float | None) -> str:
+    return "declares no deadline" if deadline is None else f"declares {deadline:g} s"
+
+
+def deadline_findings(
+    rids: Sequence[str],
+    stranded: Iterable[str],
+    times: Iterable[float],
+    deadline: float | None,
+    budget: float,
+) -> list[str]:
+    """C10 for loads only the connector's deadline can end: any still unreported after the
+    suite's wait (``stranded``), and reports (``times``, seconds after each was added)
+    later than the declared deadline + a margin."""
+    out: list[str] = []
+    left = sorted(stranded)
+    one = len(rids) == 1
+    if left:
+        what = left[0] if one else f"{len(left)} of {len(rids)} loads ({left})"
+        out.append(
+            f"C10 no deadline: {what} unreported after the suite's wait of {budget:g} s; "
+            f"the connector {declared_text(deadline)}"
+        )
+    if deadline is not None:
+        margin = max(DEADLINE_MARGIN_FLOOR_S, deadline)
+        late = [t for t in times if t > deadline + margin]
+        if late:
+            what = (
+                f"{rids[0]} reported after {late[0]:.1f} s"
+                if one
+                else f"{len(late)} loads reported after up to {max(late):.1f} s"
+            )
+            out.append(f"C10 past deadline: {what}; deadline {deadline:g} s + margin {margin:g} s")
     return out
 
 
@@ -137,6 +179,14 @@ class ScenarioContext:
             pytest.fail(f"{message} (--kvfail-require-drivers)", pytrace=False)
         pytest.skip(message)
 
+    def deadline_budget(self, deadline: float | None) -> float:
+        """The suite's bounded wait for a load only a deadline can end (see
+        :data:`DEADLINE_BUDGET_FLOOR_S`)."""
+        wait = float(self.silent_wait_s)
+        if deadline is None:
+            return wait
+        return min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
+
     def declared_deadline_s(self, engine: Engine) -> float | None:
         """The load deadline D's connector declares (see :mod:`kvfail.deadline`); None
         when it declares none. Noted in the report, so a verdict shows what it assumed."""
@@ -162,6 +212,7 @@ class ScenarioContext:
         A connector whose module cannot be imported here (its transport library is not
         installed) makes the driver unavailable (see :meth:`driver_unavailable`).
         """
+        from kvfail.compat import UnsupportedLayoutError
         from kvfail.conformance.driver import DriverUnavailable
 
         groups = num_kv_cache_groups or self.layout.num_kv_cache_groups
@@ -172,6 +223,10 @@ class ScenarioContext:
             )
         except DriverUnavailable as exc:
             self.driver_unavailable(str(exc))
+        except UnsupportedLayoutError as exc:
+            # The connector's own refusal (e.g. several groups on a vLLM without the
+            # request-level channel), raised at construction as the mixin promises.
+            pytest.skip(f"requires two_groups: {self.caps.connector} refuses the layout: {exc}")
         except ImportError as exc:
             self.driver_unavailable(
                 f"{self.caps.connector} cannot be built here ({type(exc).__name__}: {exc})"
