@@ -121,6 +121,8 @@ def _process_label() -> str:
     if path.suffix == ".py" and "kvfail" in path.parts:  # ``python -m kvfail.x.y``
         parts = path.with_suffix("").parts
         return ".".join(parts[parts.index("kvfail") :])
+    if path.name == "__main__.py":  # ``python -m pytest``
+        return path.parent.name
     return path.name
 
 

@@ -58,6 +58,22 @@ def test_records_from_this_and_another_process_reach_the_log(log: Path) -> None:
     assert read_log(log, offset) == ([], offset)
 
 
+@pytest.mark.parametrize(
+    ("argv0", "label"),
+    [
+        ("/repo/kvfail/peers/nixl_producer.py", "kvfail.peers.nixl_producer"),
+        ("kvfail.peers.producer", "kvfail.peers.producer"),  # a fork of the P zygote
+        ("/venv/lib/python3.11/site-packages/pytest/__main__.py", "pytest"),
+        ("/venv/bin/pytest", "pytest"),
+    ],
+)
+def test_a_record_names_the_process_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, argv0: str, label: str
+) -> None:
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert rig_patches._process_label() == label
+
+
 def test_summary_counts_processes_in_catalogue_order(log: Path) -> None:
     apps = [
         rig_patches.Application("nixl_progress_delay", 1, "pytest", "100 µs"),
