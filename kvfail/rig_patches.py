@@ -85,8 +85,8 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 change="answers 0 instead of raising, only while a connector is being "
                 "constructed, only on a machine without an accelerator",
                 why="upstream's Mooncake worker asks torch for the current accelerator in its "
-                "constructor, which raises on CPU-only torch; the rest of its code is "
-                "device-agnostic on CPU",
+                "constructor, which raises on CPU-only torch; the device it gets is passed only "
+                "to current_platform.set_device, which does nothing on CPU",
                 touches_connector=True,
                 without="none on CPU-only torch: the connector cannot be constructed; on a "
                 "machine with an accelerator the shim does nothing",
