@@ -91,7 +91,7 @@ def p_zygote() -> Zygote | None:
     """The process-wide zygote every P is forked from (None: ``KVFAIL_P_ZYGOTE=0``, or
     it could not start, and P is a fresh interpreter as before).
 
-    Why: a fresh P imports vLLM (10-80 s on 2 cores) and the suite replaces P after each
+    Why: a fresh P imports vLLM (tens of seconds) and the suite replaces P after each
     scenario that kills it; a fork of the zygote is ready in the time its engine takes.
     """
     if os.environ.get("KVFAIL_P_ZYGOTE", "1") == "0":

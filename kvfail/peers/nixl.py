@@ -9,7 +9,7 @@ connector, KV caches as CPU tensors, ``kv_buffer_device="cpu"``, DRAM) as a
 scheduler directly. D pulls (READ) P's blocks after the zmq side-channel handshake that
 ``kv_transfer_params`` (``remote_host``/``remote_port``) point at.
 
-Faults that are honest with NIXL on TCP loopback (``workers-on-cpu.md``, measured there):
+Faults that are honest with NIXL on TCP loopback:
 
 * ``kill`` P *after the handshake, before the READ* (:meth:`NixlPair.fault_after_handshake`
   or a warm D): the READ post raises ``nixlRemoteDisconnectError`` at once;
@@ -107,7 +107,7 @@ NIXL_ENV: dict[str, str] = {
     "NIXL_LOG_LEVEL": "WARN",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     # An agent's progress thread sleeps 100 µs between polls instead of taking a core
-    # (kvfail.nixl_progress: 0.99 -> 0.02 CPU-s/s per idle agent on this 2-core rig).
+    # (kvfail.nixl_progress; bench.nixl_progress measures it).
     "KVFAIL_NIXL_PTHR_DELAY_US": "100",
 }
 #: How long upstream's handshake waits for P's answer (zmq ``RCVTIMEO``, hard-coded).
@@ -468,8 +468,8 @@ class NixlPair(PeerPair):
 
     transport = "nixl"
     #: How long a SIGKILLed P may take to be reaped. The signal is already delivered, so a
-    #: longer bound only waits, it hides nothing; tearing down a NIXL/UCX vLLM process has
-    #: taken over 30 s on this 2-core machine under load, and the scenario needs P gone
+    #: longer bound only waits, it hides nothing; tearing down a NIXL/UCX vLLM process can
+    #: take tens of seconds on a loaded machine, and the scenario needs P gone
     #: (its sockets closed) before it goes on.
     kill_timeout_s = 120.0
 

@@ -1,7 +1,7 @@
 """A real silent peer: P is SIGSTOPped after the handshake, D's READ sits in ``PROC``.
 
 Why: upstream's D has no deadline for a transfer stuck in ``PROC``; it holds the request
-and its blocks until P really dies (``workers-on-cpu.md``, fault (b)). Here D runs
+and its blocks until P really dies. Here D runs
 KvfailNixlConnector with ``kvfail_deadline_s=5``: the watchdog must fail the load, and the
 fence must release (cancel) the real NIXL handle before the blocks are handed back. If
 NIXL refuses to cancel, the request must stay held until P is killed, then be reported.

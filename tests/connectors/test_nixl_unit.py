@@ -1,7 +1,7 @@
 """KvfailNixlConnector's D side, run for real: upstream's NIXL pull worker, real nixl/UCX.
 
 Why a subprocess: any process that created a nixl UCX agent segfaults at interpreter exit
-(``workers-on-cpu.md``), so the child ends with ``os._exit``. One child runs every
+(see ``kvfail.peers.nixl``), so the child ends with ``os._exit``. One child runs every
 scenario in order, to pay vLLM's import once:
 
 1. watchdog: a zmq ROUTER on 127.0.0.1 that never answers the handshake. Upstream would
