@@ -1,9 +1,10 @@
 """The conformance scenarios: run against any connector with ``--connector X``.
 
 Each scenario tells one failure story, cites the contract clauses it exercises
-(``@clauses``) and the upstream issues it guards (``@guards``), and ends with every harness oracle: no crash,
-liveness, no leaks, exactly once, no re-advertised hit, and the policy outcome (``fail``:
-FINISHED_ERROR with FinishReason.ERROR; ``recompute``: completes). Requirements are
+(``@clauses``) and the upstream issues it guards (``@guards``), and ends with every
+harness oracle: no crash, liveness, no leaks, exactly once, no re-advertised hit, and the
+policy outcome (``fail``: FINISHED_ERROR with FinishReason.ERROR; ``recompute``:
+completes). Requirements are
 capabilities, never connector names; the suite bounds every wait itself.
 """
 
