@@ -1,38 +1,105 @@
 """Feature detection of the installed vLLM, done lazily so ``import kvfail`` stays cheap.
 
-The request-level channel (``get_transfer_results`` / ``KVConnectorTransferResults``)
-arrived in vLLM 0.30.0; block-level reports with several KV-cache groups raise inside the
-engine from 0.31.0. We detect rather than compare version strings, so backports and
-forks are judged by what they actually offer.
+This module is the only place in kvfail that knows how vLLM releases differ. It detects
+features, never version strings, so backports and forks are judged by what they offer:
+
+* the request-level channel: ``KVConnectorBase_V1.get_transfer_results`` returning a
+  ``KVConnectorTransferResults`` with ``failed_recving`` (vLLM 0.30.0 and later). Older
+  releases poll ``get_finished(finished_req_ids) -> (sending, recving)`` and know failed
+  loads only by block (``get_block_ids_with_load_errors``);
+* ``KVConnectorOutput.failed_recving``, the field that carries the request-level channel
+  from the workers to the scheduler (arrived with it);
+* the block-pool binding (``bind_kv_cache_manager``) the quarantine needs.
+
+Code that must run on every release imports :data:`KVConnectorTransferResults` from here:
+vLLM's class where it exists, otherwise :class:`LegacyTransferResults` (same fields), which
+:meth:`kvfail.FailureReporterMixin.get_finished` turns into the older tuple.
+
+Where kvfail itself (the harness, a driver, one of kvfail's connectors) cannot work on the
+installed vLLM, it raises :class:`MissingFeatureError` naming the feature: an API gap is
+the tool's error, never a connector's verdict, never a skip.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_OUTPUTS = "vllm.v1.outputs"
+
+#: Names of the features :func:`features` reports, with what each is.
+FEATURES: dict[str, str] = {
+    "request_level_channel": "KVConnectorBase_V1.get_transfer_results / "
+    "KVConnectorTransferResults.failed_recving",
+    "output_failed_recving": "KVConnectorOutput.failed_recving",
+    "block_pool_binding": "KVConnectorBase_V1.bind_kv_cache_manager",
+    "get_finished": "KVConnectorBase_V1.get_finished (the pre-0.30 completion poll)",
+}
+
+
+class UnsupportedLayoutError(RuntimeError):
+    """Raised at construction when failures in this KV layout could not be reported."""
+
+
+class MissingFeatureError(RuntimeError):
+    """kvfail needs a vLLM feature the installed vLLM lacks.
+
+    Raised by kvfail's own code (harness, drivers, kvfail's connectors), so a run on an
+    older vLLM ends in an error that names what is missing instead of a verdict about the
+    connector under test.
+    """
+
+    def __init__(self, feature: str, needed_by: str, detail: str = "") -> None:
+        what = FEATURES.get(feature, feature)
+        msg = f"{needed_by} needs {what} ({feature}), which the installed vLLM lacks"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+        self.feature = feature
+        self.needed_by = needed_by
+
+
+def _module(name: str) -> Any:
+    try:
+        return __import__(name, fromlist=["_"])
+    except ImportError:
+        return None
+
+
+def _base_class() -> Any:
+    module = _module(_BASE)
+    return getattr(module, "KVConnectorBase_V1", None) if module is not None else None
 
 
 @functools.cache
 def transfer_results_class() -> type[Any] | None:
     """vLLM's ``KVConnectorTransferResults``, or None when vLLM lacks it (or is absent)."""
-    try:
-        module = __import__(_BASE, fromlist=["KVConnectorTransferResults"])
-    except ImportError:
+    module = _module(_BASE)
+    if module is None:
         return None
     base = getattr(module, "KVConnectorBase_V1", None)
     if base is None or not hasattr(base, "get_transfer_results"):
         return None
-    return getattr(module, "KVConnectorTransferResults", None)
+    cls = getattr(module, "KVConnectorTransferResults", None)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    # A results class without failed_recving would silently drop failures.
+    return cls if "failed_recving" in fields else None
 
 
 def request_level_channel_available() -> bool:
+    """Whether a connector can fail a request by id (``failed_recving``)."""
     return transfer_results_class() is not None
 
 
-class UnsupportedLayoutError(RuntimeError):
-    """Raised at construction when failures in this KV layout could not be reported."""
+@functools.cache
+def output_has_failed_recving() -> bool:
+    """Whether ``KVConnectorOutput`` carries ``failed_recving`` to the scheduler."""
+    module = _module(_OUTPUTS)
+    cls = getattr(module, "KVConnectorOutput", None) if module is not None else None
+    return "failed_recving" in getattr(cls, "__dataclass_fields__", {})
 
 
 @functools.cache
@@ -40,8 +107,100 @@ def block_pool_binding_available() -> bool:
     """Whether vLLM hands the connector its block pool (``bind_kv_cache_manager``): what
     :mod:`kvfail.quarantine` needs to hold a failed load's blocks. Without it a load that
     may still be written is held back until fenced, as before quarantine."""
-    try:
-        module = __import__(_BASE, fromlist=["KVConnectorBase_V1"])
-    except ImportError:
-        return False
-    return hasattr(getattr(module, "KVConnectorBase_V1", None), "bind_kv_cache_manager")
+    return hasattr(_base_class(), "bind_kv_cache_manager")
+
+
+@functools.cache
+def get_finished_polled() -> bool:
+    """Whether the installed vLLM's runner polls ``get_finished`` (no request channel):
+    then a connector's ``get_transfer_results`` is only reached through the mixin's
+    ``get_finished``."""
+    return not request_level_channel_available() and hasattr(_base_class(), "get_finished")
+
+
+def base_method(name: str) -> Any:
+    """``KVConnectorBase_V1``'s own ``name`` (its default), or None where the base has no
+    such method. A test double that sets a hook back to the base's default overrides
+    nothing by introspection on every release, including one without that hook."""
+    return getattr(_base_class(), "__dict__", {}).get(name)
+
+
+def features() -> dict[str, bool]:
+    """Every feature kvfail distinguishes, detected from the installed vLLM."""
+    return {
+        "request_level_channel": request_level_channel_available(),
+        "output_failed_recving": output_has_failed_recving(),
+        "block_pool_binding": block_pool_binding_available(),
+        "get_finished": hasattr(_base_class(), "get_finished"),
+    }
+
+
+def require(feature: str, needed_by: str, detail: str = "") -> None:
+    """Raise :class:`MissingFeatureError` unless ``feature`` (a :data:`FEATURES` key) is
+    present; for code of kvfail's that cannot run without it."""
+    if feature not in FEATURES:
+        raise KeyError(f"unknown vLLM feature {feature!r}; known: {sorted(FEATURES)}")
+    if not features()[feature]:
+        raise MissingFeatureError(feature, needed_by, detail)
+
+
+@dataclass
+class LegacyTransferResults:
+    """``KVConnectorTransferResults`` for a vLLM that has none: the same three fields, so
+    a connector builds its step's results one way on every release. ``failed_recving``
+    never reaches such a vLLM (the mixin routes failures by block there)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+def transfer_results_type() -> type[Any]:
+    """The results class to build: vLLM's where it exists, else the legacy stand-in."""
+    return transfer_results_class() or LegacyTransferResults
+
+
+def make_transfer_results(
+    finished_sending: Iterable[str] = (),
+    finished_recving: Iterable[str] = (),
+    failed_recving: Iterable[str] = (),
+) -> Any:
+    """One step's results in the installed vLLM's class (see :func:`transfer_results_type`)."""
+    return transfer_results_type()(
+        finished_sending=set(finished_sending),
+        finished_recving=set(finished_recving),
+        failed_recving=set(failed_recving),
+    )
+
+
+def finished_pair(results: Any) -> tuple[set[str] | None, set[str] | None]:
+    """The older ``get_finished`` shape of a results object: ``(sending, recving)``, each
+    None when empty, as upstream's connectors return it. Failed loads stay in ``recving``
+    (they finished); their blocks go out through ``get_block_ids_with_load_errors``."""
+    sending = set(results.finished_sending or ())
+    recving = set(results.finished_recving or ())
+    return sending or None, recving or None
+
+
+def results_from_finished(finished: Any) -> Any:
+    """A results object from either shape a worker may return: a results object (0.30+)
+    or a ``(sending, recving)`` tuple (older ``get_finished``)."""
+    if isinstance(finished, tuple):
+        sending, recving = finished
+        return make_transfer_results(sending or (), recving or ())
+    return finished
+
+
+def output_failed_recving(output: Any) -> frozenset[str]:
+    """``output.failed_recving`` of a ``KVConnectorOutput``, empty on a vLLM whose output
+    has no such field (nothing can be reported by id there, so nothing was)."""
+    return frozenset(getattr(output, "failed_recving", None) or ())
+
+
+def __getattr__(name: str) -> Any:
+    """``from kvfail.compat import KVConnectorTransferResults`` resolves lazily (PEP 562):
+    vLLM's class where it exists, else :class:`LegacyTransferResults`; importing this
+    module still loads no vLLM."""
+    if name == "KVConnectorTransferResults":
+        return transfer_results_type()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

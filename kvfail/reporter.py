@@ -198,16 +198,49 @@ class FailureReporterMixin:
         tracked loads are added here, failed ones included.
         """
         report = self.drain_step()
-        cls = compat.transfer_results_class()
-        if cls is None:
-            raise UnsupportedLayoutError("the installed vLLM has no KVConnectorTransferResults")
         recving = set(report.finished_recving)
         recving.update(finished_recving)
-        return cls(
-            finished_sending=set(finished_sending),
-            finished_recving=recving,
-            failed_recving=set(report.failed_recving),
-        )
+        # On a vLLM without the request-level channel the tracker routed every failure
+        # to blocks (several groups were refused at construction), so failed_recving is
+        # empty there and the class is kvfail's stand-in.
+        return compat.make_transfer_results(finished_sending, recving, report.failed_recving)
+
+    def get_transfer_results(self, *args: Any) -> Any:
+        """The next class's results (a connector's ``super().get_transfer_results()``
+        reaches upstream through here), in the results shape on every vLLM: where upstream
+        has only the older ``get_finished``, its ``(sending, recving)`` tuple is wrapped.
+
+        A connector overrides this and returns :meth:`transfer_results`; this default only
+        adapts what upstream hands over.
+        """
+        upstream = super()
+        method = getattr(upstream, "get_transfer_results", None)
+        if method is not None:
+            return method(*args)
+        return compat.results_from_finished(upstream.get_finished(*args))  # type: ignore[misc]
+
+    def get_finished(self, *args: Any) -> tuple[set[str] | None, set[str] | None]:
+        """The completion poll of vLLM releases without ``get_transfer_results``: the
+        connector's own ``get_transfer_results`` (same arguments), in the older
+        ``(sending, recving)`` shape. Failed loads are in ``recving`` (they finished);
+        their blocks reach the scheduler through ``get_block_ids_with_load_errors``.
+
+        A connector on this mixin writes ``get_transfer_results`` once and runs on both
+        kinds of vLLM. On a vLLM with the request-level channel this is never called by
+        vLLM itself, and it refuses to recurse into vLLM's default
+        ``get_transfer_results`` (which calls ``get_finished``).
+        """
+        if getattr(self, "_kvfail_in_get_finished", False):
+            raise RuntimeError(
+                f"{type(self).__name__} mixes in FailureReporterMixin but does not "
+                "override get_transfer_results (return self.transfer_results(...) there)"
+            )
+        self._kvfail_in_get_finished = True
+        try:
+            results = self.get_transfer_results(*args)
+        finally:
+            self._kvfail_in_get_finished = False
+        return compat.finished_pair(results)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM's block-level channel: blocks from this step's drain, then cleared."""

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeConnectorMetadata,
@@ -67,6 +66,7 @@ from vllm.logger import init_logger
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
+from kvfail.compat import KVConnectorTransferResults
 from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 
@@ -554,11 +554,6 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's results from the mixin; finished sends from upstream's sender."""
         return self.transfer_results(finished_sending=self._mc_take_finished_sending())
-
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Older entry point; failed requests still reach the block-level channel."""
-        results = self.get_transfer_results()
-        return results.finished_sending or None, results.finished_recving or None
 
     def _mc_take_finished_sending(self) -> set[str]:
         """Upstream's producer bookkeeping, fetched with a bounded wait.

@@ -42,10 +42,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole,
-    KVConnectorTransferResults,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
@@ -61,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
+from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage

@@ -60,11 +60,9 @@ import logging
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorTransferResults,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from kvfail.compat import KVConnectorTransferResults, base_method
 from kvfail.harness.toy import ToyConnector
 from kvfail.stages import Stage
 from kvfail.tracker import StepReport
@@ -186,7 +184,7 @@ class NoFailureChannel(ToyConnector):
     so it has no failure channel by introspection; the failed-load scenarios must still
     run for it and fail (reporting a failed load is a MUST), never be skipped."""
 
-    get_transfer_results = KVConnectorBase_V1.get_transfer_results
+    get_transfer_results = base_method("get_transfer_results")
     get_block_ids_with_load_errors = KVConnectorBase_V1.get_block_ids_with_load_errors
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:

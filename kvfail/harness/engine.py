@@ -76,7 +76,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvfail import nixl_progress
+from kvfail import compat, nixl_progress
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, SplitForward, run_worker_hooks
 from kvfail.harness.ranks import RankCrash, RankProcess
@@ -757,7 +757,7 @@ class Engine:
             step=step,
             rank=rank,
             finished_recving=frozenset(output.finished_recving or ()),
-            failed_recving=frozenset(output.failed_recving or ()),
+            failed_recving=compat.output_failed_recving(output),
             invalid_block_ids=frozenset(output.invalid_block_ids or ()),
             finished_sending=frozenset(output.finished_sending or ()),
         )

@@ -45,11 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from kvfail import FailureReporterMixin, Stage, compat
+from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import seconds_from
 from kvfail.vllm_quarantine import QuarantineConnector
 
