@@ -130,15 +130,7 @@ class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        # Registration state is shared by the writer thread (sends) and the engine
-        # thread (fence); this lock makes "sent" and "never to be sent" exclusive.
-        self._kvfail_reg_lock = threading.Lock()
-        self._kvfail_reg_sent: set[str] = set()
-        self._kvfail_reg_closed: dict[str, float] = {}
-        self._kvfail_held: dict[str, _Held] = {}
-        self._kvfail_probes: dict[tuple[str, int], _Probe] = {}
-        #: Completion notifications for loads D already failed (C7: counted, not passed).
-        self.kvfail_late_notifications = 0
+        self._init_push_state()
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"KvfailNixlPushConnector[{engine_id}:tp{self.tp_rank}]",
@@ -149,6 +141,18 @@ class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
             quarantine=compat.block_pool_binding_available(),
             rank=self.tp_rank,
         )
+
+    def _init_push_state(self) -> None:
+        """kvfail's own state (apart, so a unit test can build it without an agent)."""
+        # Registration state is shared by the writer thread (sends) and the engine
+        # thread (fence); this lock makes "sent" and "never to be sent" exclusive.
+        self._kvfail_reg_lock = threading.Lock()
+        self._kvfail_reg_sent: set[str] = set()
+        self._kvfail_reg_closed: dict[str, float] = {}
+        self._kvfail_held: dict[str, _Held] = {}
+        self._kvfail_probes: dict[tuple[str, int], _Probe] = {}
+        #: Completion notifications for loads D already failed (C7: counted, not passed).
+        self.kvfail_late_notifications = 0
 
     # ------------------------------------------------------------------ loads start
 
