@@ -5,7 +5,7 @@ blocks stay held while P may still write. These tests check that on real process
 real P (upstream ``NixlPushConnector``, forked from the P zygote) and a D engine with
 ``KvfailNixlPushConnector`` (3 s deadline), UCX over TCP on 127.0.0.1, faults as signals.
 
-Order matters: the freeze test thaws P; the kill test (last) ends it. No assertion reads
+Order matters: the freeze tests thaw P; the kill test (last) ends it. No assertion reads
 a time: each is about what D reported, what it holds, and in what order.
 """
 
@@ -154,6 +154,40 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
     pair.prefill_and_add(ok, prompt_len=60, consumer=KVFAIL)
     run = pair.run([ok], consumer=KVFAIL, timeout_s=WAIT_S)
     assert run.ok and pair.verify(ok), (run, pair.records[ok])
+
+
+def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
+    """Negative control: the same frozen P, on a D whose fence says "over" at once (fail
+    fast, free at once, as without a hold). The late WRITE then lands in blocks the
+    scheduler freed, and the integrity oracle must name it: the oracle the tests above
+    rely on can fail."""
+    control = pair.consumer("fail", name="control", extra_config={"kvfail_deadline_s": DEADLINE_S})
+    pair.warm(control, tries=3)
+    worker = control.workers[0].connector.connector_worker
+    worker.failure_reporter._fence = lambda req_id: True  # no hold: blocks back at once
+    rid = "push-control"
+    params = pair.prefill(rid, 100)
+    pair.freeze_p()
+    thawed = False
+    try:
+        rec = pair.add(rid, params, prompt_len=100, consumer=control)
+        end = time.monotonic() + WAIT_S
+        while rec.reported_s is None:
+            assert time.monotonic() < end, "the control's deadline never reported"
+            control.step()
+            pair.observe(control)
+            time.sleep(0.005)
+        assert rec.failed and quarantined(control)["loads"] == 0
+        pair.thaw_p()
+        thawed = True
+    finally:
+        if not thawed:
+            pair.thaw_p()
+    assert _p_finished_sending(pair, rid)  # P's WRITE into the freed blocks completed
+    findings = pair.integrity_findings(control)
+    assert any("write after release" in f and rid in f for f in findings), findings
+    control.close()
+    pair.decoders.pop("control", None)
 
 
 def test_killed_p_blocks_come_back_once_p_is_known_dead(pair: NixlPushPair) -> None:
