@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.mooncake.worker import DEFAULT_DEADLINE_S, KvfailMooncakeWorker
+from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
@@ -68,6 +69,27 @@ class KvfailMooncakeConnector(QuarantineConnector, KvfailMetricsConnector, Moonc
             self.connector_worker = KvfailMooncakeWorker(
                 vllm_config, self.engine_id, kv_cache_config
             )
+
+    # Both channels are the worker's, on every vLLM. Older upstream connectors delegate
+    # only ``get_finished`` (vLLM's default ``get_transfer_results`` then drops
+    # ``failed_recving``) or neither (the base's ``get_block_ids_with_load_errors`` is an
+    # empty set): without these two, failures the worker reports would never leave it.
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The worker's results, ``failed_recving`` included."""
+        assert self.connector_worker is not None
+        return self.connector_worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The completion poll of a vLLM without ``get_transfer_results``."""
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The worker's failed blocks (the one-group channel)."""
+        if self.connector_worker is None:
+            return set()
+        return self.connector_worker.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
         """Upstream leaves this to ``__del__``; stop the worker's threads when asked."""

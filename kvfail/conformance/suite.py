@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
+from kvfail import compat
 from kvfail.conformance.capabilities import Capabilities, CapabilityMissing
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout
 from kvfail.faults.points import FaultPoint
@@ -167,9 +168,15 @@ class ScenarioContext:
     def require_fault(self, *candidates: FaultPoint) -> FaultPoint:
         """The first advertised fault point of ``candidates``, else a skip naming them."""
         try:
-            return self.caps.require_fault(*candidates)
+            point = self.caps.require_fault(*candidates)
         except CapabilityMissing as exc:
             pytest.skip(str(exc))
+        if point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            # Reported by the deadline (C10) with its blocks held while P still writes
+            # (C11): only vLLM's block pool can hold them. Without it no connector can
+            # pass, so the run is an error naming the feature, never a verdict.
+            compat.require("block_pool_binding", f"{self.scenario} ({point.value})")
+        return point
 
     def driver_unavailable(self, why: str) -> NoReturn:
         """The connector cannot run here: a named skip, or a failure where the run
@@ -212,26 +219,20 @@ class ScenarioContext:
         A connector whose module cannot be imported here (its transport library is not
         installed) makes the driver unavailable (see :meth:`driver_unavailable`).
         """
-        from kvfail.compat import UnsupportedLayoutError
-        from kvfail.compat import UnsupportedLayoutError
         from kvfail.conformance.driver import DriverUnavailable
 
         groups = num_kv_cache_groups or self.layout.num_kv_cache_groups
         tp = tp_size or self.layout.tp_size
+        if groups > 1:
+            # Block ids are not unique across groups: without failed_recving no connector
+            # can report a failure right (C5), so this is an error, never a verdict.
+            compat.require("request_level_channel", f"{self.scenario} with {groups} groups")
         try:
             engine = self.driver.build_engine(
                 self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline
             )
         except DriverUnavailable as exc:
             self.driver_unavailable(str(exc))
-        except UnsupportedLayoutError as exc:
-            # The connector's own refusal (e.g. several groups on a vLLM without the
-            # request-level channel), raised at construction as the mixin promises.
-            pytest.skip(f"requires two_groups: {self.caps.connector} refuses the layout: {exc}")
-        except UnsupportedLayoutError as exc:
-            # The connector's own refusal (e.g. several groups on a vLLM without the
-            # request-level channel), raised at construction as the mixin promises.
-            pytest.skip(f"requires two_groups: {self.caps.connector} refuses the layout: {exc}")
         except ImportError as exc:
             self.driver_unavailable(
                 f"{self.caps.connector} cannot be built here ({type(exc).__name__}: {exc})"
