@@ -36,10 +36,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfail.conformance.driver import Declared, register_producer, shared_producer
-from kvfail.conformance.nixl_driver import NixlDriver
+from kvfail.conformance.nixl_driver import NixlDriver, _LateRead
 from kvfail.faults.points import FaultPoint
 
 __all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver"]
+
+
+class _LateWrite(_LateRead):
+    """A ``slow_peer_past_deadline`` push: the digests are the pull driver's, the words
+    say what happened in push mode (P's WRITE, not D's READ)."""
+
+    def settle(self, before: list[str], delay_s: float) -> None:
+        after = self.digests()
+        changed = [rank for rank, (a, b) in enumerate(zip(before, after, strict=False)) if a != b]
+        where = f"on D rank(s) {changed}" if changed else "on no D rank"
+        seen = "" if before else " (the load's blocks were never seen)"
+        self.done = (
+            f"P, stopped with D's registration unread, went on {delay_s:g} s after D added "
+            f"the load; in the {NixlDriver.LATE_SETTLE_S:g} s after, while D did not step "
+            f"(only P's WRITE could write), the load's blocks changed {where}{seen}"
+        )
 
 
 class NixlPushDriver(NixlDriver):
@@ -105,7 +121,18 @@ class NixlPushDriver(NixlDriver):
         a stopped or dead P never ends (the load fails; nothing was registered). A warm
         D's registration waits, unread, in a stopped P's socket buffer; for a kill, P is
         stopped now and killed by ``provoke`` (so it dies holding the registration)."""
-        if fault is FaultPoint.FREEZE_PEER:
+        if fault is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            if not warm:
+                raise RuntimeError(
+                    f"NixlPushDriver: {fault.value} needs a warm D (one push from P first): "
+                    "a cold D's handshake with the stopped P outlasts its deadline, so its "
+                    "registration is never sent and nothing could be written late"
+                )
+            self._delay(producer, self.slow_peer_delay_s)
+            self._late.update(
+                {(id(engine), rid): _LateWrite(producer, engine) for rid in request_ids}
+            )
+        elif fault is FaultPoint.FREEZE_PEER:
             producer.process.freeze()
         elif fault in self.KILLS and warm:
             producer.process.freeze()
