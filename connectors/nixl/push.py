@@ -111,6 +111,9 @@ class _Held:
     owed: int | None = None
     notified: int = 0
     done: bool = False
+    #: When the hold began: a refusal seen before it may be about an earlier P on the
+    #: same host and port, so it does not count for this load.
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -119,7 +122,8 @@ class _Probe:
 
     sock: socket.socket | None = None
     started: float = 0.0
-    dead: bool = False
+    #: When a connect was last refused (None: never).
+    refused_at: float | None = None
     waiters: set[str] = field(default_factory=set)
 
 
@@ -277,16 +281,14 @@ class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
         key = (held.host, held.port)
         probe = self._kvfail_probes.setdefault(key, _Probe())
         probe.waiters.add(req_id)
-        if probe.dead:
-            return True
         now = time.monotonic()
-        if probe.sock is None:
-            if now - probe.started >= PROBE_INTERVAL_S:
-                probe.started = now
-                probe.dead = _start_probe(probe, key)
-            return probe.dead
-        probe.dead = _read_probe(probe, now)
-        return probe.dead
+        if probe.sock is None and now - probe.started >= PROBE_INTERVAL_S:
+            probe.started = now
+            if _start_probe(probe, key):
+                probe.refused_at = now
+        elif probe.sock is not None and _read_probe(probe, now):
+            probe.refused_at = now
+        return probe.refused_at is not None and probe.refused_at >= held.since
 
     # ------------------------------------------------------------------ notifications
 
