@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvfail.audit.cli import add_parser as add_audit_parser
 
     add_audit_parser(sub)
+    from kvfail.audit.matrix import add_parser as add_matrix_parser
+
+    add_matrix_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.CRITICAL,
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvfail.audit.cli import run as run_audit
 
         return run_audit(args)
+    if args.command == "matrix":
+        from kvfail.audit.matrix import run as run_matrix
+
+        return run_matrix(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
 from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.mooncake.worker import DEFAULT_DEADLINE_S, KvfailMooncakeWorker
-from kvfail.compat import KVConnectorTransferResults
+from kvfail.compat import KVConnectorTransferResults, make_transfer_results
 from kvfail.deadline import DEADLINE_KEY, seconds_from
 from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
@@ -77,12 +77,14 @@ class KvfailMooncakeConnector(QuarantineConnector, KvfailMetricsConnector, Moonc
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """The worker's results, ``failed_recving`` included."""
-        assert self.connector_worker is not None
+        if self.connector_worker is None:
+            return make_transfer_results()
         return self.connector_worker.get_transfer_results()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """The completion poll of a vLLM without ``get_transfer_results``."""
-        assert self.connector_worker is not None
+        if self.connector_worker is None:
+            return None, None
         return self.connector_worker.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,0 +1,605 @@
+"""``kvfail matrix``: the audit of every connector on every built vLLM, in one table.
+
+Why a command of its own: a connector package supports several vLLM releases, and a
+reader wants to see when a connector started (or stopped) honouring a clause. Each vLLM
+lives in its own venv (``scripts/setup.sh --vllm VERSION`` builds ``.venv-VERSION/``;
+the default is ``.venv/``), and one interpreter can import only one vLLM, so the matrix
+runs ``kvfail audit --format json`` in a child of each venv's Python (the same code as
+``kvfail audit``; ``--quick`` unless ``--dynamic``) and joins the rows here.
+
+This module imports no vLLM; it reads each venv's installed version from its package
+metadata, never by importing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = [
+    "Cell",
+    "Matrix",
+    "Venv",
+    "VersionRun",
+    "add_parser",
+    "build",
+    "discover_venvs",
+    "render_heatmap",
+    "render_table",
+    "run",
+]
+
+_DIST = re.compile(r"^vllm(?:[-_]cpu)?-(?P<version>[0-9][^-]*)\.dist-info$")
+#: A child that has not answered in this long is stopped (the dynamic tier has its own
+#: budget, ``--budget-s``; this only bounds a hung child).
+_STATIC_TIMEOUT_S = 600.0
+_DYNAMIC_SLACK_S = 180.0
+
+
+@dataclass(frozen=True)
+class Venv:
+    """One built venv and the vLLM installed in it."""
+
+    version: str
+    python: Path
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return _version_key(self.version)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", version))
+
+
+def venv_vllm_version(venv: Path) -> str | None:
+    """The vLLM version installed in ``venv``, from its dist-info (no import)."""
+    for site in sorted(venv.glob("lib/python*/site-packages")):
+        for entry in site.iterdir():
+            match = _DIST.match(entry.name)
+            if match:
+                return match.group("version")
+    return None
+
+
+def discover_venvs(root: Path, wanted: Sequence[str] = ()) -> list[Venv]:
+    """``.venv`` and every ``.venv-*`` under ``root`` with a vLLM, oldest version first;
+    ``wanted`` keeps only those versions (an unknown one is an error naming what exists)."""
+    found: dict[str, Venv] = {}
+    for path in sorted(root.glob(".venv*")):
+        python = path / "bin" / "python"
+        if not python.exists():
+            continue
+        version = venv_vllm_version(path)
+        if version is None:
+            continue
+        # The default .venv wins a tie with a .venv-VERSION of the same release.
+        if version not in found or path.name == ".venv":
+            found[version] = Venv(version, python)
+    if wanted:
+        missing = [v for v in wanted if v not in found]
+        if missing:
+            have = ", ".join(sorted(found, key=_version_key)) or "none"
+            raise SystemExit(
+                f"kvfail matrix: no venv with vLLM {', '.join(missing)} under {root} "
+                f"(built: {have}); build one with scripts/setup.sh --vllm VERSION"
+            )
+        found = {v: found[v] for v in wanted}
+    return sorted(found.values(), key=lambda v: v.key)
+
+
+@dataclass
+class Cell:
+    """One connector on one vLLM: its static verdict and, if run, its dynamic one."""
+
+    present: bool = True
+    static_fail: list[str] = field(default_factory=list)
+    static_unknown: list[str] = field(default_factory=list)
+    static_checked: int = 0
+    #: (failed, run, not run) scenarios, or None when the dynamic tier did not run it.
+    dynamic: tuple[int, int, int] | None = None
+    #: MUST/SHOULD levels of the failed static checks, by check id.
+    levels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def static_text(self) -> str:
+        if not self.present:
+            return "absent"
+        if self.static_fail:
+            return "FAIL " + ",".join(self.static_fail)
+        if self.static_unknown:
+            return "? " + ",".join(self.static_unknown)
+        return "ok"
+
+    @property
+    def dynamic_text(self) -> str:
+        """The audit's own dynamic cell: ``ok n/n``, ``FAIL k/n``, ``+k not run``."""
+        if self.dynamic is None or not self.present:
+            return "-"
+        bad, ran, not_run = self.dynamic
+        if not ran:
+            return f"? {not_run} not run" if not_run else "-"
+        text = f"FAIL {bad}/{ran}" if bad else f"ok {ran}/{ran}"
+        return f"{text} +{not_run} not run" if not_run else text
+
+    def text(self, dynamic: bool) -> str:
+        return f"{self.static_text} | {self.dynamic_text}" if dynamic else self.static_text
+
+
+@dataclass
+class VersionRun:
+    """What one venv's audit child produced (or why it produced nothing)."""
+
+    version: str
+    python: str
+    elapsed_s: float
+    error: str | None = None
+    dynamic_incomplete: str | None = None
+    cells: dict[str, Cell] = field(default_factory=dict)
+    #: :func:`kvfail.compat.features` in that venv: why a clause can read differently.
+    features: dict[str, bool] | None = None
+
+
+@dataclass
+class Matrix:
+    dynamic: bool
+    runs: list[VersionRun]
+
+    @property
+    def versions(self) -> list[str]:
+        return [r.version for r in self.runs]
+
+    @property
+    def connectors(self) -> list[str]:
+        """Every connector seen on any version, in the newest version's order first."""
+        out: list[str] = []
+        for run_ in reversed(self.runs):
+            out += [c for c in run_.cells if c not in out]
+        return out
+
+    def cell(self, connector: str, version: str) -> Cell:
+        for run_ in self.runs:
+            if run_.version == version:
+                return run_.cells.get(connector, Cell(present=False))
+        return Cell(present=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dynamic": self.dynamic, "runs": [asdict(r) for r in self.runs]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Matrix:
+        runs = []
+        for r in data["runs"]:
+            cells = {}
+            for name, c in r.pop("cells").items():
+                dyn = c.pop("dynamic")
+                cells[name] = Cell(**c, dynamic=None if dyn is None else tuple(dyn))
+            runs.append(VersionRun(**r, cells=cells))
+        return cls(dynamic=bool(data["dynamic"]), runs=runs)
+
+    def merged(self, other: Matrix) -> Matrix:
+        """This matrix with ``other``'s versions added (``other`` wins a shared version)."""
+        runs = {r.version: r for r in self.runs}
+        runs.update({r.version: r for r in other.runs})
+        ordered = sorted(runs.values(), key=lambda r: _version_key(r.version))
+        return Matrix(dynamic=self.dynamic or other.dynamic, runs=ordered)
+
+
+def cells_from_audit(report: dict[str, Any]) -> dict[str, Cell]:
+    """The cells of one ``kvfail audit --format json`` report, one per connector row."""
+    cells: dict[str, Cell] = {}
+    for row in report.get("connectors", []):
+        if not row.get("installed", True):
+            cells[row["name"]] = Cell(present=False)
+            continue
+        cell = Cell()
+        bad = ran = not_run = 0
+        any_dynamic = False
+        for f in row.get("findings", []):
+            status = f.get("status")
+            if f.get("tier") == "DYNAMIC":
+                any_dynamic = True
+                if status == "fail":
+                    bad += 1
+                    ran += 1
+                elif status == "pass":
+                    ran += 1
+                elif status == "unknown":
+                    not_run += 1
+                continue
+            if status == "n/a":
+                continue
+            cell.static_checked += 1
+            if status == "fail":
+                cell.static_fail.append(f["check"])
+                cell.levels[f["check"]] = f.get("level", "")
+            elif status == "unknown":
+                cell.static_unknown.append(f["check"])
+        if any_dynamic:
+            cell.dynamic = (bad, ran, not_run)
+        cells[row["name"]] = cell
+    return cells
+
+
+def audit_command(
+    python: Path | str,
+    output: Path,
+    *,
+    dynamic: bool,
+    connectors: Iterable[str] = (),
+    budget_s: float | None = None,
+    policy: str | None = None,
+    layouts: Iterable[str] = (),
+) -> list[str]:
+    """The child's command line: ``kvfail audit`` in that venv, JSON to ``output``."""
+    cmd = [str(python), "-m", "kvfail.cli", "audit", "--format", "json", "--fail-on", "never"]
+    cmd += ["--no-progress", "--output", str(output)]
+    if not dynamic:
+        cmd.append("--quick")
+    for c in connectors:
+        cmd += ["--connector", c]
+    if dynamic and budget_s is not None:
+        cmd += ["--budget-s", f"{budget_s:g}"]
+    if dynamic and policy:
+        cmd += ["--policy", policy]
+    for layout in layouts:
+        cmd += ["--layout", layout]
+    return cmd
+
+
+_FEATURES_CODE = "import json; from kvfail import compat; print(json.dumps(compat.features()))"
+
+
+def venv_features(python: Path | str, cwd: Path | None = None) -> dict[str, bool] | None:
+    """What :mod:`kvfail.compat` detects in that venv (None if the child fails)."""
+    try:
+        proc = subprocess.run(
+            [str(python), "-c", _FEATURES_CODE],
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=_STATIC_TIMEOUT_S,
+            check=False,
+        )
+        lines = proc.stdout.strip().splitlines()
+        return json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError):
+        return None
+
+
+def run_version(
+    venv: Venv,
+    *,
+    dynamic: bool,
+    connectors: Sequence[str] = (),
+    budget_s: float | None = None,
+    policy: str | None = None,
+    layouts: Sequence[str] = (),
+    cwd: Path | None = None,
+    log: TextIO | None = None,
+) -> VersionRun:
+    """Audit one venv in a child of its own Python; a failed child is an error row,
+    never a verdict about the connectors."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvfail-matrix-") as tmp:
+        out = Path(tmp) / "audit.json"
+        cmd = audit_command(
+            venv.python,
+            out,
+            dynamic=dynamic,
+            connectors=connectors,
+            budget_s=budget_s,
+            policy=policy,
+            layouts=layouts,
+        )
+        limit = _STATIC_TIMEOUT_S
+        if dynamic:
+            limit = (budget_s or 3600.0) + _DYNAMIC_SLACK_S
+        env = dict(os.environ)
+        env.pop("VIRTUAL_ENV", None)
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=limit,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return VersionRun(
+                venv.version,
+                str(venv.python),
+                time.monotonic() - start,
+                error=f"audit child did not finish within {limit:g} s",
+            )
+        elapsed = time.monotonic() - start
+        if log is not None and proc.stderr:
+            for line in proc.stderr.splitlines():
+                if line.startswith(("dynamic tier", "kvfail audit")):
+                    log.write(f"  [{venv.version}] {line}\n")
+        if not out.exists():
+            tail = " ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
+            return VersionRun(
+                venv.version,
+                str(venv.python),
+                elapsed,
+                error=f"audit child exited {proc.returncode} without a report: {tail[-400:]}",
+            )
+        report = json.loads(out.read_text())
+    return VersionRun(
+        venv.version,
+        str(venv.python),
+        elapsed,
+        dynamic_incomplete=report.get("dynamic_incomplete"),
+        cells=cells_from_audit(report),
+        features=venv_features(venv.python, cwd),
+    )
+
+
+def build(
+    venvs: Sequence[Venv],
+    *,
+    dynamic: bool,
+    connectors: Sequence[str] = (),
+    budget_s: float | None = None,
+    policy: str | None = None,
+    layouts: Sequence[str] = (),
+    cwd: Path | None = None,
+    log: TextIO | None = None,
+) -> Matrix:
+    """Run the audit in every venv, one after the other (each child uses the machine)."""
+    runs = []
+    for venv in venvs:
+        if log is not None:
+            tier = "static + dynamic" if dynamic else "static"
+            log.write(f"kvfail matrix: vLLM {venv.version} ({tier}) via {venv.python}\n")
+            log.flush()
+        runs.append(
+            run_version(
+                venv,
+                dynamic=dynamic,
+                connectors=connectors,
+                budget_s=budget_s,
+                policy=policy,
+                layouts=layouts,
+                cwd=cwd,
+                log=log,
+            )
+        )
+        if log is not None:
+            last = runs[-1]
+            status = last.error or f"{len(last.cells)} connectors"
+            log.write(f"kvfail matrix: vLLM {venv.version}: {status} in {last.elapsed_s:.0f} s\n")
+            log.flush()
+    return Matrix(dynamic=dynamic, runs=runs)
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _rows(matrix: Matrix) -> tuple[list[str], list[list[str]]]:
+    header = ["connector", *[f"vLLM {v}" for v in matrix.versions]]
+    body = [
+        [name, *[matrix.cell(name, v).text(matrix.dynamic) for v in matrix.versions]]
+        for name in matrix.connectors
+    ]
+    return header, body
+
+
+def render_table(matrix: Matrix, fmt: str = "table") -> str:
+    """The connector x version table: text (``table``), ``markdown`` or ``json``."""
+    if fmt == "json":
+        return json.dumps(matrix.to_json(), indent=2)
+    header, body = _rows(matrix)
+    lines: list[str] = []
+    if fmt == "markdown":
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        lines += [
+            "| " + " | ".join(f"`{c}`" if i else c for i, c in enumerate(r)) + " |" for r in body
+        ]
+    else:
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body
+        ]
+    lines.append("")
+    lines.append(
+        "cell: static checks failed (ids as in `kvfail audit`; ok = none)"
+        + (" | dynamic scenarios (ok n/n, FAIL k/n; - = no driver)" if matrix.dynamic else "")
+        + "; absent = not in that vLLM"
+    )
+    for r in matrix.runs:
+        if r.features is not None:
+            have = " ".join(f"{k}={'yes' if v else 'no'}" for k, v in r.features.items())
+            lines.append(f"vLLM {r.version} features: {have}")
+    for r in matrix.runs:
+        if r.error:
+            lines.append(f"vLLM {r.version}: ERROR {r.error}")
+        elif r.dynamic_incomplete:
+            lines.append(f"vLLM {r.version}: dynamic tier incomplete: {r.dynamic_incomplete}")
+    return "\n".join(lines) + "\n"
+
+
+def _score(cell: Cell, dynamic_part: bool) -> float | None:
+    """0 (all honoured) .. 1 (all broken); None for no result (drawn grey)."""
+    if not cell.present:
+        return None
+    if dynamic_part:
+        if cell.dynamic is None or cell.dynamic[1] == 0:
+            return None
+        return cell.dynamic[0] / cell.dynamic[1]
+    if not cell.static_checked:
+        return None
+    return len(cell.static_fail) / cell.static_checked
+
+
+def render_heatmap(matrix: Matrix, path: Path) -> None:
+    """Draw the table as a heat map (PNG): one column per version (two, static and
+    dynamic, with ``--dynamic``), colour = share of checks / scenarios failed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LinearSegmentedColormap
+    except ImportError as exc:  # pragma: no cover - dev requirement
+        raise SystemExit(
+            f"kvfail matrix: --heatmap needs matplotlib (requirements/dev.txt): {exc}"
+        ) from None
+    if not matrix.connectors:
+        raise SystemExit("kvfail matrix: nothing to draw (no version produced a report)")
+    parts = [False, True] if matrix.dynamic else [False]
+    cols = [(v, p) for v in matrix.versions for p in parts]
+    names = matrix.connectors
+    grid: list[list[float]] = []
+    texts: list[list[str]] = []
+    for name in names:
+        row: list[float] = []
+        trow: list[str] = []
+        for version, dyn in cols:
+            cell = matrix.cell(name, version)
+            score = _score(cell, dyn)
+            row.append(float("nan") if score is None else score)
+            if not cell.present:
+                trow.append("absent")
+            elif dyn:
+                trow.append(cell.dynamic_text.replace(" not run", " n/r"))
+            else:
+                trow.append("ok" if not cell.static_fail else f"{len(cell.static_fail)} fail")
+        grid.append(row)
+        texts.append(trow)
+    cmap = LinearSegmentedColormap.from_list("kvfail", ["#2e9d4f", "#f2c14e", "#c8372d"])
+    cmap.set_bad("#d9d9d9")
+    width = 2.2 + 1.25 * len(cols)
+    height = 1.2 + 0.32 * len(names)
+    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
+    ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    labels = [f"{v}\n{'dynamic' if d else 'static'}" if matrix.dynamic else v for v, d in cols]
+    ax.set_xticks(range(len(cols)), labels, fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    for i, trow in enumerate(texts):
+        for j, text in enumerate(trow):
+            ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color="black")
+    ax.set_title("kvfail audit by vLLM version (green: honoured, red: broken)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``matrix`` on the ``kvfail`` command's subparsers."""
+    p = subparsers.add_parser(
+        "matrix",
+        help="the audit of every connector on every built vLLM (one venv per version)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dynamic", action="store_true", help="also run the dynamic tier")
+    p.add_argument(
+        "--vllm",
+        action="append",
+        default=[],
+        metavar="VERSION",
+        help="only this vLLM version (repeatable; default: every built venv)",
+    )
+    p.add_argument(
+        "--connector",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="audit only these connectors (as `kvfail audit --connector`, repeatable)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the dynamic tier's budget per version (`kvfail audit --budget-s`)",
+    )
+    p.add_argument("--policy", choices=["fail", "recompute", "both"], default=None)
+    p.add_argument("--layout", action="append", default=[], metavar="L")
+    p.add_argument("--format", choices=["table", "markdown", "json"], default="table", dest="fmt")
+    p.add_argument("--output", "-o", type=Path, help="write the table here instead of stdout")
+    p.add_argument("--heatmap", type=Path, metavar="PNG", help="also draw the table as a PNG")
+    p.add_argument(
+        "--save", type=Path, metavar="JSON", help="save the results (for --load and re-drawing)"
+    )
+    p.add_argument(
+        "--load",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="start from saved results (repeatable, later files win a version); with no "
+        "--vllm only the loaded versions are shown, nothing is run",
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="where the venvs are (default: the kvfail checkout)",
+    )
+
+
+def _default_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def run(args: argparse.Namespace) -> int:
+    root = (args.root or _default_root()).resolve()
+    matrix = Matrix(dynamic=args.dynamic, runs=[])
+    for path in args.load:
+        matrix = matrix.merged(Matrix.from_json(json.loads(path.read_text())))
+    if not args.load or args.vllm:
+        venvs = discover_venvs(root, args.vllm)
+        if not venvs:
+            print(
+                f"kvfail matrix: no venv with vLLM under {root}; run scripts/setup.sh",
+                file=sys.stderr,
+            )
+            return 2
+        fresh = build(
+            venvs,
+            dynamic=args.dynamic,
+            connectors=args.connector,
+            budget_s=args.budget_s,
+            policy=args.policy,
+            layouts=args.layout,
+            cwd=root,
+            log=sys.stderr,
+        )
+        matrix = matrix.merged(fresh)
+    if args.save:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        args.save.write_text(json.dumps(matrix.to_json(), indent=2) + "\n")
+    text = render_table(matrix, args.fmt)
+    if args.output:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    if args.heatmap:
+        render_heatmap(matrix, args.heatmap)
+        print(f"kvfail matrix: heat map written to {args.heatmap}", file=sys.stderr)
+    return 1 if any(r.error for r in matrix.runs) else 0
