@@ -40,6 +40,7 @@ private ones (tied to vLLM 0.32.0's NIXL internals), and each calls upstream's v
 from __future__ import annotations
 
 import logging
+import socket
 from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -84,6 +85,9 @@ logger = logging.getLogger("kvfail.nixl")
 DEFAULT_DEADLINE_S: Final = 30.0
 #: How often a fence whose handle release failed is retried (each drain after this).
 FENCE_RETRY_S: Final = 0.1
+#: Bound on the plain TCP connect to P's side channel before each handshake (see
+#: :meth:`KvfailNixlWorker._nixl_handshake`); on loopback a refusal comes back at once.
+SIDE_CHANNEL_PROBE_S: Final = 0.5
 
 #: Upstream ``_log_failure`` types that fail the request, and where they are detected.
 #: ``notification_failed`` is absent on purpose: a notification is not a load. Upstream D
@@ -103,6 +107,18 @@ FAILURE_STAGES: Final[dict[str, Stage]] = {
     "transfer_failed": Stage.TRANSFER,
     "transfer_exception": Stage.TRANSFER,
 }
+
+
+def _refuses(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a TCP connect to ``host:port`` is refused (nothing listens there). A
+    connect that succeeds, times out or fails otherwise says nothing: False."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 def _deadline_from(vllm_config: VllmConfig) -> float | None:
@@ -155,6 +171,20 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         super()._read_blocks_for_req(req_id, meta)
 
     # ------------------------------------------------------------------ handshake
+
+    def _nixl_handshake(self, host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+        """Upstream's handshake, after a plain TCP connect to P's side channel.
+
+        zmq retries a refused connect silently, so upstream learns that nothing listens
+        there (P gone, or not up yet) only from its receive timeout, seconds later. A
+        refusal is an answer: the loads waiting on this P fail at ``handshake`` now (this
+        runs in upstream's handshake thread; its failure path reports them). A connect
+        that does not complete in time (a path that drops packets) proves nothing and is
+        left to upstream's timeout and the deadline.
+        """
+        if _refuses(host, port, SIDE_CHANNEL_PROBE_S):
+            raise ConnectionRefusedError(f"kvfail: P's side channel {host}:{port} refused")
+        return super()._nixl_handshake(host, port, *args, **kwargs)
 
     def _validate_remote_agent_handshake(
         self,
