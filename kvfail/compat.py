@@ -23,11 +23,13 @@ the tool's error, never a connector's verdict, never a skip.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 _BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+_NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _OUTPUTS = "vllm.v1.outputs"
 
 #: Names of the features :func:`features` reports, with what each is.
@@ -37,11 +39,17 @@ FEATURES: dict[str, str] = {
     "output_failed_recving": "KVConnectorOutput.failed_recving",
     "block_pool_binding": "KVConnectorBase_V1.bind_kv_cache_manager",
     "get_finished": "KVConnectorBase_V1.get_finished (the pre-0.30 completion poll)",
+    "nixl_failed_set": "the NIXL worker's failed-request set (_recv_failures)",
 }
 
 
 class UnsupportedLayoutError(RuntimeError):
     """Raised at construction when failures in this KV layout could not be reported."""
+
+
+#: In every :class:`MissingFeatureError` message: how a report (the suite's, the audit's)
+#: tells a run the tool could not judge from a connector's verdict.
+MISSING_FEATURE_MARK = "which the installed vLLM lacks"
 
 
 class MissingFeatureError(RuntimeError):
@@ -54,7 +62,7 @@ class MissingFeatureError(RuntimeError):
 
     def __init__(self, feature: str, needed_by: str, detail: str = "") -> None:
         what = FEATURES.get(feature, feature)
-        msg = f"{needed_by} needs {what} ({feature}), which the installed vLLM lacks"
+        msg = f"{needed_by} needs {what} ({feature}), {MISSING_FEATURE_MARK}"
         if detail:
             msg += f": {detail}"
         super().__init__(msg)
@@ -118,6 +126,20 @@ def get_finished_polled() -> bool:
     return not request_level_channel_available() and hasattr(_base_class(), "get_finished")
 
 
+@functools.cache
+def nixl_failed_set_available() -> bool:
+    """Whether upstream's NIXL worker keeps ``_recv_failures``, the set that makes it skip
+    post-processing a failed load. kvfail's NIXL connector fills it (and cannot be built
+    where it is missing). An instance attribute, so it is read from the module's source."""
+    module = _module(_NIXL_WORKER)
+    if module is None:
+        return False
+    try:
+        return "self._recv_failures" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
 def base_method(name: str) -> Any:
     """``KVConnectorBase_V1``'s own ``name`` (its default), or None where the base has no
     such method. A test double that sets a hook back to the base's default overrides
@@ -132,6 +154,7 @@ def features() -> dict[str, bool]:
         "output_failed_recving": output_has_failed_recving(),
         "block_pool_binding": block_pool_binding_available(),
         "get_finished": hasattr(_base_class(), "get_finished"),
+        "nixl_failed_set": nixl_failed_set_available(),
     }
 
 

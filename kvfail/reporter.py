@@ -226,15 +226,12 @@ class FailureReporterMixin:
         their blocks reach the scheduler through ``get_block_ids_with_load_errors``.
 
         A connector on this mixin writes ``get_transfer_results`` once and runs on both
-        kinds of vLLM. On a vLLM with the request-level channel this is never called by
-        vLLM itself, and it refuses to recurse into vLLM's default
-        ``get_transfer_results`` (which calls ``get_finished``).
+        kinds of vLLM. Re-entered through vLLM's default ``get_transfer_results`` (which
+        calls ``get_finished``: a connector that did not override it), it answers with
+        the tracker's own results instead of recursing; never a raise in a load hook.
         """
         if getattr(self, "_kvfail_in_get_finished", False):
-            raise RuntimeError(
-                f"{type(self).__name__} mixes in FailureReporterMixin but does not "
-                "override get_transfer_results (return self.transfer_results(...) there)"
-            )
+            return compat.finished_pair(self.transfer_results())
         self._kvfail_in_get_finished = True
         try:
             results = self.get_transfer_results(*args)

@@ -133,6 +133,9 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
+        # Refused before upstream starts its agent and threads: failed loads are put in
+        # upstream's failed set so it skips post-processing them (vLLM #40364).
+        compat.require("nixl_failed_set", "KvfailNixlConnector")
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvfail.compat import MISSING_FEATURE_MARK
+
 __all__ = [
     "Cell",
     "Matrix",
@@ -108,6 +110,11 @@ class Cell:
     static_checked: int = 0
     #: (failed, run, not run) scenarios, or None when the dynamic tier did not run it.
     dynamic: tuple[int, int, int] | None = None
+    #: Scenarios that ended in a :class:`kvfail.compat.MissingFeatureError`: the tool
+    #: could not judge them on this vLLM (not among ``dynamic``'s counts).
+    dynamic_errors: int = 0
+    #: Each failed (or unjudged) dynamic scenario and the audit's summary of it.
+    dynamic_failures: dict[str, str] = field(default_factory=dict)
     #: MUST/SHOULD levels of the failed static checks, by check id.
     levels: dict[str, str] = field(default_factory=dict)
 
@@ -130,6 +137,8 @@ class Cell:
         if not ran:
             return f"? {not_run} not run" if not_run else "-"
         text = f"FAIL {bad}/{ran}" if bad else f"ok {ran}/{ran}"
+        if self.dynamic_errors:
+            text += f" +{self.dynamic_errors} error"
         return f"{text} +{not_run} not run" if not_run else text
 
     def text(self, dynamic: bool) -> str:
@@ -203,13 +212,17 @@ def cells_from_audit(report: dict[str, Any]) -> dict[str, Cell]:
             cells[row["name"]] = Cell(present=False)
             continue
         cell = Cell()
-        bad = ran = not_run = 0
+        bad = ran = not_run = errors = 0
         any_dynamic = False
         for f in row.get("findings", []):
             status = f.get("status")
             if f.get("tier") == "DYNAMIC":
                 any_dynamic = True
                 if status == "fail":
+                    cell.dynamic_failures[f["check"]] = str(f.get("summary", ""))[:400]
+                if status == "fail" and MISSING_FEATURE_MARK in json.dumps(f):
+                    errors += 1
+                elif status == "fail":
                     bad += 1
                     ran += 1
                 elif status == "pass":
@@ -227,6 +240,7 @@ def cells_from_audit(report: dict[str, Any]) -> dict[str, Cell]:
                 cell.static_unknown.append(f["check"])
         if any_dynamic:
             cell.dynamic = (bad, ran, not_run)
+            cell.dynamic_errors = errors
         cells[row["name"]] = cell
     return cells
 
@@ -422,7 +436,12 @@ def render_table(matrix: Matrix, fmt: str = "table") -> str:
     lines.append("")
     lines.append(
         "cell: static checks failed (ids as in `kvfail audit`; ok = none)"
-        + (" | dynamic scenarios (ok n/n, FAIL k/n; - = no driver)" if matrix.dynamic else "")
+        + (
+            " | dynamic scenarios (ok n/n, FAIL k/n; +k error: the tool could not judge them"
+            " on that vLLM, a missing feature; - = no driver)"
+            if matrix.dynamic
+            else ""
+        )
         + "; absent = not in that vLLM"
     )
     for r in matrix.runs:

