@@ -84,6 +84,8 @@ class Detection:
         )
         self.probes: dict[str, _Probe] = {}
         self.cases: list[Case] = []
+        #: When the killed P was reaped (its sockets closed), for the kill cases.
+        self.reaped_at: float | None = None
         self._seq = 0
 
     # ------------------------------------------------------------------ engines
@@ -293,7 +295,8 @@ def run_scenarios(bench: Detection, *, slow_stop_s: float) -> list[str]:
     mid = [bench.case("kill_midpull", s, kill_mid[s], params[("kill_midpull", s)]) for s in both]
     bench.measure(mid, cap_s=0.3)
     killed_at = time.monotonic()
-    pair.kill_p()
+    pair.kill_p()  # returns once P is reaped: the kernel has closed its sockets
+    bench.reaped_at = time.monotonic()
     cases = list(mid)
     for s in both:
         cases.append(bench.case("kill_warm", s, kill_warm[s], params[("kill_warm", s)]))
@@ -329,6 +332,11 @@ def report(bench: Detection, missing: list[str]) -> list[str]:
         figures.append(f"{c.fault}_{c.side}{suffix}_s={value}")
         if c.side == "kvfail" and steps_after:
             figures.append(f"{c.fault}_{c.side}{suffix}_surf_steps={steps_after}")
+        if c.fault == "kill_midpull" and c.surfaced_at is not None and bench.reaped_at:
+            # The held connection's end, not the kill call (whose reaping of a vLLM
+            # process takes a while): negative when D knew before the reap returned.
+            after = (c.surfaced_at - bench.reaped_at) * 1000
+            figures.append(f"{c.fault}_{c.side}{suffix}_surfaced_after_reap_ms={after:.1f}")
     for line in missing:
         print(f"{line.split(':')[0]:18}{'both':10}{line.split(':', 1)[1].strip()}")
     print()

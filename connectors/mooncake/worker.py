@@ -95,13 +95,16 @@ def default_p_expiry_s() -> float:
 
 
 #: Default for ``kv_connector_extra_config["kvfail_probe_interval_s"]``: how often each P
-#: worker that D is pulling from is probed for liveness; None/0 disables the probe.
+#: worker that D is pulling from is probed for liveness when no connection to it can be
+#: held (a held one reports P's death as it happens); None/0 disables the probe.
 DEFAULT_PROBE_INTERVAL_S: Final = 0.2
 
 #: Consecutive refused probes that declare a P worker dead. One refusal on a loopback or
 #: LAN address already means "nothing listens"; the second guards against acting on a
-#: single odd answer, and costs one interval.
+#: single odd answer.
 PROBE_REFUSALS: Final = 2
+#: Pause before a refusal is confirmed: short, since a refusal is already an answer.
+PROBE_CONFIRM_S: Final = 0.01
 
 #: Bound on one probe's TCP connect. A connect that neither completes nor is refused in
 #: this time (SYN dropped: a full accept queue, e.g. of a stopped P) proves nothing.
@@ -373,30 +376,45 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     # ------------------------------------------------------------------ liveness
 
     async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
-        """Probe one P worker's side channel while D has pulls in flight to it.
+        """Watch one P worker's side channel while D has pulls in flight to it.
 
-        Why a TCP connect to the side-channel port: it is the socket D's pull talks to,
-        and its listener lives exactly as long as P's worker. ZMQ hides a dead peer (the
-        DEALER reconnects and queues forever), and D cannot use the TransferEngine's
-        ``send_probe``: Mooncake is P-push, so D never learns P's transfer-engine session.
+        Why the side-channel port: it is the socket D's pull talks to, and its listener
+        lives exactly as long as P's worker. ZMQ hides a dead peer (the DEALER reconnects
+        and queues forever), and D cannot use the TransferEngine's ``send_probe``:
+        Mooncake is P-push, so D never learns P's transfer-engine session.
+
+        Event-driven: the probe holds a TCP connection to that port, so P's death reaches
+        D as it happens (its kernel closes the connection: EOF or reset). An end of the
+        connection is only a question (P's ZMQ also drops a peer that never greets it);
+        connects answer it. Without a held connection (a connect that does not complete)
+        it connects every ``interval_s``.
 
         Why no false positives: only ``ECONNREFUSED`` counts, :data:`PROBE_REFUSALS`
         times in a row, and the kernel refuses a connect only when nothing listens on the
         port, i.e. P's process (or its socket) is gone. A P that is slow, busy or even
-        SIGSTOPped keeps its listening socket, so the kernel completes the handshake (or,
-        with a full accept queue, drops the SYN: a timeout, which counts as nothing).
-        Silence is left to the deadline. The probe closes with RST (no TIME_WAIT pile-up)
-        and runs on the receiver loop, one task per P worker address, only while that
-        address has pulls in flight: bounded cost.
+        SIGSTOPped keeps its listening socket and the held connection, so the kernel
+        completes a connect (or, with a full accept queue, drops the SYN: a timeout,
+        which counts as nothing). Silence is left to the deadline. Connections close
+        with RST (no TIME_WAIT pile-up); one task per P worker address, on the receiver
+        loop, only while that address has pulls in flight: bounded cost.
         """
         me = asyncio.current_task()
+        held: socket.socket | None = None
         try:
             endpoint = _tcp_endpoint(worker_addr)
             if endpoint is None:
                 return  # not a TCP address we can probe (ipc://, malformed): deadline only
             refusals = 0
             while self._mc_inflight.get(worker_addr):
-                verdict = await _connect_probe(*endpoint, PROBE_CONNECT_TIMEOUT_S)
+                if held is not None:
+                    if not await _closed_by_peer(held, interval_s):
+                        continue  # still open: P's process holds it
+                    _close_rst(held)
+                    held = None  # ended: a connect tells a dead P from a dropped peer
+                verdict, sock = await _connect(*endpoint, PROBE_CONNECT_TIMEOUT_S)
+                if sock is not None:
+                    held, refusals = sock, 0
+                    continue
                 refusals = refusals + 1 if verdict == "refused" else 0
                 if refusals >= PROBE_REFUSALS:
                     self._mc_peer_lost(
@@ -405,8 +423,10 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                         f"{refusals} connects in a row",
                     )
                     return
-                await asyncio.sleep(interval_s)
+                await asyncio.sleep(PROBE_CONFIRM_S if refusals else interval_s)
         finally:
+            if held is not None:
+                _close_rst(held)
             if self._mc_probes.get(worker_addr) is me:
                 del self._mc_probes[worker_addr]
 
@@ -635,29 +655,57 @@ def _tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:
     return parts.hostname, port
 
 
-async def _connect_probe(host: str, port: int, timeout_s: float) -> str:
-    """One TCP connect: ``"alive"``, ``"refused"`` (nothing listens) or ``"unknown"``."""
+async def _connect(host: str, port: int, timeout_s: float) -> tuple[str, socket.socket | None]:
+    """One TCP connect: ``("alive", the connected socket)``, ``("refused", None)`` (nothing
+    listens) or ``("unknown", None)``."""
     loop = asyncio.get_running_loop()
     try:
         infos = await asyncio.wait_for(
             loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s
         )
     except (OSError, TimeoutError):
-        return "unknown"
+        return "unknown", None
     if not infos:
-        return "unknown"
+        return "unknown", None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setblocking(False)
         await asyncio.wait_for(loop.sock_connect(sock, address), timeout_s)
     except ConnectionRefusedError:
-        return "refused"
-    except (OSError, TimeoutError):
-        return "unknown"
-    finally:
-        with contextlib.suppress(OSError):
-            # RST on close: no TIME_WAIT per probe on D.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
-        sock.close()
-    return "alive"
+        _close_rst(sock)
+        return "refused", None
+    except BaseException as exc:
+        _close_rst(sock)
+        if isinstance(exc, (OSError, TimeoutError)):
+            return "unknown", None
+        raise
+    return "alive", sock
+
+
+async def _connect_probe(host: str, port: int, timeout_s: float) -> str:
+    """One TCP connect, closed at once: ``"alive"``, ``"refused"`` or ``"unknown"``."""
+    verdict, sock = await _connect(host, port, timeout_s)
+    if sock is not None:
+        _close_rst(sock)
+    return verdict
+
+
+async def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the other end closed ``sock`` (EOF or reset) within ``wait_s``; bytes it
+    sends (a ZMQ greeting) are read and ignored."""
+    loop = asyncio.get_running_loop()
+    try:
+        data = await asyncio.wait_for(loop.sock_recv(sock, 256), wait_s)
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return not data
+
+
+def _close_rst(sock: socket.socket) -> None:
+    """Close with RST: no TIME_WAIT per probe on D."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
+    sock.close()
