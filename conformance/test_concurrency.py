@@ -452,6 +452,18 @@ def _soak_plan(kvfail: Any, rng: random.Random, n: int) -> list[FaultPoint | Non
 
 @pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
 @pytest.mark.guards("#50719", "#55870", "#32255")
+def _rss_kib() -> int | None:
+    """This process's resident set (D's scheduler and, at TP 1, its worker), or None."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def test_soak_random_faults(kvfail: Any) -> None:
     """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
     with a fault drawn from a seeded plan (``SOAK_SEED``, noted with the counts) over the
@@ -478,6 +490,7 @@ def test_soak_random_faults(kvfail: Any) -> None:
     fault_of: dict[str, FaultPoint | None] = {}
     found: list[str] = []
     batches = 0
+    rss: list[int | None] = []  # this process's RSS after each batch: reported, not judged
     for start in range(0, len(plan), SOAK_BATCH):
         batch = {kvfail.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
         fault_of.update(batch)
@@ -495,11 +508,14 @@ def test_soak_random_faults(kvfail: Any) -> None:
                 kvfail.driver.provoke(engine, rid, point)
         batches += 1
         drained = kvfail.run(engine).ok
+        rss.append(_rss_kib())
         # Now, before later batches reuse these blocks (a report naming them then is theirs).
         found += _not_late(engine, blocks)
         if not drained:
             break
     kvfail.note("soak_batches", batches)
+    if len(rss) > 1 and None not in rss:  # D's memory after the first batch vs the last
+        kvfail.note("soak_rss_growth_kib", rss[-1] - rss[0])
     rids = list(fault_of)
     good = [rid for rid in rids if fault_of[rid] is None]
     bad = [rid for rid in rids if fault_of[rid] not in (None, FaultPoint.ABORT_WHILE_WAITING)]
