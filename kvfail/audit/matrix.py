@@ -14,6 +14,7 @@ metadata, never by importing it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -142,7 +143,7 @@ class Cell:
         return f"{text} +{not_run} not run" if not_run else text
 
     def text(self, dynamic: bool) -> str:
-        return f"{self.static_text} | {self.dynamic_text}" if dynamic else self.static_text
+        return f"{self.static_text} ; {self.dynamic_text}" if dynamic else self.static_text
 
 
 @dataclass
@@ -197,9 +198,37 @@ class Matrix:
         return cls(dynamic=bool(data["dynamic"]), runs=runs)
 
     def merged(self, other: Matrix) -> Matrix:
-        """This matrix with ``other``'s versions added (``other`` wins a shared version)."""
+        """This matrix with ``other``'s runs added; on a shared version, ``other``'s cells
+        win connector by connector (separate runs of a few connectors each add up)."""
         runs = {r.version: r for r in self.runs}
-        runs.update({r.version: r for r in other.runs})
+        for r in other.runs:
+            old = runs.get(r.version)
+            if old is None or old.error:
+                runs[r.version] = r
+                continue
+            cells = {**old.cells, **r.cells}
+            for name, cell in r.cells.items():
+                before = old.cells.get(name)
+                if cell.dynamic is None and before is not None and before.dynamic is not None:
+                    # A later static-only run refreshes the static verdict, keeps the
+                    # dynamic one.
+                    cells[name] = dataclasses.replace(
+                        cell,
+                        dynamic=before.dynamic,
+                        dynamic_errors=before.dynamic_errors,
+                        dynamic_failures=before.dynamic_failures,
+                    )
+            runs[r.version] = dataclasses.replace(
+                r,
+                cells=cells,
+                elapsed_s=old.elapsed_s + r.elapsed_s,
+                error=r.error if not r.cells else None,
+                features=r.features or old.features,
+                dynamic_incomplete="; ".join(
+                    x for x in (old.dynamic_incomplete, r.dynamic_incomplete) if x
+                )
+                or None,
+            )
         ordered = sorted(runs.values(), key=lambda r: _version_key(r.version))
         return Matrix(dynamic=self.dynamic or other.dynamic, runs=ordered)
 
@@ -437,7 +466,7 @@ def render_table(matrix: Matrix, fmt: str = "table") -> str:
     lines.append(
         "cell: static checks failed (ids as in `kvfail audit`; ok = none)"
         + (
-            " | dynamic scenarios (ok n/n, FAIL k/n; +k error: the tool could not judge them"
+            " ; dynamic scenarios (ok n/n, FAIL k/n; +k error: the tool could not judge them"
             " on that vLLM, a missing feature; - = no driver)"
             if matrix.dynamic
             else ""

@@ -72,11 +72,11 @@ def test_cells_read_static_failures_and_dynamic_counts() -> None:
     cell = old["MooncakeConnector"]
     assert cell.static_fail == ["reports"] and cell.static_checked == 2  # n/a not counted
     assert cell.dynamic == (2, 5, 0)
-    assert cell.text(dynamic=True) == "FAIL reports | FAIL 2/5"
+    assert cell.text(dynamic=True) == "FAIL reports ; FAIL 2/5"
     assert not old["Gone"].present and old["Gone"].static_text == "absent"
     new = m.cells_from_audit(NEW)
     assert new["MooncakeConnector"].dynamic_text == "ok 5/5 +1 not run"
-    assert new["OnlyNew"].text(dynamic=True) == "? deadline | -"
+    assert new["OnlyNew"].text(dynamic=True) == "? deadline ; -"
 
 
 def test_table_has_one_row_per_connector_and_a_column_per_version() -> None:
@@ -84,7 +84,7 @@ def test_table_has_one_row_per_connector_and_a_column_per_version() -> None:
     lines = text.splitlines()
     assert lines[0].split() == ["connector", "vLLM", "0.29.0", "vLLM", "0.32.0"]
     mooncake = next(line for line in lines if line.startswith("MooncakeConnector"))
-    assert "FAIL reports | FAIL 2/5" in mooncake and "ok | ok 5/5 +1 not run" in mooncake
+    assert "FAIL reports ; FAIL 2/5" in mooncake and "ok ; ok 5/5 +1 not run" in mooncake
     only_new = next(line for line in lines if line.startswith("OnlyNew"))
     assert "absent" in only_new  # not in 0.29.0's report at all
     md = m.render_table(_matrix(), "markdown")
