@@ -45,33 +45,54 @@ def prompts(n: int, length: int = 160, seed: int = 1234) -> list[list[int]]:
     return [[rng.randrange(10, 49_000) for _ in range(length)] for _ in range(n)]
 
 
-async def complete(base_url: str, model: str, prompt: list[int], idx: int,
-                   timeout_s: float = 120.0) -> Outcome:
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
-                                timeout=timeout_s)
+async def complete(
+    base_url: str, model: str, prompt: list[int], idx: int, timeout_s: float = 120.0
+) -> Outcome:
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=timeout_s
+    )
     t0 = time.monotonic()
     try:
         r = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
             extra_body={"return_token_ids": True, "ignore_eos": True},
         )
         choice = r.choices[0]
         extra = choice.model_extra or {}
-        return Outcome(idx, 200, choice.finish_reason, extra.get("token_ids"), None,
-                       time.monotonic() - t0, time.monotonic())
+        return Outcome(
+            idx,
+            200,
+            choice.finish_reason,
+            extra.get("token_ids"),
+            None,
+            time.monotonic() - t0,
+            time.monotonic(),
+        )
     except openai.APIStatusError as exc:
-        return Outcome(idx, exc.status_code, None, None, str(exc)[:300],
-                       time.monotonic() - t0, time.monotonic())
+        return Outcome(
+            idx,
+            exc.status_code,
+            None,
+            None,
+            str(exc)[:300],
+            time.monotonic() - t0,
+            time.monotonic(),
+        )
     except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-        return Outcome(idx, 0, None, None, repr(exc)[:300], time.monotonic() - t0,
-                       time.monotonic())
+        return Outcome(idx, 0, None, None, repr(exc)[:300], time.monotonic() - t0, time.monotonic())
     finally:
         await client.close()
 
 
-async def complete_all(base_url: str, model: str, batch: list[list[int]],
-                       first_idx: int = 0) -> list[Outcome]:
+async def complete_all(
+    base_url: str, model: str, batch: list[list[int]], first_idx: int = 0
+) -> list[Outcome]:
     """All prompts at once, concurrently."""
-    return list(await asyncio.gather(
-        *(complete(base_url, model, p, first_idx + i) for i, p in enumerate(batch))
-    ))
+    return list(
+        await asyncio.gather(
+            *(complete(base_url, model, p, first_idx + i) for i, p in enumerate(batch))
+        )
+    )

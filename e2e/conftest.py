@@ -30,14 +30,16 @@ SUMMARY: dict[str, Any] = {}
 #: Left out: ``test_restart_p`` (a fourth server start, 1.5-3 min here) and every
 #: Mooncake test (a second deployment). Measured in e2e/README.md.
 CI_CONNECTOR = "nixl"
-CI_TESTS = frozenset({
-    "test_listeners_loopback_only",
-    "test_stack_dumps_reach_every_server_process",
-    "test_pd_matches_local_and_is_deterministic",
-    "test_freeze_p_mid_run",
-    "test_kill_p_mid_run",
-    "test_failure_counters_by_stage",
-})
+CI_TESTS = frozenset(
+    {
+        "test_listeners_loopback_only",
+        "test_stack_dumps_reach_every_server_process",
+        "test_pd_matches_local_and_is_deterministic",
+        "test_freeze_p_mid_run",
+        "test_kill_p_mid_run",
+        "test_failure_counters_by_stage",
+    }
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -75,8 +77,13 @@ def e2e_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def model_dir(e2e_dir: Path) -> str:
     """The random-weight checkpoint, generated in a subprocess (offline, seeded, ~5 s)."""
     out = e2e_dir / "model"
-    subprocess.run([sys.executable, "-m", "e2e.model", str(out)], check=True, timeout=300,
-                   cwd=Path(__file__).resolve().parent.parent, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "e2e.model", str(out)],
+        check=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+    )
     return str(out)
 
 

@@ -44,9 +44,12 @@ def _timestamp_kvfail_logs() -> None:
     last-resort handler, without a time: give them one, so a failure can be placed among
     vLLM's own lines when judging how late it was noticed."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(
-        "(kvfail pid=%(process)d) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
-        "%m-%d %H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(
+            "(kvfail pid=%(process)d) %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
+            "%m-%d %H:%M:%S",
+        )
+    )
     log = logging.getLogger("kvfail")
     log.addHandler(handler)
     log.setLevel(logging.INFO)

@@ -21,10 +21,16 @@ Policy = Literal["fail", "recompute"]
 POLICIES: tuple[Policy, ...] = ("fail", "recompute")
 
 #: Metric names worth recording before/after each fault (D side).
-WATCHED = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-           "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications",
-           "vllm:nixl_num_kv_expired_reqs", "vllm:request_success_total",
-           "vllm:prompt_tokens_by_source_total")
+WATCHED = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:nixl_num_failed_transfers",
+    "vllm:nixl_num_failed_notifications",
+    "vllm:nixl_num_kv_expired_reqs",
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_by_source_total",
+)
 
 
 @dataclass
@@ -39,8 +45,9 @@ class Deployment:
     p_engine_id: str | None = None
 
     def backend(self, policy: Policy) -> Backend:
-        return Backend(self.p.url, self.d[policy].url, self.connector, self.p_engine_id,
-                       self.p.bootstrap_addr)
+        return Backend(
+            self.p.url, self.d[policy].url, self.connector, self.p_engine_id, self.p.bootstrap_addr
+        )
 
     def swap_p(self, p: VllmServer) -> None:
         """Point every proxy at a new (restarted) P; reap the old one (killed or not)."""
@@ -63,15 +70,25 @@ def p_spec(connector: Literal["nixl", "mooncake"], engine_id: str | None) -> Ser
     return ServerSpec("P", connector, "kv_producer", engine_id=engine_id)
 
 
-def start_deployment(connector: Literal["nixl", "mooncake"], model: str, log_dir: Path,
-                     deadline_s: float, policies: tuple[Policy, ...] = POLICIES) -> Deployment:
+def start_deployment(
+    connector: Literal["nixl", "mooncake"],
+    model: str,
+    log_dir: Path,
+    deadline_s: float,
+    policies: tuple[Policy, ...] = POLICIES,
+) -> Deployment:
     """Start P and the Ds concurrently and wait for all (bounded by `START_TIMEOUT_S` each)."""
     # Mooncake's P returns no kv_transfer_params: the router must know P's engine id.
     p_engine = f"P-{connector}-e2e" if connector == "mooncake" else None
     p = start_server(p_spec(connector, p_engine), model, log_dir)
-    ds = {pol: start_server(ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol,
-                                       deadline_s=deadline_s), model, log_dir)
-          for pol in policies}
+    ds = {
+        pol: start_server(
+            ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol, deadline_s=deadline_s),
+            model,
+            log_dir,
+        )
+        for pol in policies
+    }
     dep = Deployment(connector, model, log_dir, deadline_s, p, ds, p_engine_id=p_engine)
     try:
         for s in dep.servers():
@@ -147,13 +164,15 @@ def local_reference(server: VllmServer, prompts: list[list[int]]) -> list[list[i
     return [o.token_ids if o.ok else None for o in outs]
 
 
-def through_proxy(proxy: PDProxy, model: str, prompts: list[list[int]],
-                  first_idx: int = 0) -> list[Outcome]:
+def through_proxy(
+    proxy: PDProxy, model: str, prompts: list[list[int]], first_idx: int = 0
+) -> list[Outcome]:
     return asyncio.run(complete_all(proxy.url, model, prompts, first_idx))
 
 
-def wait_idle(server: VllmServer, baseline_usage: float | None,
-              timeout_s: float) -> dict[str, float]:
+def wait_idle(
+    server: VllmServer, baseline_usage: float | None, timeout_s: float
+) -> dict[str, float]:
     """Poll the server's /metrics until nothing waits or runs and (unless
     ``baseline_usage`` is None) KV usage is back to its baseline."""
     deadline = time.monotonic() + timeout_s
@@ -167,25 +186,37 @@ def wait_idle(server: VllmServer, baseline_usage: float | None,
         waiting = metric(m, "vllm:num_requests_waiting")
         running = metric(m, "vllm:num_requests_running")
         usage = metric(m, "vllm:kv_cache_usage_perc")
-        if waiting == 0 and running == 0 and (
-                baseline_usage is None or usage <= baseline_usage + 1e-9):
+        if (
+            waiting == 0
+            and running == 0
+            and (baseline_usage is None or usage <= baseline_usage + 1e-9)
+        ):
             return {"waiting": waiting, "running": running, "kv_usage": usage}
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"{server.spec.name} not idle after {timeout_s}s: waiting={waiting} "
-                f"running={running} kv_usage={usage} (baseline {baseline_usage})")
+                f"running={running} kv_usage={usage} (baseline {baseline_usage})"
+            )
         time.sleep(0.5)
 
 
-async def held_run(proxy: PDProxy, model: str, prompts: list[list[int]], first_idx: int,
-                   n_held: int, fault: Any,
-                   timeout_s: float = 300.0) -> tuple[list[Outcome], float]:
+async def held_run(
+    proxy: PDProxy,
+    model: str,
+    prompts: list[list[int]],
+    first_idx: int,
+    n_held: int,
+    fault: Any,
+    timeout_s: float = 300.0,
+) -> tuple[list[Outcome], float]:
     """Send all prompts with the proxy's gate closed; once `n_held` prefills are done and
     waiting, run `fault()` (kill or freeze P), then open the gate. Returns the outcomes and
     the monotonic time at which the decodes were released."""
     proxy.hold()
-    tasks = [asyncio.create_task(complete(proxy.url, model, p, first_idx + i))
-             for i, p in enumerate(prompts)]
+    tasks = [
+        asyncio.create_task(complete(proxy.url, model, p, first_idx + i))
+        for i, p in enumerate(prompts)
+    ]
     loop = asyncio.get_running_loop()
     try:
         await loop.run_in_executor(None, proxy.wait_held, n_held, 240.0)

@@ -57,8 +57,9 @@ class ProxyStats:
 class PDProxy:
     """The proxy, running its own event loop in a daemon thread, bound to 127.0.0.1."""
 
-    def __init__(self, backend: Backend, *, prefill_timeout_s: float = 60.0,
-                 decode_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, backend: Backend, *, prefill_timeout_s: float = 60.0, decode_timeout_s: float = 120.0
+    ) -> None:
         self.backend = backend
         self.port = free_port()
         self.stats = ProxyStats()
@@ -141,28 +142,33 @@ class PDProxy:
         else:
             prefill["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
         try:
-            async with self._session.post(f"{backend.prefill_url}/v1/completions", json=prefill,
-                                          timeout=self._prefill_timeout) as r:
+            async with self._session.post(
+                f"{backend.prefill_url}/v1/completions", json=prefill, timeout=self._prefill_timeout
+            ) as r:
                 p_body = await r.json(content_type=None)
                 if r.status != 200:
                     self.stats.prefill_errors += 1
-                    return web.json_response({"error": {"message": f"prefill: {p_body}"}},
-                                             status=502)
+                    return web.json_response(
+                        {"error": {"message": f"prefill: {p_body}"}}, status=502
+                    )
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.stats.prefill_errors += 1
-            return web.json_response({"error": {"message": f"prefill failed: {exc!r}"}},
-                                     status=502)
+            return web.json_response({"error": {"message": f"prefill failed: {exc!r}"}}, status=502)
         self.stats.prefills_done += 1
         if backend.connector == "nixl":
             params = p_body.get("kv_transfer_params")
             if not params:
-                return web.json_response({"error": {"message": "P returned no kv params"}},
-                                         status=502)
+                return web.json_response(
+                    {"error": {"message": "P returned no kv params"}}, status=502
+                )
         else:
-            params = {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": backend.p_engine_id,
-                      "remote_bootstrap_addr": backend.p_bootstrap_addr,
-                      "transfer_id": transfer_id}
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": backend.p_engine_id,
+                "remote_bootstrap_addr": backend.p_bootstrap_addr,
+                "transfer_id": transfer_id,
+            }
         gate = self._gate()
         if not gate.is_set():
             self.stats.held += 1
@@ -172,10 +178,10 @@ class PDProxy:
         self.stats.decodes_sent += 1
         self._note("decode")
         try:
-            async with self._session.post(f"{backend.decode_url}/v1/completions", json=decode,
-                                          timeout=self._decode_timeout) as r:
+            async with self._session.post(
+                f"{backend.decode_url}/v1/completions", json=decode, timeout=self._decode_timeout
+            ) as r:
                 raw = await r.read()
                 return web.Response(body=raw, status=r.status, content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return web.json_response({"error": {"message": f"decode failed: {exc!r}"}},
-                                     status=504)
+            return web.json_response({"error": {"message": f"decode failed: {exc!r}"}}, status=504)

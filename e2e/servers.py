@@ -70,9 +70,18 @@ BASE_ENV: dict[str, str] = {
 #: scripts/setup.sh installs into the venv. KVFAIL_E2E_DEPS may name an extra directory
 #: for a venv set up otherwise.
 DEPS_DIR = Path(os.environ.get("KVFAIL_E2E_DEPS", "/nonexistent/kvfail-e2e-deps"))
-SERVE_MODULES = ("watchfiles", "setproctitle", "pythonjsonlogger",
-                 "prometheus_fastapi_instrumentator", "blake3", "ijson",
-                 "compressed_tensors", "loguru", "model_hosting_container_standards", "jmespath")
+SERVE_MODULES = (
+    "watchfiles",
+    "setproctitle",
+    "pythonjsonlogger",
+    "prometheus_fastapi_instrumentator",
+    "blake3",
+    "ijson",
+    "compressed_tensors",
+    "loguru",
+    "model_hosting_container_standards",
+    "jmespath",
+)
 
 #: Server start budget: minutes on a small CPU machine, more with several servers starting.
 START_TIMEOUT_S = 420.0
@@ -123,7 +132,8 @@ class VllmServer:
                 self.check_log()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{self.spec.name} not healthy in {timeout_s}s\n{self.tail()}")
+                        f"{self.spec.name} not healthy in {timeout_s}s\n{self.tail()}"
+                    )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         break
@@ -132,8 +142,13 @@ class VllmServer:
                 time.sleep(1.0)
             r = client.post(
                 f"{self.url}/v1/completions",
-                json={"model": self.model, "prompt": [5, 6, 7, 8], "max_tokens": 2,
-                      "temperature": 0, "return_token_ids": True},
+                json={
+                    "model": self.model,
+                    "prompt": [5, 6, 7, 8],
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                },
                 timeout=120.0,
             )
             if r.status_code != 200:
@@ -280,13 +295,27 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}-{port}.log"
     argv = [
-        sys.executable, "-m", "e2e.launcher", "serve", model,
-        "--host", HOST, "--port", str(port),
-        "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
-        "--enforce-eager", "--no-enable-prefix-caching",
+        sys.executable,
+        "-m",
+        "e2e.launcher",
+        "serve",
+        model,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
         # The worker runs inside the engine core process (VLLM_ENABLE_V1_MULTIPROCESSING).
-        "--distributed-executor-backend", "uni",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(spec)),
+        "--distributed-executor-backend",
+        "uni",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(spec)),
     ]
     # PeerProcess pipes stdout; redirect it into the log file through a tiny shell-free trick:
     # run the launcher with its own stdout bound to the file.
@@ -372,7 +401,7 @@ def listeners_of(pids: set[int]) -> list[tuple[str, int]]:
 
 def _addr(hex_addr: str, v6: bool) -> str:
     if not v6:
-        return ".".join(str(int(hex_addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+        return ".".join(str(int(hex_addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
     if int(hex_addr, 16) == 0:
         return "::"
     return "::1" if hex_addr == "00000000000000000000000001000000" else hex_addr

@@ -65,8 +65,9 @@ def _skip_reason(connector: str) -> str | None:
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def dep(request: pytest.FixtureRequest, model_dir: str, e2e_dir: Path,
-        summary: dict[str, Any]) -> Iterator[Deployment]:
+def dep(
+    request: pytest.FixtureRequest, model_dir: str, e2e_dir: Path, summary: dict[str, Any]
+) -> Iterator[Deployment]:
     connector: str = request.param
     reason = _skip_reason(connector)
     if reason:
@@ -91,9 +92,16 @@ def _record(summary: dict[str, Any], dep: Deployment, key: str, value: Any) -> N
 
 
 def _brief(outs: list[Outcome], t_release: float | None = None) -> list[dict[str, Any]]:
-    return [{"i": o.prompt_idx, "status": o.status, "finish": o.finish_reason,
-             "after_release_s": None if t_release is None else round(o.done_at - t_release, 2),
-             "err": (o.error or "")[:120]} for o in outs]
+    return [
+        {
+            "i": o.prompt_idx,
+            "status": o.status,
+            "finish": o.finish_reason,
+            "after_release_s": None if t_release is None else round(o.done_at - t_release, 2),
+            "err": (o.error or "")[:120],
+        }
+        for o in outs
+    ]
 
 
 def _prompt_set(tag: int) -> list[list[int]]:
@@ -110,7 +118,8 @@ def _check_no_wrong_tokens(outs: list[Outcome], ref: list[list[int] | None]) -> 
         if o.status == 200 and o.token_ids is not None:
             assert o.token_ids == ref[o.prompt_idx], (
                 f"200 with wrong tokens for prompt {o.prompt_idx}: {o.token_ids} != "
-                f"{ref[o.prompt_idx]}")
+                f"{ref[o.prompt_idx]}"
+            )
 
 
 def test_listeners_loopback_only(dep: Deployment) -> None:
@@ -140,19 +149,22 @@ def test_stack_dumps_reach_every_server_process(dep: Deployment) -> None:
     dumped = dump.count("Current thread 0x")
     assert dumped >= 2, (
         f"{dumped} processes dumped their stacks ({pids}), expected the API server and the "
-        f"engine core:\n{dump}")
+        f"engine core:\n{dump}"
+    )
     assert "in run_engine_core" in dump, f"the engine core did not dump:\n{dump}"
 
 
-def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, Any],
-                                               summary: dict[str, Any]) -> None:
+def test_pd_matches_local_and_is_deterministic(
+    dep: Deployment, refs: dict[str, Any], summary: dict[str, Any]
+) -> None:
     """P/D through the proxy gives the same greedy tokens as D computing alone, and repeats
     agree: the precondition for judging outputs after a fault."""
     ps = _prompt_set(0)
     for policy in POLICIES:
         d = dep.d[policy]
-        before = metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
-                        source="external_kv_transfer")
+        before = metric(
+            d.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
         a = local_reference(d, ps)
         b = local_reference(d, ps)
         assert all(x is not None for x in a), a
@@ -160,16 +172,21 @@ def test_pd_matches_local_and_is_deterministic(dep: Deployment, refs: dict[str, 
         outs = through_proxy(dep.proxies[policy], d.model, ps)
         assert all(o.ok for o in outs), _brief(outs)
         assert [o.token_ids for o in outs] == a, "P/D output differs from D's local output"
-        after = metric(d.metrics(), "vllm:prompt_tokens_by_source_total",
-                       source="external_kv_transfer")
+        after = metric(
+            d.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
         assert after - before >= len(ps) * 128, "no KV came from P: the transfer did not run"
         refs[policy] = a
     _record(summary, dep, "determinism", "ok: local x2 == P/D for both Ds")
 
 
-def _fault_run(dep: Deployment, tag: int, fault: Any, n_held: int = N_HELD,
-               stacks: dict[str, str] | None = None
-               ) -> dict[Policy, tuple[list[Outcome], float, list]]:
+def _fault_run(
+    dep: Deployment,
+    tag: int,
+    fault: Any,
+    n_held: int = N_HELD,
+    stacks: dict[str, str] | None = None,
+) -> dict[Policy, tuple[list[Outcome], float, list]]:
     """Run the held scenario on both Ds at once (one fault hits both), once ``n_held``
     decodes wait at each proxy's gate.
 
@@ -197,22 +214,30 @@ def _fault_run(dep: Deployment, tag: int, fault: Any, n_held: int = N_HELD,
     barrier = threading.Barrier(len(POLICIES), action=fault_then_watch, timeout=300)
 
     async def both() -> list[tuple[list[Outcome], float]]:
-        return list(await asyncio.gather(*(
-            held_run(dep.proxies[pol], dep.d[pol].model, ps, 0, n_held, barrier.wait)
-            for pol in POLICIES)))
+        return list(
+            await asyncio.gather(
+                *(
+                    held_run(dep.proxies[pol], dep.d[pol].model, ps, 0, n_held, barrier.wait)
+                    for pol in POLICIES
+                )
+            )
+        )
 
     try:
         results = asyncio.run(both())
     finally:
         done.set()
-    return {pol: (outs, rel, refs[pol]) for pol, (outs, rel) in zip(POLICIES, results,
-                                                                     strict=True)}
+    return {pol: (outs, rel, refs[pol]) for pol, (outs, rel) in zip(POLICIES, results, strict=True)}
 
 
-def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Outcome], float,
-                                                                        list]],
-                            name: str, summary: dict[str, Any], silent: bool,
-                            stacks: dict[str, str] | None = None) -> None:
+def _assert_policy_outcomes(
+    dep: Deployment,
+    results: dict[Policy, tuple[list[Outcome], float, list]],
+    name: str,
+    summary: dict[str, Any],
+    silent: bool,
+    stacks: dict[str, str] | None = None,
+) -> None:
     report: dict[str, Any] = {}
     late = "\n".join((stacks or {}).values())
     for pol, (outs, released, ref) in results.items():
@@ -225,7 +250,8 @@ def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Ou
             # Every held request meets a P that is gone or silent: it must fail (500 from
             # D; 502 from the proxy for a prefill P never answered), never a 200.
             assert all(o.failed for o in held), (
-                f"{name}/fail: a held request did not fail: {report[pol]}")
+                f"{name}/fail: a held request did not fail: {report[pol]}"
+            )
             for o in outs:
                 assert o.ok or o.failed, f"{name}/fail: neither ok nor an error: {o}"
             # When the client saw the error, counted from the release of the decodes.
@@ -235,15 +261,16 @@ def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Ou
                 worst = max(failed_after)
                 assert worst <= DEADLINE_S + DETECT_SLACK_S, (
                     f"silent P noticed after {worst:.1f}s (deadline {DEADLINE_S}s): "
-                    f"{report[pol]}\nD stacks while late:\n{late}")
+                    f"{report[pol]}\nD stacks while late:\n{late}"
+                )
         else:
             # A request whose prefill P never answered cannot be recomputed by D (it never
             # got there): the proxy's 502 is its right answer. Every one that reached D
             # must complete.
             assert all(o.ok for o in held if not _prefill_failed(o)), (
-                f"{name}/recompute: {report[pol]}")
-            assert all(o.ok or _prefill_failed(o) for o in outs), (
-                f"{name}/recompute: {report[pol]}")
+                f"{name}/recompute: {report[pol]}"
+            )
+            assert all(o.ok or _prefill_failed(o) for o in outs), f"{name}/recompute: {report[pol]}"
             if silent:
                 # Recompute hides the failure from the client, but not its timing: the
                 # held requests must complete once the deadline fired (plus the
@@ -251,7 +278,8 @@ def _assert_policy_outcomes(dep: Deployment, results: dict[Policy, tuple[list[Ou
                 worst = max(o.done_at - released for o in held)
                 assert worst <= DEADLINE_S + 2 * DETECT_SLACK_S, (
                     f"recompute after a silent P took {worst:.1f}s (deadline {DEADLINE_S}s): "
-                    f"{report[pol]}\nD stacks while late:\n{late}")
+                    f"{report[pol]}\nD stacks while late:\n{late}"
+                )
     _record(summary, dep, name, report)
 
 
@@ -339,7 +367,9 @@ def test_slow_p_past_deadline(dep: Deployment, summary: dict[str, Any]) -> None:
         for pol in POLICIES:
             t = threading.Thread(
                 target=lambda pol=pol: fills.__setitem__(pol, _fill_waves(dep.d[pol], fill, until)),
-                name=f"fill-{pol}", daemon=True)
+                name=f"fill-{pol}",
+                daemon=True,
+            )
             t.start()
             threads.append(t)
 
@@ -354,12 +384,17 @@ def test_slow_p_past_deadline(dep: Deployment, summary: dict[str, Any]) -> None:
     report: dict[str, Any] = {}
     for pol in POLICIES:
         outs = fills.get(pol, [])
-        wrong = [o.prompt_idx for o in outs
-                 if o.ok and o.token_ids != fill_ref[pol][o.prompt_idx % N_FILL]]
+        wrong = [
+            o.prompt_idx
+            for o in outs
+            if o.ok and o.token_ids != fill_ref[pol][o.prompt_idx % N_FILL]
+        ]
         errors = [o for o in outs if not o.ok]
-        report[pol] = {"own_requests": len(outs), "wrong_tokens": wrong,
-                       "errors": [(o.prompt_idx, o.status, (o.error or "")[:80])
-                                  for o in errors]}
+        report[pol] = {
+            "own_requests": len(outs),
+            "wrong_tokens": wrong,
+            "errors": [(o.prompt_idx, o.status, (o.error or "")[:80]) for o in errors],
+        }
         assert outs, f"{pol}: none of D's own requests ran while P was slow"
         assert not wrong, f"{pol}: D's own requests got wrong tokens: {report[pol]}"
         assert not errors, f"{pol}: D's own requests failed: {report[pol]}"
@@ -426,7 +461,8 @@ def test_restart_p(dep: Deployment, summary: dict[str, Any]) -> None:
         assert all(o.ok for o in outs), _brief(outs)
         assert [o.token_ids for o in outs] == ref
         assert external_tokens(dep.d[pol]) - before >= len(ps) * 128, (
-            f"{pol}: D did not load the KV from the restarted P")
+            f"{pol}: D did not load the KV from the restarted P"
+        )
 
 
 def test_failure_counters_by_stage(dep: Deployment, summary: dict[str, Any]) -> None:
@@ -442,8 +478,13 @@ def test_failure_counters_by_stage(dep: Deployment, summary: dict[str, Any]) -> 
     for pol in POLICIES:
         d = dep.d[pol]
         m = d.metrics()
-        stages = sorted({k.split('stage="')[1].split('"')[0] for k in m
-                         if k.startswith("vllm:kvfail_loads_failed_total{")})
+        stages = sorted(
+            {
+                k.split('stage="')[1].split('"')[0]
+                for k in m
+                if k.startswith("vllm:kvfail_loads_failed_total{")
+            }
+        )
         by_stage = {st: metric(m, "vllm:kvfail_loads_failed_total", stage=st) for st in stages}
         total = metric(m, "vllm:kvfail_events_total", event="loads_failed")
         log = d.log_text()
@@ -452,8 +493,10 @@ def test_failure_counters_by_stage(dep: Deployment, summary: dict[str, Any]) -> 
             "loads_failed_total_by_stage": {st: v for st, v in by_stage.items() if v},
             "events_loads_failed": total,
             "log_load_failed_lines": log.count("kvfail: load failed"),
-            "last_log_stage_line": next((ln[ln.index("KV Transfer"):] for ln in
-                                         reversed(kv_lines) if " stage." in ln), None),
+            "last_log_stage_line": next(
+                (ln[ln.index("KV Transfer") :] for ln in reversed(kv_lines) if " stage." in ln),
+                None,
+            ),
         }
         assert stages, f"{pol}: no vllm:kvfail_loads_failed_total series on D's /metrics"
         assert by_stage.get("watchdog", 0) > 0, f"{pol}: the frozen P left no watchdog count"
@@ -463,8 +506,10 @@ def test_failure_counters_by_stage(dep: Deployment, summary: dict[str, Any]) -> 
         # freeze/thaw cycle the READs to the killed P can also stay in PROC until the
         # deadline (then the stage is ``watchdog``).
         assert total >= N_PROMPTS + N_HELD, (
-            f"{pol}: {total} failed loads counted, fewer than the faults failed: {by_stage}")
+            f"{pol}: {total} failed loads counted, fewer than the faults failed: {by_stage}"
+        )
         assert sum(by_stage.values()) == total > 0, (
-            f"{pol}: per-stage counts {by_stage} do not add up to loads_failed={total}")
+            f"{pol}: per-stage counts {by_stage} do not add up to loads_failed={total}"
+        )
         assert report[pol]["log_load_failed_lines"] > 0, f"{pol}: no 'kvfail: load failed' log"
     _record(summary, dep, "kvfail_counters", report)

@@ -27,4 +27,3 @@ def test_a_refused_side_channel_is_told_from_a_listening_one() -> None:
         port = listening.getsockname()[1]
         assert not _refuses("127.0.0.1", port, 0.5)
     assert _refuses("127.0.0.1", closed_port(), 0.5)
-
