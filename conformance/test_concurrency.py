@@ -450,8 +450,6 @@ def _soak_plan(kvfail: Any, rng: random.Random, n: int) -> list[FaultPoint | Non
     return plan
 
 
-@pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
-@pytest.mark.guards("#50719", "#55870", "#32255")
 def _rss_kib() -> int | None:
     """This process's resident set (D's scheduler and, at TP 1, its worker), or None."""
     try:
@@ -464,6 +462,8 @@ def _rss_kib() -> int | None:
     return None
 
 
+@pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
+@pytest.mark.guards("#50719", "#55870", "#32255")
 def test_soak_random_faults(kvfail: Any) -> None:
     """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
     with a fault drawn from a seeded plan (``SOAK_SEED``, noted with the counts) over the
