@@ -123,11 +123,16 @@ class _LateRead:
         workers = self.engine.workers
         return [w.call(block_digest, self.blocks, world_size=len(workers)) for w in workers]
 
-    def settle(self, before: list[str], delay_s: float) -> None:
+    def changed_since(self, before: list[str]) -> tuple[str, str]:
+        """Which D ranks' blocks differ from the digests ``before``, and a note when
+        there were none to compare, in words."""
         after = self.digests()
         changed = [rank for rank, (a, b) in enumerate(zip(before, after, strict=False)) if a != b]
         where = f"on D rank(s) {changed}" if changed else "on no D rank"
-        seen = "" if before else " (the load's blocks were never seen)"
+        return where, "" if before else " (the load's blocks were never seen)"
+
+    def settle(self, before: list[str], delay_s: float) -> None:
+        where, seen = self.changed_since(before)
         self.done = (
             f"P, stopped while D's READ was posted, went on {delay_s:g} s after D added it; "
             f"the load's blocks changed {where} while D did not step{seen}"

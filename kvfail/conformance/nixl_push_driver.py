@@ -47,10 +47,7 @@ class _LateWrite(_LateRead):
     say what happened in push mode (P's WRITE, not D's READ)."""
 
     def settle(self, before: list[str], delay_s: float) -> None:
-        after = self.digests()
-        changed = [rank for rank, (a, b) in enumerate(zip(before, after, strict=False)) if a != b]
-        where = f"on D rank(s) {changed}" if changed else "on no D rank"
-        seen = "" if before else " (the load's blocks were never seen)"
+        where, seen = self.changed_since(before)
         self.done = (
             f"P, stopped with D's registration unread, went on {delay_s:g} s after D added "
             f"the load; in the {NixlDriver.LATE_SETTLE_S:g} s after, while D did not step "
