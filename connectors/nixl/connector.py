@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -127,8 +128,38 @@ def _deadline_from(vllm_config: VllmConfig) -> float | None:
     return seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
 
 
-class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
+class LoggedFailureStages:
+    """Upstream's single failure log line (``_log_failure``, emitted once per failure and
+    matched on by vLLM's tests), then one mixin call for the failure types that fail a
+    load, with the stage the worker's ``KVFAIL_LOG_STAGES`` gives them. Shared by the
+    pull and push workers; put it before :class:`FailureReporterMixin` and upstream's
+    worker."""
+
+    KVFAIL_LOG_STAGES: ClassVar[Mapping[str, Stage]] = {}
+
+    def _log_failure(
+        self,
+        failure_type: str,
+        req_id: str | None,
+        msg: str = "",
+        error: BaseException | None = None,
+        meta: ReqMeta | None = None,
+        **extra_context: Any,
+    ) -> None:
+        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)  # type: ignore[misc]
+        stage = self.KVFAIL_LOG_STAGES.get(failure_type)
+        if stage is None or req_id is None:
+            return
+        reason = failure_type if error is None else f"{failure_type}: {error!r}"
+        # settle=False: upstream still holds the request (handles, or its failed queue);
+        # it is settled when upstream reports it done.
+        self.load_failed(req_id, stage, reason, settle=False)  # type: ignore[attr-defined]
+
+
+class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker):
     """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
+
+    KVFAIL_LOG_STAGES = FAILURE_STAGES
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
@@ -218,25 +249,6 @@ class KvfailNixlWorker(FailureReporterMixin, NixlPullConnectorWorker):
         )
 
     # ------------------------------------------------------------------ failures
-
-    def _log_failure(
-        self,
-        failure_type: str,
-        req_id: str | None,
-        msg: str = "",
-        error: BaseException | None = None,
-        meta: ReqMeta | None = None,
-        **extra_context: Any,
-    ) -> None:
-        """Upstream's single failure log line; we record the stage where it is known."""
-        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
-        stage = FAILURE_STAGES.get(failure_type)
-        if stage is None or req_id is None:
-            return
-        reason = failure_type if error is None else f"{failure_type}: {error!r}"
-        # settle=False: upstream may still hold handles; settling happens when upstream
-        # reports the request done (no outstanding handles).
-        self.load_failed(req_id, stage, reason, settle=False)
 
     def _handle_failed_transfer(
         self,

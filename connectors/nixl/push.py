@@ -61,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
 
-from connectors.nixl.connector import FENCE_RETRY_S, _deadline_from
+from connectors.nixl.connector import FENCE_RETRY_S, LoggedFailureStages, _deadline_from
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NixlConnectorMetadata,
-        ReqMeta,
     )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -127,8 +126,10 @@ class _Probe:
     waiters: set[str] = field(default_factory=set)
 
 
-class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
+class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker):
     """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
+
+    KVFAIL_LOG_STAGES = PUSH_FAILURE_STAGES
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
@@ -188,24 +189,6 @@ class KvfailNixlPushWorker(FailureReporterMixin, NixlPushConnectorWorker):
             super()._do_send_reg_notif(req_id, reg_data)
 
     # ------------------------------------------------------------------ failures
-
-    def _log_failure(
-        self,
-        failure_type: str,
-        req_id: str | None,
-        msg: str = "",
-        error: BaseException | None = None,
-        meta: ReqMeta | None = None,
-        **extra_context: Any,
-    ) -> None:
-        """Upstream's single failure log line; we record the stage where it is known."""
-        super()._log_failure(failure_type, req_id, msg, error, meta, **extra_context)
-        stage = PUSH_FAILURE_STAGES.get(failure_type)
-        if stage is None or req_id is None:
-            return
-        reason = failure_type if error is None else f"{failure_type}: {error!r}"
-        # settle=False: upstream reports it done through its failed queue next step.
-        self.load_failed(req_id, stage, reason, settle=False)
 
     def _handle_failed_transfer(
         self,
