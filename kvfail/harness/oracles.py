@@ -3,7 +3,7 @@
 Why separate functions returning lists: a scenario usually breaks several rules at once
 (a stall is also a leak), and a test report that names every broken clause is worth more
 than the first assertion. Each violation is one string that starts with the clause it
-breaks (``contract.md``), e.g. ``"C2/C10 liveness: ..."``. An empty list means the check
+breaks (``docs/contract.md``), e.g. ``"C2/C10 liveness: ..."``. An empty list means the check
 passed. The oracles read the real scheduler's state plus the engine's record; they never
 change either, so they can run at any point (usually after ``run_until_idle``).
 
