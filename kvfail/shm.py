@@ -7,7 +7,8 @@ engine a test builds leaves megabytes behind, and a later world reusing a name f
 with EEXIST. So every harness world gets a unique name under one prefix per top-level
 process (inherited by the peer processes it starts), the engine removes its own segments
 when it closes, and the pytest plugin sweeps the prefix at the end of the session for
-those of engines that were killed.
+those of engines that were killed. vLLM's IPC socket files get the same treatment: one
+directory per session (:func:`session_ipc_dir`), removed when the session ends.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pathlib import Path
 
 __all__ = [
     "new_shm_ident",
+    "release_ipc_dir",
     "release_orphans",
     "release_shared_memory",
     "segment_names",
+    "session_ipc_dir",
     "session_prefix",
 ]
 
@@ -37,6 +40,37 @@ def session_prefix() -> str:
 def owns_session_prefix() -> bool:
     """True in the process that created the prefix (the one that should sweep it)."""
     return os.environ.get(PREFIX_ENV) == f"kvfail{os.getpid()}"
+
+
+#: vLLM names its ZeroMQ IPC endpoints (a TP world's message queue, an engine's RPC) as
+#: socket files under this directory; a rank that ends with ``os._exit`` or SIGKILL never
+#: unlinks them, so each session gets a directory of its own that it removes at the end.
+IPC_ENV = "VLLM_RPC_BASE_PATH"
+_IPC_OWNER_ENV = "KVFAIL_IPC_OWNER"
+
+
+def session_ipc_dir() -> str:
+    """This process tree's directory for vLLM's IPC socket files (created once, inherited
+    by the processes it starts). A directory the user set is used as it is, never removed."""
+    if os.environ.get(IPC_ENV):
+        return os.environ[IPC_ENV]
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=f"{session_prefix()}-ipc-")
+    os.environ[IPC_ENV] = path
+    os.environ[_IPC_OWNER_ENV] = f"{os.getpid()}:{path}"
+    return path
+
+
+def release_ipc_dir() -> bool:
+    """Remove the IPC directory this process created (no-op elsewhere); True if removed."""
+    import shutil
+
+    owner, _, path = os.environ.get(_IPC_OWNER_ENV, "").partition(":")
+    if owner != str(os.getpid()) or not path:
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
 
 
 def new_shm_ident() -> str:

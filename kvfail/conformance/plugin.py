@@ -252,6 +252,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # end-of-session sweep (which only the owner runs) covers their TP worlds too: a NIXL
     # producer started first had taken a prefix of its own, left behind after the run.
     shm.session_prefix()
+    shm.session_ipc_dir()
     _SHM_BEFORE.update(shm.segment_names())
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
@@ -634,11 +635,12 @@ _SHM_BEFORE: set[str] = set()
 
 
 def _sweep_shared_memory() -> None:
-    """Remove the TP worlds' shared memory this session left (killed peers' ranks), and
-    the ``psm_*`` message-queue segments of killed vLLM processes created since the session
-    began that no live process uses (one default run had left 17, 24 MB each)."""
+    """Remove the TP worlds' shared memory this session left (killed peers' ranks), the
+    ``psm_*`` message-queue segments of killed vLLM processes created since the session
+    began that no live process uses, and the session's directory of IPC socket files."""
     from kvfail import shm
 
     if shm.owns_session_prefix():
         shm.release_orphans(_SHM_BEFORE)
         shm.release_shared_memory(shm.session_prefix())
+    shm.release_ipc_dir()

@@ -55,3 +55,29 @@ def test_only_new_unused_segments_go() -> None:
         holder.wait(timeout=10)
         for path in Path("/dev/shm").glob(f"{tag}*"):
             path.unlink()
+
+
+def test_the_ipc_directory_is_the_sessions_own_and_goes_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's IPC socket files land in a directory the session made, and only the process
+    that made it removes it; a directory the user chose is never touched."""
+    monkeypatch.delenv(shm.IPC_ENV, raising=False)
+    monkeypatch.delenv("KVFAIL_IPC_OWNER", raising=False)
+    path = Path(shm.session_ipc_dir())
+    assert os.environ[shm.IPC_ENV] == str(path) and path.is_dir()
+    assert shm.session_ipc_dir() == str(path)  # once per process tree
+    (path / "a-socket-file").write_text("")
+    monkeypatch.setenv("KVFAIL_IPC_OWNER", f"{os.getpid() + 1}:{path}")  # a child's view
+    assert shm.release_ipc_dir() is False and path.is_dir()
+    monkeypatch.setenv("KVFAIL_IPC_OWNER", f"{os.getpid()}:{path}")
+    assert shm.release_ipc_dir() is True and not path.exists()
+
+
+def test_a_user_chosen_ipc_directory_is_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(shm.IPC_ENV, str(tmp_path))
+    monkeypatch.delenv("KVFAIL_IPC_OWNER", raising=False)
+    assert shm.session_ipc_dir() == str(tmp_path)
+    assert shm.release_ipc_dir() is False and tmp_path.is_dir()
