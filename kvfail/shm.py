@@ -89,13 +89,14 @@ def release_shared_memory(ident: str) -> int:
     return removed
 
 
-#: Python's ``multiprocessing.shared_memory`` default name prefix: vLLM's message queues
-#: (scheduler -> workers) use it, so a ``vllm serve`` that is SIGKILLed leaves its
-#: segments behind under random names we cannot predict.
-ANON_PREFIX = "psm_"
+#: Name prefixes of Python's ``multiprocessing`` objects in /dev/shm: ``shared_memory``
+#: segments (vLLM's message queues, scheduler -> workers) and named semaphores (its
+#: multiprocessing locks). A ``vllm serve`` that is SIGKILLed leaves both behind under
+#: random names we cannot predict.
+ANON_PREFIX: tuple[str, ...] = ("psm_", "sem.mp-")
 
 
-def segment_names(prefix: str = ANON_PREFIX) -> set[str]:
+def segment_names(prefix: str | tuple[str, ...] = ANON_PREFIX) -> set[str]:
     """The /dev/shm names that start with ``prefix`` now."""
     try:
         return {p.name for p in _SHM_DIR.iterdir() if p.name.startswith(prefix)}
@@ -103,40 +104,54 @@ def segment_names(prefix: str = ANON_PREFIX) -> set[str]:
         return set()
 
 
-def _segments_in_use() -> set[str]:
-    """Names under /dev/shm that some live process maps or holds open."""
-    used: set[str] = set()
+def _inodes_in_use() -> set[int]:
+    """Inodes under /dev/shm that some live process maps or holds open. Inodes, not names:
+    glibc's ``sem_open`` maps a temporary file and then links it to the semaphore's name, so
+    the mapping shows a deleted temporary name while the inode is the named file's."""
+    used: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text().splitlines():
-                _, _, path = line.partition("/dev/shm/")
-                if path:
-                    used.add(path.split(" ")[0])
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    used.add(int(fields[4]))
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        used.add(target.removeprefix("/dev/shm/"))
+                    if os.readlink(fd).startswith("/dev/shm/"):
+                        used.add(os.stat(fd).st_ino)
     return used
 
 
-def release_orphans(before: set[str], prefix: str = ANON_PREFIX, settle_s: float = 0.2) -> int:
-    """Unlink segments named ``prefix*`` that appeared since ``before`` was taken and that
-    no live process uses any more: what killed servers left. A segment must be unused in
-    two looks ``settle_s`` apart (a process may be between creating and mapping it; its
-    age says nothing, as a live queue's writes keep its mtime fresh)."""
+def _unused(names: set[str]) -> set[str]:
+    used = _inodes_in_use()
+    unused = set()
+    for name in names:
+        with contextlib.suppress(OSError):
+            if (_SHM_DIR / name).stat().st_ino not in used:
+                unused.add(name)
+    return unused
+
+
+def release_orphans(
+    before: set[str], prefix: str | tuple[str, ...] = ANON_PREFIX, settle_s: float = 0.2
+) -> int:
+    """Unlink segments named ``prefix*`` (one prefix or several) that appeared since
+    ``before`` was taken and that no live process uses any more: what killed servers left.
+    A segment must be unused in two looks ``settle_s`` apart (a process may be between
+    creating and mapping it; its age says nothing, as a live queue's writes keep its mtime
+    fresh)."""
     import time
 
     candidates = segment_names(prefix) - before
     if not candidates:
         return 0
-    unused = candidates - _segments_in_use()
+    unused = _unused(candidates)
     if unused:
         time.sleep(settle_s)
-        unused -= _segments_in_use()
+        unused = _unused(unused)
     removed = 0
     for name in unused:
         with contextlib.suppress(OSError):

@@ -57,6 +57,46 @@ def test_only_new_unused_segments_go() -> None:
             path.unlink()
 
 
+_SEMAPHORE = (
+    "import sys, _multiprocessing\n"
+    "sem = _multiprocessing.SemLock(1, 1, 1, sys.argv[1], False)  # named, never unlinked\n"
+    "print('up', flush=True)\n"
+    "if sys.argv[2] == 'hold':\n"
+    "    sys.stdin.read()\n"
+)
+
+
+def test_a_killed_processs_named_semaphore_goes_and_a_held_one_stays() -> None:
+    """multiprocessing's named semaphores (``sem.mp-*``) outlive a SIGKILLed server too;
+    one that a live process still has mapped is left alone."""
+    tag = f"mp-kvfailtest{os.getpid()}"
+    prefix = f"sem.{tag}"
+    before = shm.segment_names(prefix)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _SEMAPHORE, f"/{tag}held", "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == b"up"
+        gone = subprocess.run(
+            [sys.executable, "-c", _SEMAPHORE, f"/{tag}orphan", "exit"],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+        assert gone.stdout.strip() == b"up"
+        assert shm.segment_names(prefix) - before == {f"{prefix}held", f"{prefix}orphan"}
+        assert shm.release_orphans(before, prefix=prefix) == 1
+        assert shm.segment_names(prefix) - before == {f"{prefix}held"}
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        for path in Path("/dev/shm").glob(f"{prefix}*"):
+            path.unlink()
+
+
 def test_the_ipc_directory_is_the_sessions_own_and_goes_at_the_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
