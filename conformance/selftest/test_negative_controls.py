@@ -131,6 +131,13 @@ def _records(run: tuple[int, list[dict[str, Any]], str], connector: str) -> list
     return [r for r in run[1] if r["connector"] == connector]
 
 
+def _why(recs: list[dict[str, Any]], scenario: str) -> list[tuple[str, str]]:
+    """Each run of ``scenario``: its outcome and its reason, so a failure says what broke."""
+    return [
+        (r["outcome"], str(r.get("reason", ""))[:2000]) for r in recs if r["scenario"] == scenario
+    ]
+
+
 def test_report_has_required_fields(suite_run: Any) -> None:
     _ret, records, matrix = suite_run
     assert records
@@ -171,7 +178,7 @@ def test_negative_control_is_flagged_by_the_right_scenario(suite_run: Any, contr
     # Broken in ONE way: the happy path and the request that never loads still pass.
     for ok in BASICS:
         outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
-        assert outcomes == {"passed"}, (ok, outcomes)
+        assert outcomes == {"passed"}, (ok, _why(recs, ok))
 
 
 @pytest.mark.parametrize(
@@ -214,7 +221,7 @@ def test_real_negative_control_is_flagged_by_the_right_scenario(
     assert clause in flagged[0]["reason"], (clause, flagged[0]["reason"])
     for ok in set(REAL_SCENARIOS) - {scenario}:
         outcomes = {r["outcome"] for r in recs if r["scenario"] == ok}
-        assert outcomes == {"passed"}, (ok, outcomes)
+        assert outcomes == {"passed"}, (ok, _why(recs, ok))
 
 
 def test_real_controls_resolve_to_the_mooncake_driver() -> None:
