@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from kvfail.audit.applicability import Assessor
+from kvfail.audit.coverage import DRIVERS_PENDING, driven_refs, driver_entry_points, driver_for
 from kvfail.audit.inventory import Target, UsageError, discover
 from kvfail.audit.report import RENDERERS, Audit, Row, columns_for, exit_status
 from kvfail.audit.source import SourceIndex
@@ -208,9 +210,15 @@ def _collect(
         )
     n = len(targets)
     rows: list[Row] = []
+    assess = Assessor(index, graph)
+    driven, eps = driven_refs(index), driver_entry_points()
     for i, target in enumerate(targets, start=1):
         progress.step(i, n, f"auditing {target.name} (static)...")
-        rows.append(Row(target, audit_target(target, index, graph)))
+        row = Row(target, audit_target(target, index, graph), assess(target.ref))
+        row.driver = driver_for(target.name, target.ref, graph, driven, eps)
+        if target.origin == "vllm-registry":
+            row.pending = DRIVERS_PENDING.get(target.name)
+        rows.append(row)
     if dynamic_runner is not None and not quick:
         # After the static tier, so the dynamic tier's budget counts what the static took.
         prepare = getattr(dynamic_runner, "prepare", None)

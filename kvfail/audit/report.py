@@ -12,9 +12,21 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from kvfail.audit.applicability import BLOCKED, NOT_APPLICABLE, Applicability
 from kvfail.audit.inventory import Target
 from kvfail.audit.static import CHECKS, FAIL, NA, PASS, UNKNOWN, CheckSpec, Finding
 
+#: The dynamic runner's row note for a connector it did not run, and the reason it gives
+#: for one without a transport driver (kvfail.audit.dynamic).
+NOT_RUN_NOTE = "dynamic tier not run: "
+NO_DRIVER = "no transport driver"
+COVERAGE_CELL = {
+    NOT_APPLICABLE: "n/a: never loads",
+    BLOCKED: "blocked",
+    "driver_not_built": "no driver yet",
+    "not_run": "not run",
+    "unknown": "-",
+}
 MARK = {PASS: "ok", FAIL: "FAIL", UNKNOWN: "?", NA: "-"}
 LEVEL_RANK = {"MUST": 2, "SHOULD": 1}
 THRESHOLD = {"must": 2, "should": 1, "never": 99}
@@ -38,9 +50,47 @@ class Row:
 
     target: Target
     findings: list[Finding] = field(default_factory=list)
+    #: Why it never loads or cannot run here, read from its source (None: neither).
+    applicability: Applicability | None = None
+    #: The ``--connector`` value of the driver that runs it, read from source (None: none).
+    driver: str | None = None
+    #: Why a runnable registry connector has no driver yet (``coverage.DRIVERS_PENDING``).
+    pending: str | None = None
 
     def violations(self) -> list[Finding]:
         return [f for f in self.findings if f.violation]
+
+    def coverage(self, dynamic_ran: bool) -> dict[str, Any]:
+        """Why this row has, or has not, dynamic verdicts: ``kind`` is ``driver``,
+        ``not_applicable``, ``blocked``, ``driver_not_built``, ``not_run`` or
+        ``unknown`` (static tier only), with the reason and its evidence."""
+        dyn = [f for f in self.findings if f.tier == "DYNAMIC"]
+        if dyn:
+            return {"kind": "driver", "reason": f"{len(dyn)} scenarios", "evidence": []}
+        if self.applicability is not None:
+            return self.applicability.to_dict()
+        if not self.target.installed:
+            return {"kind": "not_run", "reason": "not installed", "evidence": []}
+        not_run = [n for n in self.target.notes if n.startswith(NOT_RUN_NOTE)]
+        if self.driver is not None and not dynamic_ran:
+            reason = f"driver {self.driver} (the dynamic tier did not run)"
+            return {"kind": "driver", "reason": reason, "evidence": []}
+        if self.pending is not None or (dynamic_ran and any(NO_DRIVER in n for n in not_run)):
+            return {
+                "kind": "driver_not_built",
+                "reason": "runnable here (no never-loads or blocking reason in its source); "
+                + (self.pending or "no transport driver built yet"),
+                "evidence": [],
+            }
+        if dynamic_ran:
+            why = not_run[0].removeprefix(NOT_RUN_NOTE) if not_run else "no result"
+            return {"kind": "not_run", "reason": why, "evidence": []}
+        return {
+            "kind": "unknown",
+            "reason": "no never-loads or blocking reason in its source; driver not checked "
+            "(the dynamic tier did not run)",
+            "evidence": [],
+        }
 
 
 @dataclass
@@ -99,19 +149,19 @@ DYNAMIC_COLUMN = CheckSpec(
 
 
 def _shown_columns(audit: Audit) -> list[CheckSpec]:
+    """Static columns, then the dynamic one (counts, or why a row has none)."""
     static = [c for c in audit.columns if not c.id.startswith("dyn:")]
-    if len(static) == len(audit.columns):
-        return static
     return [*static, DYNAMIC_COLUMN]
 
 
-def _dynamic_cell(row: Row) -> str:
-    """Counts, never cut to the column width (they are short and must stay exact)."""
+def _dynamic_cell(row: Row, dynamic_ran: bool = True) -> str:
+    """Counts, never cut to the column width (they are short and must stay exact); for a
+    row without any, why (its coverage)."""
     dyn = [f for f in row.findings if f.tier == "DYNAMIC"]
     ran = [f for f in dyn if f.status in (PASS, FAIL)]
     not_run = sum(f.status == UNKNOWN for f in dyn)  # collected, never reached (budget)
     if not ran and not not_run:
-        return "-"
+        return COVERAGE_CELL.get(row.coverage(dynamic_ran)["kind"], "-")
     bad = sum(f.status == FAIL for f in ran)
     if not ran:
         return f"? {not_run} not run"
@@ -119,11 +169,29 @@ def _dynamic_cell(row: Row) -> str:
     return f"{text} +{not_run} not run" if not_run else text
 
 
-def _row_cells(row: Row, columns: list[CheckSpec], width: int = 0) -> list[str]:
+def _row_cells(
+    row: Row, columns: list[CheckSpec], width: int = 0, dynamic_ran: bool = True
+) -> list[str]:
     return [
-        _dynamic_cell(row) if c is DYNAMIC_COLUMN else _cell(_lookup(row, c.id), width)
+        _dynamic_cell(row, dynamic_ran) if c is DYNAMIC_COLUMN else _cell(_lookup(row, c.id), width)
         for c in columns
     ]
+
+
+def _coverage_lines(audit: Audit) -> list[str]:
+    """Each row without dynamic verdicts: why, with the source lines it rests on."""
+    ran = audit.dynamic_note is None
+    out: list[str] = []
+    for row in audit.rows:
+        cov = row.coverage(ran)
+        if cov["kind"] == "driver":
+            continue
+        label = COVERAGE_CELL.get(cov["kind"], cov["kind"])
+        if cov["kind"] == NOT_APPLICABLE:
+            label = "never loads: not applicable"
+        out.append(f"{row.target.name}: {label}: {cov['reason']}")
+        out += [f"    {e['path']}:{e['line']}: {e['text']}" for e in cov["evidence"]]
+    return out
 
 
 def _header(c: CheckSpec) -> str:
@@ -166,7 +234,9 @@ def _legend(audit: Audit) -> list[str]:
         lines.append(
             "  dynamic = scenarios passed / run by `pytest conformance/` on the connector's "
             "transport driver (xfail counts as FAIL); each failure is listed below; "
-            "'+N not run' = N more scenarios not started within --budget-s (see Rows)."
+            "'+N not run' = N more scenarios not started within --budget-s (see Rows); "
+            "without any: 'n/a: never loads', 'blocked' (cannot run here) or 'no driver yet', "
+            "each with its source lines under 'Why no dynamic verdict'."
         )
     if audit.dynamic_note:
         lines.append(f"Dynamic tier: {audit.dynamic_note}")
@@ -217,13 +287,18 @@ def render_table(audit: Audit, width: int = 13) -> str:
     """Fixed-width terminal matrix, then the legend and each violation with evidence."""
     columns = _shown_columns(audit)
     head = ["connector", *(_header(c) for c in columns)]
-    body = [[row.target.name, *_row_cells(row, columns, width)] for row in audit.rows]
+    ran = audit.dynamic_note is None
+    body = [[row.target.name, *_row_cells(row, columns, width, ran)] for row in audit.rows]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in body]
     notes = [f"{r.target.name}: {'; '.join(r.target.notes)}" for r in audit.rows if r.target.notes]
     lines += ["", *_legend(audit), "", "Rows:", *(f"  {n}" for n in notes)]
+    coverage = _coverage_lines(audit)
+    if coverage:
+        lines += ["", "Why no dynamic verdict (read from the installed source):"]
+        lines += [f"  {c}" for c in coverage]
     patches = _patch_lines(audit)
     if patches:
         lines += ["", *patches]
@@ -249,9 +324,12 @@ def render_markdown(audit: Audit) -> str:
         "|" + "---|" * len(head),
     ]
     for row in audit.rows:
-        cells = [f"`{row.target.name}`", *_row_cells(row, columns)]
+        cells = [f"`{row.target.name}`", *_row_cells(row, columns, 0, audit.dynamic_note is None)]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines += ["", *(f"{x}  " for x in _legend(audit))]
+    coverage = _coverage_lines(audit)
+    if coverage:
+        lines += ["", "## Why no dynamic verdict", "", "```", *coverage, "```"]
     patches = _patch_lines(audit)
     if patches:
         lines += ["", "## Rig patches", "", "```", *patches, "```"]
@@ -290,6 +368,7 @@ def render_json(audit: Audit) -> str:
                 "resolved": r.target.ref.qualname if r.target.ref else None,
                 "path": str(r.target.path) if r.target.path else None,
                 "notes": r.target.notes,
+                "coverage": r.coverage(audit.dynamic_note is None),
                 "violations": sorted({f"{f.spec.clause}:{f.spec.level}" for f in r.violations()}),
                 "findings": [f.to_dict() for f in r.findings],
             }
