@@ -125,6 +125,12 @@ class EngineSpec:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     seed: int = 0
+    #: Give the worker hooks the forward context a model runner gives them: attention
+    #: metadata per layer and layers exposing ``kv_cache`` (views of this engine's KV
+    #: tensors), with ``wait_for_layer_load`` / ``save_kv_layer`` called per layer around
+    #: the forward as vLLM's attention layers call them. Synchronous, layer-wise
+    #: connectors (vLLM's ExampleConnector) load and save nothing without it.
+    layer_forward_context: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_config", _frozen_mapping(self.extra_config))
@@ -138,6 +144,8 @@ class EngineSpec:
             raise ValueError("tp_size must be >= 1")
         if self.tp_mode not in ("simulated", "processes"):
             raise ValueError(f"tp_mode must be 'simulated' or 'processes', got {self.tp_mode!r}")
+        if self.layer_forward_context and self.tp_mode == "processes":
+            raise ValueError("layer_forward_context is built for in-process ranks only")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is vLLM's null block)")
 

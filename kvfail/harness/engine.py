@@ -78,7 +78,15 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvfail import compat, nixl_progress
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
-from kvfail.harness.hooks import ForwardHookError, RankView, SplitForward, run_worker_hooks
+from kvfail.harness.hooks import (
+    ForwardHookError,
+    KVLayer,
+    LayerAttentionMetadata,
+    LayerContext,
+    RankView,
+    SplitForward,
+    run_worker_hooks,
+)
 from kvfail.harness.ranks import RankCrash, RankProcess
 from kvfail.shm import new_shm_ident, release_shared_memory
 
@@ -701,13 +709,38 @@ class Engine:
             elif self.forward is not None and not isinstance(self.forward, SplitForward):
                 hook = self.forward
                 forward = lambda: hook(self, worker, so)  # noqa: E731
+            layers = self.layer_context(worker, so) if self.spec.layer_forward_context else None
             with _installed_as_transfer_group(worker.connector):
-                result = run_worker_hooks(worker.connector, so, self.vllm_config, forward)
+                result = run_worker_hooks(worker.connector, so, self.vllm_config, forward, layers)
         if result.no_forward is not None:
             return result.no_forward
         if plan is not None and plan[0].collect is not None:
             plan[0].collect(self, worker.rank, result.forward_result)
         return self._model_runner_output(so, result.kv_output)
+
+    def layer_context(self, worker: Worker, so: SchedulerOutput) -> LayerContext:
+        """The forward context's per-layer part, as the model runner builds it: each
+        scheduled token's KV slot (its block in the layer's group, its offset), in the
+        order of ``so.num_scheduled_tokens``. ``schedule()`` has already advanced each
+        request's ``num_computed_tokens`` by what it scheduled."""
+        bs = self.spec.block_size
+        manager = self.scheduler.kv_cache_manager
+        groups = self.spec.num_kv_cache_groups
+        slots: list[list[int]] = [[] for _ in range(groups)]
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            first = request.num_computed_tokens - n
+            blocks = manager.get_block_ids(req_id)
+            for g in range(groups):
+                slots[g] += [blocks[g][p // bs] * bs + p % bs for p in range(first, first + n)]
+        per_group = [
+            LayerAttentionMetadata(torch.tensor(s, dtype=torch.long), len(s)) for s in slots
+        ]
+        names = self.built.layer_names
+        return LayerContext(
+            attn_metadata={name: per_group[i % groups] for i, name in enumerate(names)},
+            layers={name: KVLayer(worker.kv_caches[name]) for name in names},
+        )
 
     @staticmethod
     def _drain(remote: list[Worker]) -> None:

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 if TYPE_CHECKING:
-    import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -33,7 +33,42 @@ if TYPE_CHECKING:
     from kvfail.harness.config import BuiltConfig
     from kvfail.harness.engine import Engine
 
-__all__ = ["ForwardHookError", "RankView", "SplitForward", "StepResult", "run_worker_hooks"]
+__all__ = [
+    "ForwardHookError",
+    "KVLayer",
+    "LayerAttentionMetadata",
+    "LayerContext",
+    "RankView",
+    "SplitForward",
+    "StepResult",
+    "run_worker_hooks",
+]
+
+
+@dataclass(frozen=True)
+class LayerAttentionMetadata:
+    """One layer's attention metadata for a harness step: the KV slots the step's
+    scheduled tokens are written to, in batch order (what a layer-wise connector reads)."""
+
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+
+
+@dataclass
+class KVLayer:
+    """An attention layer as the forward context holds it: ``kv_cache`` is the layer's
+    ``[B, H, N, C]`` view, bound as vLLM's ``bind_kv_cache`` binds it."""
+
+    kv_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What the model runner puts in the forward context for one step (see
+    ``EngineSpec.layer_forward_context``): metadata and a layer object per layer name."""
+
+    attn_metadata: dict[str, LayerAttentionMetadata]
+    layers: dict[str, KVLayer]
 
 
 @dataclass(frozen=True)
@@ -90,10 +125,15 @@ def run_worker_hooks(
     so: SchedulerOutput,
     vllm_config: VllmConfig,
     forward: Callable[[], Any] | None,
+    layers: LayerContext | None = None,
 ) -> StepResult:
     """Run one rank's connector hooks for ``so``; ``forward`` is called where the model
     would run (inside the connector's load/save window). Raises :class:`ForwardHookError`
-    if ``forward`` raises, and whatever a connector hook raises."""
+    if ``forward`` raises, and whatever a connector hook raises.
+
+    With ``layers``, the forward context carries their attention metadata and layer
+    objects, and each layer's ``wait_for_layer_load`` (before the forward) and
+    ``save_kv_layer`` (after it) are called, as vLLM's attention layers call them."""
     assert so.kv_connector_metadata is not None
     connector.handle_preemptions(so.kv_connector_metadata)
     if so.total_num_scheduled_tokens == 0:
@@ -102,13 +142,26 @@ def run_worker_hooks(
         # The empty case returns a shared module-level object: never mutate it.
         return StepResult(copy.copy(mro), None)
     result: Any = None
-    with (
-        set_forward_context(None, vllm_config),
-        KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_output,
-    ):
-        if forward is not None:
-            try:
-                result = forward()
-            except Exception as exc:
-                raise ForwardHookError(exc) from exc
+    static = vllm_config.compilation_config.static_forward_context
+    saved = dict(static)
+    if layers is not None:  # what the model's construction registers, here per step
+        static.update(layers.layers)
+    try:
+        with (
+            set_forward_context(None if layers is None else layers.attn_metadata, vllm_config),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kv_output,
+        ):
+            for name in layers.layers if layers is not None else ():
+                connector.wait_for_layer_load(name)
+            if forward is not None:
+                try:
+                    result = forward()
+                except Exception as exc:
+                    raise ForwardHookError(exc) from exc
+            if layers is not None:
+                for name, layer in layers.layers.items():
+                    connector.save_kv_layer(name, layer.kv_cache, layers.attn_metadata[name])
+    finally:
+        static.clear()
+        static.update(saved)
     return StepResult(None, kv_output, result)
