@@ -41,8 +41,6 @@ DRIVERS_PENDING: dict[str, str] = {
     "installed; a store driver is not built yet",
     "MultiConnector": "composes other connectors; a driver over two children (one whose "
     "load fails, a bystander) is not built yet",
-    "ExampleConnector": "writes and reads safetensors files on local disk; its driver "
-    "is not built yet",
     "NixlPushConnector": "the nixl-push-upstream driver runs it under its own name; the "
     "registry name has no driver yet",
 }

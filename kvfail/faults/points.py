@@ -87,6 +87,7 @@ class Injection(enum.StrEnum):
     PEER = "peer"  # a scripted peer answering wrongly on purpose
     DRIVER = "driver"  # the test driver acts on D (abort, zero-block request)
     TOPOLOGY = "topology"  # the fault hits one part of a multi-worker setup
+    STORE = "store"  # the driver damages the store's files on disk (a store connector)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,11 @@ class FaultPoint(enum.StrEnum):
     ABORT_WHILE_WAITING = "abort_while_waiting"
     NOTIFY_ONLY_EMPTY_BLOCKS = "notify_only_empty_blocks"
     TP_ONE_RANK = "tp_one_rank"
+    STORE_FILE_DELETED = "store_file_deleted"
+    STORE_FILE_TRUNCATED = "store_file_truncated"
+    STORE_GARBAGE_HEADER = "store_garbage_header"
+    STORE_REPLACED_BY_DIR = "store_replaced_by_dir"
+    STORE_DATA_OVERWRITTEN = "store_data_overwritten"
 
     @property
     def spec(self) -> FaultSpec:
@@ -282,6 +288,36 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _A,
             Injection.TOPOLOGY,
             "C1 C2 C6 C8 C10 C11",
+        ),
+        FaultPoint.STORE_FILE_DELETED: _spec(
+            "a file the store advertised is deleted before D loads it",
+            _A,
+            Injection.STORE,
+            "C1 C4 C13",
+        ),
+        FaultPoint.STORE_FILE_TRUNCATED: _spec(
+            "a file the store advertised is cut to half its length before D loads it",
+            _A,
+            Injection.STORE,
+            "C1 C4 C13",
+        ),
+        FaultPoint.STORE_GARBAGE_HEADER: _spec(
+            "a file the store advertised starts with garbage instead of its header",
+            _A,
+            Injection.STORE,
+            "C1 C4 C13",
+        ),
+        FaultPoint.STORE_REPLACED_BY_DIR: _spec(
+            "a file the store advertised is replaced by a directory of the same name",
+            _A,
+            Injection.STORE,
+            "C1 C4 C13",
+        ),
+        FaultPoint.STORE_DATA_OVERWRITTEN: _spec(
+            "a file the store advertised keeps its format but holds other bytes",
+            _A,
+            Injection.STORE,
+            "C1",
         ),
     }
 )

@@ -1,0 +1,257 @@
+"""The conformance driver for vLLM's ``ExampleConnector`` (``--connector vllm:ExampleConnector``).
+
+ExampleConnector is a store connector: P saves one safetensors file per layer under a
+directory named by the prompt's hash, and a later D with the same prompt finds the
+directory and loads the files synchronously, layer by layer, in ``start_load_kv``. Why a
+driver of its own: its faults are the store's (a file deleted, truncated, corrupted,
+replaced by a directory, overwritten), not a peer's.
+
+P is a harness engine in this process running the same connector (the real save path:
+``save_kv_layer`` per layer, through the harness's layer forward context), writing real
+files into a directory on disk that the driver creates and removes. Both engines' forwards
+write a pattern that is a function of the token and the layer, so any KV slot D computed
+or loaded can be compared with what it must hold (the integrity oracle).
+
+Fault points (all provoked by :meth:`ExampleDriver.provoke` on P's files, before D steps):
+``store_file_deleted``, ``store_file_truncated``, ``store_garbage_header``,
+``store_replaced_by_dir``, ``store_data_overwritten``. TP 1, one KV-cache group.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Declared, Driver
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine, Worker
+
+__all__ = ["STORE_FAULTS", "ExampleDriver", "make_driver", "pattern_value", "write_pattern"]
+
+STORE_FAULTS = frozenset(
+    {
+        FaultPoint.STORE_FILE_DELETED,
+        FaultPoint.STORE_FILE_TRUNCATED,
+        FaultPoint.STORE_GARBAGE_HEADER,
+        FaultPoint.STORE_REPLACED_BY_DIR,
+        FaultPoint.STORE_DATA_OVERWRITTEN,
+    }
+)
+BLOCK_SIZE = 32
+
+
+def pattern_value(token: int, layer: int) -> float:
+    """What every element of a token's KV slot in ``layer`` holds: exact in float16 (a
+    multiple of 1/64 below 16), different for neighbouring tokens and layers."""
+    return ((token % 997) + 3 * layer) % 1024 / 64
+
+
+def write_pattern(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
+    """A forward (``ForwardHook``): every token this step computes gets its pattern in
+    every layer, at the slot the layer context maps it to."""
+    ctx = engine.layer_context(worker, so)
+    bs = engine.spec.block_size
+    positions: list[tuple[Any, int]] = []
+    for req_id, n in so.num_scheduled_tokens.items():
+        request = engine.scheduler.requests[req_id]
+        first = request.num_computed_tokens - n
+        positions += [(request, p) for p in range(first, first + n)]
+    for i, name in enumerate(engine.built.layer_names):
+        view = ctx.layers[name].kv_cache
+        slots = ctx.attn_metadata[name].slot_mapping.tolist()
+        for (request, pos), slot in zip(positions, slots, strict=True):
+            view[slot // bs, :, slot % bs] = pattern_value(request.all_token_ids[pos], i)
+
+
+def wrong_positions(engine: Engine, request_id: str, upto: int) -> list[str]:
+    """Positions below ``upto`` whose KV in some layer is not the pattern (D's tensors)."""
+    import torch
+
+    request = engine.scheduler.requests.get(request_id)
+    if request is None:
+        return []
+    bs = engine.spec.block_size
+    blocks = engine.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+    tokens = request.all_token_ids
+    out: list[str] = []
+    for i, name in enumerate(engine.built.layer_names):
+        view = engine.workers[0].kv_caches[name]
+        bad = [
+            p
+            for p in range(upto)
+            if not torch.all(view[blocks[p // bs], :, p % bs] == pattern_value(tokens[p], i))
+        ]
+        if bad:
+            out.append(f"{name}: positions {bad[0]}..{bad[-1]} ({len(bad)} of {upto})")
+    return out
+
+
+class ExampleDriver(Driver):
+    """vLLM's ExampleConnector over real files on disk (see the module docstring)."""
+
+    connector = "ExampleConnector"
+
+    def __init__(self, name: str) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        self.name = name
+        self.connector_cls = KVConnectorFactory.get_connector_class_by_name(self.connector)
+        self._root: Path | None = None
+        self._p: Engine | None = None
+        #: request id -> the files P wrote for its prompt (one per layer).
+        self._files: dict[str, list[Path]] = {}
+        #: (engine, request id) -> the first wrong-KV finding seen while it ran.
+        self._wrong: dict[tuple[int, str], str] = {}
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="kvfail-example-store-"))
+        return self._root
+
+    def start(self) -> None:
+        self.root  # noqa: B018 - the store directory exists before any engine
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._p.close()
+            self._p = None
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+        self._files.clear()
+
+    @property
+    def faults(self) -> frozenset[FaultPoint]:
+        return STORE_FAULTS
+
+    def declared(self) -> Declared:
+        return {
+            "async_load": (False, "ExampleConnector loads synchronously in start_load_kv"),
+            "sync_load": (True, "get_num_new_matched_tokens answers (n, False)"),
+            "remote_prefill": (True, "P, a harness engine, saves real files the D loads"),
+            "two_groups": (False, "the driver builds one KV-cache group"),
+            "real_transport": (True, "safetensors files in a directory on local disk"),
+            "tp2": (False, "the driver runs TP 1 only"),
+            "byte_verification": (True, "both forwards write a per-token pattern"),
+            "malformed_params": (False, "a store connector takes no kv_transfer_params"),
+        }
+
+    def engine_spec(
+        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
+    ) -> EngineSpec:
+        return self._spec(policy, "consumer")
+
+    def _spec(self, policy: Policy, role: str) -> EngineSpec:
+        from kvfail.harness.config import EngineSpec
+
+        return EngineSpec(
+            connector=self.connector,
+            connector_module=None,
+            role=role,  # type: ignore[arg-type]
+            policy=policy,
+            block_size=BLOCK_SIZE,
+            layer_forward_context=True,
+            extra_config={"shared_storage_path": str(self.root)},
+        )
+
+    def forward(self) -> Any:
+        return write_pattern
+
+    def _producer(self) -> Engine:
+        if self._p is None:
+            from kvfail.harness.engine import Engine
+
+            self._p = Engine(self._spec("fail", "producer"), forward=write_pattern)
+        return self._p
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """P prefills the prompt (its files land on disk), then D gets the same prompt."""
+        before = set(self.root.rglob("*.safetensors"))
+        p = self._producer()
+        p.add_request(f"P-{request_id}", prompt_len=prompt_len, prompt_seed=request_id)
+        p.run_until_idle(max_steps=20)
+        if p.crashed is not None:
+            raise RuntimeError(f"ExampleDriver: P crashed saving {request_id}: {p.crashed}")
+        files = sorted(set(self.root.rglob("*.safetensors")) - before)
+        if not files:
+            raise RuntimeError(f"ExampleDriver: P wrote no file for {request_id}")
+        self._files[request_id] = files
+        engine.add_request(
+            request_id, prompt_len=prompt_len, prompt_seed=request_id, max_tokens=max_tokens
+        )
+        return request_id
+
+    def settle(
+        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
+    ) -> None:
+        """Nothing to do: the load happens in D's next step."""
+
+    def provoke(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Iterable[int] | None = None,
+        block_index: int | None = None,
+    ) -> None:
+        """Damage the first layer's file of ``request_id`` (D has not stepped yet)."""
+        path = self._files[request_id][0]
+        if point is FaultPoint.STORE_FILE_DELETED:
+            path.unlink()
+        elif point is FaultPoint.STORE_FILE_TRUNCATED:
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+        elif point is FaultPoint.STORE_GARBAGE_HEADER:
+            data = path.read_bytes()
+            path.write_bytes(b"\xff" * 16 + data[16:])
+        elif point is FaultPoint.STORE_REPLACED_BY_DIR:
+            path.unlink()
+            path.mkdir()
+        elif point is FaultPoint.STORE_DATA_OVERWRITTEN:
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(path))
+            save_file({k: v + 1.0 for k, v in tensors.items()}, str(path))
+        else:
+            raise ValueError(f"ExampleDriver cannot provoke {point.value}")
+
+    def observe(self, engine: Engine) -> None:
+        """After each step: every running request's computed positions hold the pattern
+        (what P wrote for the loaded ones, what D's forward wrote for the rest)."""
+        from vllm.v1.request import RequestStatus
+
+        for rid, request in engine.scheduler.requests.items():
+            key = (id(engine), rid)
+            if key in self._wrong or request.status != RequestStatus.RUNNING:
+                continue
+            wrong = wrong_positions(engine, rid, request.num_computed_tokens)
+            if wrong:
+                self._wrong[key] = (
+                    f"C1 wrong KV: {rid} ran on KV that is not P's ({'; '.join(wrong)})"
+                )
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        return [v for (e, _rid), v in self._wrong.items() if e == id(engine)]
+
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        return self._wrong.get((id(engine), request_id))
+
+    def after_scenario(self) -> None:
+        self._wrong.clear()
+
+
+def make_driver(name: str) -> ExampleDriver:
+    """Entry point ``kvfail.drivers`` ``vllm:ExampleConnector``."""
+    return ExampleDriver(name)
