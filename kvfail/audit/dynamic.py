@@ -50,6 +50,9 @@ from kvfail.audit.inventory import Target
 from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Finding
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "conformance" / "test_scenarios.py"
+#: Scenario modules run besides :data:`SCENARIOS`: the store faults (a driver that does
+#: not advertise their capabilities skips them, naming it).
+MORE_SCENARIOS = (SCENARIOS.parent / "test_store_faults.py",)
 #: Outcome of one scenario over all policies: the worst one wins.
 _RANK = {"failed": 3, "xfailed": 3, "skipped": 1, "passed": 2}
 #: Default wall-clock budget of the whole audit (static + dynamic), seconds.
@@ -715,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = pytest.main(
         [
             str(SCENARIOS),
+            *(str(p) for p in MORE_SCENARIOS if p.exists()),
             "-q",
             "-p",
             "no:cacheprovider",

@@ -1497,6 +1497,11 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
     nixl = nixl_bases()
     if nixl is not None and issubclass(cls, nixl[0]):
         return NixlDriver.for_class(name, cls, registry_name)
+    from kvfail.conformance.example_driver import ExampleDriver, example_base
+
+    example = example_base()
+    if example is not None and issubclass(cls, example) and cls is not example:
+        return ExampleDriver(name, connector_cls=cls)  # a subclass: a negative control
     return GenericDriver(name, cls, registry_name)
 
 

@@ -34,7 +34,14 @@ if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine, Worker
 
-__all__ = ["STORE_FAULTS", "ExampleDriver", "make_driver", "pattern_value", "write_pattern"]
+__all__ = [
+    "STORE_FAULTS",
+    "ExampleDriver",
+    "example_base",
+    "make_driver",
+    "pattern_value",
+    "write_pattern",
+]
 
 STORE_FAULTS = frozenset(
     {
@@ -94,16 +101,36 @@ def wrong_positions(engine: Engine, request_id: str, upto: int) -> list[str]:
     return out
 
 
+def example_base() -> type | None:
+    """vLLM's ``ExampleConnector`` class, None where it cannot be imported."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector,
+        )
+    except Exception:
+        return None
+    return ExampleConnector
+
+
 class ExampleDriver(Driver):
-    """vLLM's ExampleConnector over real files on disk (see the module docstring)."""
+    """vLLM's ExampleConnector over real files on disk (see the module docstring).
 
-    connector = "ExampleConnector"
+    ``connector_cls``: a subclass to run on D instead (a negative control); P always runs
+    the registered ExampleConnector, so a D-side break tests D only."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         self.name = name
-        self.connector_cls = KVConnectorFactory.get_connector_class_by_name(self.connector)
+        self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
+            "ExampleConnector"
+        )
+        #: D's (connector, module): a registry name has no module.
+        self._d = (
+            ("ExampleConnector", None)
+            if connector_cls is None
+            else (connector_cls.__name__, connector_cls.__module__)
+        )
         self._root: Path | None = None
         self._p: Engine | None = None
         #: request id -> the files P wrote for its prompt (one per layer).
@@ -148,14 +175,20 @@ class ExampleDriver(Driver):
     def engine_spec(
         self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
     ) -> EngineSpec:
-        return self._spec(policy, "consumer")
+        return self._spec(policy, "consumer", *self._d)
 
-    def _spec(self, policy: Policy, role: str) -> EngineSpec:
+    def _spec(
+        self,
+        policy: Policy,
+        role: str,
+        connector: str = "ExampleConnector",
+        module: str | None = None,
+    ) -> EngineSpec:
         from kvfail.harness.config import EngineSpec
 
         return EngineSpec(
-            connector=self.connector,
-            connector_module=None,
+            connector=connector,
+            connector_module=module,
             role=role,  # type: ignore[arg-type]
             policy=policy,
             block_size=BLOCK_SIZE,

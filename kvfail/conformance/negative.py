@@ -44,6 +44,11 @@ class                      what is broken                               clause  
                            still writes into them (no quarantine)
 =========================  ===========================================  =======  =========
 
+One store control, on vLLM's ExampleConnector (real files on disk, ``ExampleDriver``):
+``SkipsStoreLoad`` matches the stored prefix but never loads it, and reports nothing; the
+integrity oracle flags it in ``test_store_load_ok`` (C1 wrong KV), where the unbroken
+ExampleConnector passes (``conformance/selftest/test_store_controls.py``).
+
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
 (``conformance/test_concurrency.py``), and by its soak (:data:`EXTRA_FLAGS`): with one
 load in flight it is indistinguishable from a working connector, which is why those
@@ -61,6 +66,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
 from kvfail.compat import KVConnectorTransferResults, base_method
 from kvfail.harness.toy import ToyConnector
@@ -494,3 +500,27 @@ EXPECTED_FLAGS_REAL: dict[str, Flag] = (
     if _KvfailMooncake is not None
     else {}
 )
+
+
+# ------------------------------------------------------------------ store connector
+#
+# vLLM's ExampleConnector (files on local disk), driven by ExampleDriver with a P that
+# saves real files. Its control breaks the load itself, the way the harness used to make
+# it look: the load is skipped with a warning and the step reports nothing, so only the
+# integrity oracle (D's positions against P's pattern) can tell.
+
+
+class SkipsStoreLoad(ExampleConnector):
+    """ExampleConnector that matches the stored prefix but never loads it: the scheduler
+    counts the tokens as computed and D runs on blocks P's bytes never reached."""
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        log.warning("SkipsStoreLoad: load skipped (negative control)")
+
+
+__all__ += ["EXPECTED_FLAGS_STORE", "SkipsStoreLoad"]
+
+#: Store-connector controls (``conformance/test_store_faults.py``): class -> its flag.
+EXPECTED_FLAGS_STORE: dict[str, Flag] = {
+    "SkipsStoreLoad": Flag("test_store_load_ok", "C1 wrong KV"),
+}

@@ -1,0 +1,55 @@
+"""Self-test of the store scenarios: the store control is flagged, the reference is not.
+
+``SkipsStoreLoad`` (``kvfail.conformance.negative``) is vLLM's ExampleConnector with its
+load skipped: the scheduler counts the stored prefix as loaded and D runs on blocks that
+never got P's bytes, and nothing is reported. Only the ExampleDriver's integrity oracle
+can see it; the unbroken ExampleConnector must pass the same scenario (a flag is
+evidence only where the reference passes). Run in one inner session, like the other
+controls (``test_negative_controls.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+import kvfail.conformance.example_driver  # noqa: F401 - loaded before the inner session
+import kvfail.conformance.negative as negative
+
+STORE = Path(__file__).resolve().parents[1] / "test_store_faults.py"
+REFERENCE = "vllm:ExampleConnector"
+
+
+@pytest.fixture(scope="module")
+def store_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("kvfail-store-report")
+    scenarios = sorted({f.scenario for f in negative.EXPECTED_FLAGS_STORE.values()})
+    args = [str(STORE), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
+    args += ["--layout", "tp1", "-k", " or ".join(scenarios), "--connector", REFERENCE]
+    for control in sorted(negative.EXPECTED_FLAGS_STORE):
+        args += ["--connector", f"kvfail.conformance.negative:{control}"]
+    pytest.main(args)
+    return json.loads((out / "report.json").read_text())
+
+
+def test_reference_passes_what_flags_the_controls(store_run: list[dict[str, Any]]) -> None:
+    scenarios = {f.scenario for f in negative.EXPECTED_FLAGS_STORE.values()}
+    mine = [r for r in store_run if r["connector"] == REFERENCE and r["scenario"] in scenarios]
+    assert mine, "the reference did not run"
+    assert all(r["outcome"] == "passed" for r in mine), mine
+
+
+@pytest.mark.parametrize("control", sorted(negative.EXPECTED_FLAGS_STORE))
+def test_store_control_is_flagged(store_run: list[dict[str, Any]], control: str) -> None:
+    flag = negative.EXPECTED_FLAGS_STORE[control]
+    spec = f"kvfail.conformance.negative:{control}"
+    runs = [r for r in store_run if r["connector"] == spec and r["scenario"] == flag.scenario]
+    assert {r["policy"] for r in runs} == set(flag.policies), runs
+    for r in runs:
+        assert r["outcome"] == "failed", r
+        assert flag.clause in r["reason"], r["reason"]
