@@ -214,8 +214,10 @@ def _collect(
     driven, eps = driven_refs(index), driver_entry_points()
     for i, target in enumerate(targets, start=1):
         progress.step(i, n, f"auditing {target.name} (static)...")
-        row = Row(target, audit_target(target, index, graph), assess(target.ref))
+        row = Row(target, audit_target(target, index, graph))
         row.driver = driver_for(target.name, target.ref, graph, driven, eps)
+        # A driven row needs no reason (and the walk of a large connector costs seconds).
+        row.applicability = assess(target.ref) if row.driver is None else None
         if target.origin == "vllm-registry":
             row.pending = DRIVERS_PENDING.get(target.name)
         rows.append(row)
