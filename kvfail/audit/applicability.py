@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvfail.audit.inventory import is_connector_class
 from kvfail.audit.source import ClassRef, Module, SourceIndex, package_installed
-from kvfail.audit.static import STOP_BASES, Evidence, Func, Graph
+from kvfail.audit.static import STOP_BASES, Evidence, Func, Graph, reach
 
 NOT_APPLICABLE = "not_applicable"
 BLOCKED = "blocked"
@@ -187,16 +187,7 @@ class _Walker:
         return out
 
     def reachable(self, roots: list[Func]) -> list[Func]:
-        seen: dict[int, Func] = {}
-        frontier = [(f, 0) for f in roots]
-        while frontier:
-            func, depth = frontier.pop(0)
-            if id(func.node) in seen:
-                continue
-            seen[id(func.node)] = func
-            if depth < MAX_DEPTH:
-                frontier += [(c, depth + 1) for c in self.callees(func) if id(c.node) not in seen]
-        return list(seen.values())
+        return reach(roots, self.callees, MAX_DEPTH)
 
 
 def _ours(module_name: str, seen_from: Module) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import linecache
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvfail.audit.inventory import Target
@@ -322,18 +322,21 @@ class Graph:
         return out, external
 
     def reachable(self, roots: list[Func]) -> list[Func]:
-        seen: dict[int, Func] = {}
-        frontier = [(f, 0) for f in roots]
-        while frontier:
-            func, depth = frontier.pop(0)
-            if id(func.node) in seen:
-                continue
-            seen[id(func.node)] = func
-            if depth >= MAX_DEPTH:
-                continue
-            callees, _ = self.callees(func)
-            frontier.extend((c, depth + 1) for c in callees if id(c.node) not in seen)
-        return list(seen.values())
+        return reach(roots, lambda f: self.callees(f)[0], MAX_DEPTH)
+
+
+def reach(roots: list[Func], callees: Callable[[Func], list[Func]], max_depth: int) -> list[Func]:
+    """Functions reachable from ``roots`` within ``max_depth`` calls, breadth first."""
+    seen: dict[int, Func] = {}
+    frontier = [(f, 0) for f in roots]
+    while frontier:
+        func, depth = frontier.pop(0)
+        if id(func.node) in seen:
+            continue
+        seen[id(func.node)] = func
+        if depth < max_depth:
+            frontier += [(c, depth + 1) for c in callees(func) if id(c.node) not in seen]
+    return list(seen.values())
 
 
 # ------------------------------------------------------------------ patterns
