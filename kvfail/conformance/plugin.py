@@ -162,6 +162,8 @@ class _PatchLog:
 
 
 _STATE = pytest.StashKey[_State]()
+#: The IPC directory this session made (see ``kvfail.shm.session_ipc_dir``), to remove.
+_OWN_IPC_DIR = pytest.StashKey[str]()
 _PHASES = pytest.StashKey[list[tuple[str, pytest.TestReport]]]()
 
 
@@ -252,7 +254,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # end-of-session sweep (which only the owner runs) covers their TP worlds too: a NIXL
     # producer started first had taken a prefix of its own, left behind after the run.
     shm.session_prefix()
-    shm.session_ipc_dir()
+    # Only the session that made the IPC directory removes it: a pytester run inside this
+    # process (the selftest) is a session too, and shares the directory with its host.
+    if not os.environ.get(shm.IPC_ENV):
+        config.stash[_OWN_IPC_DIR] = shm.session_ipc_dir()
     _SHM_BEFORE.update(shm.segment_names())
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
@@ -612,6 +617,16 @@ def _write_baseline(state: _State) -> str:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    try:
+        _close_session(config)
+    finally:
+        if config.stash.get(_OWN_IPC_DIR, None):
+            from kvfail import shm
+
+            shm.release_ipc_dir()
+
+
+def _close_session(config: pytest.Config) -> None:
     state = config.stash.get(_STATE, None)
     if state is None:
         return
@@ -637,10 +652,9 @@ _SHM_BEFORE: set[str] = set()
 def _sweep_shared_memory() -> None:
     """Remove the TP worlds' shared memory this session left (killed peers' ranks), the
     ``psm_*`` message-queue segments of killed vLLM processes created since the session
-    began that no live process uses, and the session's directory of IPC socket files."""
+    began that no live process uses (the IPC directory goes in ``pytest_unconfigure``)."""
     from kvfail import shm
 
     if shm.owns_session_prefix():
         shm.release_orphans(_SHM_BEFORE)
         shm.release_shared_memory(shm.session_prefix())
-    shm.release_ipc_dir()
