@@ -49,6 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "e2e_ci: quick e2e subset (NIXL, no P restart); run with -m e2e_ci"
     )
+    config.addinivalue_line(
+        "markers",
+        "e2e_bench: bench smoke runs (real servers, not in -m e2e); run with -m e2e_bench",
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

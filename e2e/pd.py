@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from e2e.client import Outcome, complete, complete_all, prompts
 from e2e.proxy import Backend, PDProxy
-from e2e.servers import ServerSpec, VllmServer, metric, start_server
+from e2e.servers import Impl, ServerSpec, VllmServer, metric, start_server
 
 Policy = Literal["fail", "recompute"]
 POLICIES: tuple[Policy, ...] = ("fail", "recompute")
@@ -40,13 +41,15 @@ class Deployment:
     log_dir: Path
     deadline_s: float
     p: VllmServer
-    d: dict[Policy, VllmServer]
-    proxies: dict[Policy, PDProxy] = field(default_factory=dict)
+    #: The Ds, keyed by their failure policy (the tests) or by what else tells them apart
+    #: (``bench.pd_overhead``: which connector D runs).
+    d: dict[str, VllmServer]
+    proxies: dict[str, PDProxy] = field(default_factory=dict)
     p_engine_id: str | None = None
 
-    def backend(self, policy: Policy) -> Backend:
+    def backend(self, key: str) -> Backend:
         return Backend(
-            self.p.url, self.d[policy].url, self.connector, self.p_engine_id, self.p.bootstrap_addr
+            self.p.url, self.d[key].url, self.connector, self.p_engine_id, self.p.bootstrap_addr
         )
 
     def swap_p(self, p: VllmServer) -> None:
@@ -66,8 +69,10 @@ class Deployment:
             s.close()
 
 
-def p_spec(connector: Literal["nixl", "mooncake"], engine_id: str | None) -> ServerSpec:
-    return ServerSpec("P", connector, "kv_producer", engine_id=engine_id)
+def p_spec(
+    connector: Literal["nixl", "mooncake"], engine_id: str | None, impl: Impl = "kvfail"
+) -> ServerSpec:
+    return ServerSpec("P", connector, "kv_producer", engine_id=engine_id, impl=impl)
 
 
 def start_deployment(
@@ -76,26 +81,30 @@ def start_deployment(
     log_dir: Path,
     deadline_s: float,
     policies: tuple[Policy, ...] = POLICIES,
+    *,
+    d_specs: Mapping[str, ServerSpec] | None = None,
+    p_impl: Impl = "kvfail",
 ) -> Deployment:
-    """Start P and the Ds concurrently and wait for all (bounded by `START_TIMEOUT_S` each)."""
+    """Start P and the Ds concurrently and wait for all (bounded by `START_TIMEOUT_S` each),
+    then put a proxy in front of each D and warm it up. The Ds are kvfail's, one per policy
+    in `policies`, unless `d_specs` names them (keyed as in `Deployment.d`)."""
     # Mooncake's P returns no kv_transfer_params: the router must know P's engine id.
     p_engine = f"P-{connector}-e2e" if connector == "mooncake" else None
-    p = start_server(p_spec(connector, p_engine), model, log_dir)
-    ds = {
-        pol: start_server(
-            ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol, deadline_s=deadline_s),
-            model,
-            log_dir,
-        )
-        for pol in policies
-    }
-    dep = Deployment(connector, model, log_dir, deadline_s, p, ds, p_engine_id=p_engine)
+    if d_specs is None:
+        d_specs = {
+            pol: ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol, deadline_s=deadline_s)
+            for pol in policies
+        }
+    p = start_server(p_spec(connector, p_engine, p_impl), model, log_dir)
+    dep = Deployment(connector, model, log_dir, deadline_s, p, {}, p_engine_id=p_engine)
     try:
+        for key, spec in d_specs.items():
+            dep.d[key] = start_server(spec, model, log_dir)
         for s in dep.servers():
             s.wait_ready()
-        for pol in policies:
-            dep.proxies[pol] = PDProxy(dep.backend(pol))
-            warm_up(dep.proxies[pol], dep.d[pol], model)
+        for key in dep.d:
+            dep.proxies[key] = PDProxy(dep.backend(key))
+            warm_up(dep.proxies[key], dep.d[key], model)
     except BaseException:
         dep.close()
         raise

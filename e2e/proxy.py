@@ -13,6 +13,8 @@ Flow per request (``/v1/completions``):
    Mooncake, whose P returns none, the params D needs to find P (engine id, bootstrap
    address, the same ``transfer_id``).
 Errors: P unreachable or failing -> 502 with the reason; D's status and body pass through.
+A streamed request (``"stream": true``) is prefilled on P without streaming; D's event stream
+is relayed piece by piece.
 """
 
 from __future__ import annotations
@@ -181,7 +183,23 @@ class PDProxy:
             async with self._session.post(
                 f"{backend.decode_url}/v1/completions", json=decode, timeout=self._decode_timeout
             ) as r:
+                if body.get("stream") and r.status == 200:
+                    return await self._relay(request, r)
                 raw = await r.read()
                 return web.Response(body=raw, status=r.status, content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
             return web.json_response({"error": {"message": f"decode failed: {exc!r}"}}, status=504)
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """Pass D's event stream on as each piece arrives, so a client's time to first token
+        through the proxy is D's (``bench.pd_overhead`` measures it), not the whole answer's."""
+        out = web.StreamResponse(
+            status=upstream.status, headers={"Content-Type": "text/event-stream"}
+        )
+        await out.prepare(request)
+        async for piece in upstream.content.iter_any():
+            await out.write(piece)
+        await out.write_eof()
+        return out

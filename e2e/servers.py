@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 Connector = Literal["nixl", "mooncake"]
 Role = Literal["kv_producer", "kv_consumer"]
+#: Whose connector a server runs: kvfail's (``connectors/``) or upstream vLLM's.
+Impl = Literal["kvfail", "upstream"]
 
 #: Every server's environment: vLLM's CPU build, several servers sharing a small machine
 #: (a 1 GiB KV cache each, OpenMP threads not pinned to cores, which every server would
@@ -89,7 +91,8 @@ START_TIMEOUT_S = 420.0
 
 @dataclass
 class ServerSpec:
-    """What distinguishes one server: its role, connector and D's failure policy."""
+    """What distinguishes one server: its role, connector (kvfail's or upstream's) and D's
+    failure policy. ``deadline_s`` is kvfail's load deadline; upstream's connectors have none."""
 
     name: str
     connector: Connector
@@ -98,6 +101,7 @@ class ServerSpec:
     deadline_s: float = 5.0
     engine_id: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    impl: Impl = "kvfail"
 
 
 @dataclass
@@ -250,9 +254,18 @@ def metric(m: Mapping[str, float], name: str, **labels: str) -> float:
 
 
 def kv_transfer_config(spec: ServerSpec) -> dict[str, Any]:
-    """kvfail's connector loaded by module path, with a short deadline for a silent P."""
-    if spec.connector == "nixl":
-        cfg: dict[str, Any] = {
+    """kvfail's connector loaded by module path, with a short deadline for a silent P; or
+    upstream's with the same transport settings (``e2e.upstream`` for Mooncake's)."""
+    if spec.impl == "upstream" and spec.connector == "nixl":
+        cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    elif spec.impl == "upstream":
+        cfg = {
+            "kv_connector": "UpstreamMooncakeConnector",
+            "kv_connector_module_path": "e2e.upstream",
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
+    elif spec.connector == "nixl":
+        cfg = {
             "kv_connector": "KvfailNixlConnector",
             "kv_connector_module_path": "connectors.nixl",
             "kv_buffer_device": "cpu",
