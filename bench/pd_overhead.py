@@ -353,10 +353,11 @@ def run_transport(
         dep.close()
     out = {arm: summarize(done[arm]) for arm in ARMS}
     for arm, s in out.items():
+        tps = [r.tps for r in done[arm]]
         print(
-            f"  {transport}/{arm} pooled over {s.rounds} rounds: {s.tps:.1f} tok/s, TTFT p50 "
-            f"{s.ttft_p50_s:.3f} s, p99 {s.ttft_p99_s:.3f} s, D {s.d_cpu_ms_per_token:.2f} "
-            "CPU-ms per output token"
+            f"  {transport}/{arm} pooled over {s.rounds} rounds: {s.tps:.1f} tok/s (rounds "
+            f"{min(tps):.1f}-{max(tps):.1f}), TTFT p50 {s.ttft_p50_s:.3f} s, p99 "
+            f"{s.ttft_p99_s:.3f} s, D {s.d_cpu_ms_per_token:.2f} CPU-ms per output token"
         )
     return out
 
