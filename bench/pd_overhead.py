@@ -20,9 +20,11 @@ least one block per request (the KV really came from P); otherwise the bench sto
 
 Figures: per round, wall time, output tokens/s, TTFT p50/p99, D's CPU seconds (every
 process of its group, from /proc) and the idle D's. Per arm, all rounds pooled: tokens/s =
-output tokens / summed round wall time; TTFT percentiles over every request. The last line
-holds kvfail ÷ upstream: ``pd_tps_ratio_<transport>`` (target >= 0.98) and
-``pd_ttft_p50_ratio_<transport>`` / ``pd_ttft_p99_ratio_<transport>`` (target <= 1.02).
+output tokens / summed round wall time; TTFT percentiles over every request; and the
+pooled ratios. The last line holds kvfail ÷ upstream per pair of adjacent rounds, the
+median over the pairs (:func:`paired_ratios` says why): ``pd_tps_ratio_<transport>``
+(target >= 0.98) and ``pd_ttft_p50_ratio_<transport>`` / ``pd_ttft_p99_ratio_<transport>``
+(target <= 1.02).
 
 On the 2-core machine the three servers, the proxy and the client share two cores with
 whatever else runs there: the ratios are what this bench is for; absolute figures move
@@ -195,6 +197,23 @@ def ratios(transport: str, upstream: ArmSummary, kvfail: ArmSummary) -> dict[str
     }
 
 
+def paired_ratios(
+    transport: str, upstream: Sequence[Round], kvfail: Sequence[Round]
+) -> dict[str, float]:
+    """:func:`ratios` of each pair of adjacent rounds (upstream's i-th, kvfail's i-th), and
+    per figure the median over the pairs. Why: the machine's load drifts within minutes,
+    and pooling lets one slow stretch decide; the two rounds of a pair ran back to back,
+    so their quotient holds the least drift, and the median drops a pair one of whose
+    rounds a burst of foreign load hit."""
+    if len(upstream) != len(kvfail) or not upstream:
+        raise ValueError(f"need pairs of rounds, got {len(upstream)} and {len(kvfail)}")
+    per_pair = [
+        ratios(transport, summarize([u]), summarize([k]))
+        for u, k in zip(upstream, kvfail, strict=True)
+    ]
+    return {key: round(percentile((p[key] for p in per_pair), 50), 4) for key in per_pair[0]}
+
+
 def schedule(rounds_per_arm: int) -> list[str]:
     """The measured rounds' order: the arms alternate, upstream first."""
     return [arm for _ in range(rounds_per_arm) for arm in ARMS]
@@ -275,6 +294,9 @@ def run_round(dep: Deployment, transport: str, arm: str, index: int, reqs: list[
 
     d = dep.d[arm]
     other = dep.d[next(a for a in ARMS if a != arm)]
+    # Both servers idle first: a round starts with nothing of the previous one left on
+    # P (its KV awaiting a pull, its bookkeeping) or on D.
+    wait_idle(dep.p, None, 60.0)
     wait_idle(d, None, 60.0)
     ext0 = external_tokens(d)
     cpu0, idle0 = group_cpu_s(d), group_cpu_s(other)
@@ -321,7 +343,7 @@ def run_transport(
     reqs: list[Request],
     rounds_per_arm: int,
     p_impl: Impl,
-) -> dict[str, ArmSummary]:
+) -> dict[str, list[Round]]:
     from e2e.pd import start_deployment
     from e2e.servers import ServerSpec
 
@@ -351,15 +373,15 @@ def run_transport(
             print_round(r, prompt_tokens)
     finally:
         dep.close()
-    out = {arm: summarize(done[arm]) for arm in ARMS}
-    for arm, s in out.items():
+    for arm in ARMS:
+        s = summarize(done[arm])
         tps = [r.tps for r in done[arm]]
         print(
             f"  {transport}/{arm} pooled over {s.rounds} rounds: {s.tps:.1f} tok/s (rounds "
             f"{min(tps):.1f}-{max(tps):.1f}), TTFT p50 {s.ttft_p50_s:.3f} s, p99 "
             f"{s.ttft_p99_s:.3f} s, D {s.d_cpu_ms_per_token:.2f} CPU-ms per output token"
         )
-    return out
+    return done
 
 
 def generate_model(out_dir: Path) -> str:
@@ -408,7 +430,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = generate_model(work / "model")
         for transport in transports:
             arms = run_transport(transport, model, work / "logs", reqs, rounds, args.p)
-            values.update(ratios(transport, arms["upstream"], arms["kvfail"]))
+            up, kv = arms["upstream"], arms["kvfail"]
+            pooled = ratios(transport, summarize(up), summarize(kv))
+            print("  pooled ratios: " + figures(**pooled))
+            values.update(paired_ratios(transport, up, kv))
     finally:
         # A server killed after its grace period cannot unlink its segments.
         shm.release_orphans(segments)

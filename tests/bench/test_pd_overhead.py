@@ -15,6 +15,7 @@ from bench.pd_overhead import (
     Round,
     Sample,
     last_line,
+    paired_ratios,
     percentile,
     ratios,
     schedule,
@@ -110,3 +111,17 @@ def test_last_line_puts_throughput_first_as_documented() -> None:
         "pd_ttft_p50_ratio_nixl",
         "pd_ttft_p99_ratio_nixl",
     ]
+
+
+def test_paired_ratios_take_the_median_pair_so_one_slow_round_does_not_decide() -> None:
+    up = [_round("upstream", 1.0, [100], [1.0], 0.0) for _ in range(3)]
+    kv = [
+        _round("kvfail", 1.0, [99], [1.0], 0.0),
+        _round("kvfail", 1.0, [101], [1.02], 0.0),
+        _round("kvfail", 4.0, [100], [3.0], 0.0),  # a burst of foreign load hit this round
+    ]
+    r = paired_ratios("nixl", up, kv)
+    assert r["pd_tps_ratio_nixl"] == 0.99
+    assert r["pd_ttft_p50_ratio_nixl"] == 1.02
+    with pytest.raises(ValueError):
+        paired_ratios("nixl", up, kv[:2])
