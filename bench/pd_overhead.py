@@ -429,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="kvfail-pd-overhead-"))
     segments = shm.segment_names()
     values: dict[str, float] = {}
+    finished = False
     try:
         model = generate_model(work / "model")
         for transport in transports:
@@ -437,10 +438,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             pooled = ratios(transport, summarize(up), summarize(kv))
             print("  pooled ratios: " + figures(**pooled))
             values.update(paired_ratios(transport, up, kv))
+        finished = True
     finally:
         # A server killed after its grace period cannot unlink its segments.
         shm.release_orphans(segments)
-        if args.keep_logs:
+        if args.keep_logs or not finished:  # a failed run's server logs are its evidence
             print(f"logs in {work / 'logs'}")
         else:
             with contextlib.suppress(OSError):
