@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of, render_baseline
+from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
-SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
+SUITE = SCENARIOS / "test_scenarios.py"
 TOY = "kvfail.harness.toy:ToyConnector"
 
 

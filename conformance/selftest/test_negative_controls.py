@@ -5,8 +5,8 @@ Why: a conformance suite is only worth its negative controls. Each control in
 ``kvfail.conformance.negative`` breaks exactly one contract rule, in the toy connector
 (fast; tests the oracles) and in the REAL ``KvfailMooncakeConnector`` (its worker broken
 in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
-We run the real suite (``conformance/test_scenarios.py``; the toy session also
-``conformance/test_concurrency.py`` and ``conformance/test_quarantine.py``) against them
+We run the real suite (``kvfail/conformance/scenarios/test_scenarios.py``; the toy session
+also ``test_concurrency.py`` and ``test_quarantine.py`` there) against them
 in in-process sessions and read its ``report.json`` (each control flagged by its
 :data:`~kvfail.conformance.negative.EXPECTED_FLAGS` scenario and its ``EXTRA_FLAGS`` ones).
 In-process, so vLLM is imported once; everything the inner run needs is imported (and one
@@ -34,14 +34,15 @@ import kvfail.conformance.negative as negative
 import kvfail.conformance.plugin
 import kvfail.conformance.suite  # noqa: F401 - loaded before the inner session
 from kvfail.conformance.capabilities import Capabilities, derive_from_class
+from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 from kvfail.harness import Engine, EngineSpec
 from kvfail.harness.toy import ToyConnector
 
-SUITE = Path(__file__).resolve().parents[1] / "test_scenarios.py"
+SUITE = SCENARIOS / "test_scenarios.py"
 #: The concurrency scenarios: a control built to lose concurrent failures is flagged there.
-CONCURRENCY = Path(__file__).resolve().parents[1] / "test_concurrency.py"
+CONCURRENCY = SCENARIOS / "test_concurrency.py"
 #: The quarantine scenario: a control that frees blocks a slow P still writes is flagged there.
-QUARANTINE = Path(__file__).resolve().parents[1] / "test_quarantine.py"
+QUARANTINE = SCENARIOS / "test_quarantine.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 CONTROLS = sorted(negative.EXPECTED_FLAGS)
 REAL_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL)

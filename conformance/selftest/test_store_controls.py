@@ -11,7 +11,6 @@ controls (``test_negative_controls.py``).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +19,9 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 import kvfail.conformance.example_driver  # noqa: F401 - loaded before the inner session
 import kvfail.conformance.negative as negative
+from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
-STORE = Path(__file__).resolve().parents[1] / "test_store_faults.py"
+STORE = SCENARIOS / "test_store_faults.py"
 REFERENCE = "vllm:ExampleConnector"
 
 

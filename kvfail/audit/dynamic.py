@@ -2,7 +2,7 @@
 that a real transport driver can drive.
 
 Why this shape: a second implementation of the suite would drift from it, so the tier is
-literally ``pytest conformance/test_scenarios.py --connector A --connector B ...
+literally ``pytest kvfail/conformance/scenarios/test_scenarios.py --connector A --connector B ...
 --kvfail-report DIR`` in ONE child process (one vLLM import for all connectors; vLLM,
 transports and peers stay out of the audit process, and a connector that wedges cannot
 hang the audit). Connectors
@@ -48,11 +48,12 @@ from typing import Any
 
 from kvfail.audit.inventory import Target
 from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Finding
+from kvfail.conformance.scenarios import DIRECTORY
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "conformance" / "test_scenarios.py"
+SCENARIOS = DIRECTORY / "test_scenarios.py"
 #: Scenario modules run besides :data:`SCENARIOS`: the store faults (a driver that does
 #: not advertise their capabilities skips them, naming it).
-MORE_SCENARIOS = (SCENARIOS.parent / "test_store_faults.py",)
+MORE_SCENARIOS = (DIRECTORY / "test_store_faults.py",)
 #: Outcome of one scenario over all policies: the worst one wins.
 _RANK = {"failed": 3, "xfailed": 3, "skipped": 1, "passed": 2}
 #: Default wall-clock budget of the whole audit (static + dynamic), seconds.

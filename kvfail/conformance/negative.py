@@ -50,13 +50,14 @@ integrity oracle flags it in ``test_store_load_ok`` (C1 wrong KV), where the unb
 ExampleConnector passes (``conformance/selftest/test_store_controls.py``).
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
-(``conformance/test_concurrency.py``), and by its soak (:data:`EXTRA_FLAGS`): with one
-load in flight it is indistinguishable from a working connector, which is why those
-scenarios exist. ``FailsBeforeDeadline`` is flagged by the slow-peer scenario there: a
-peer that answers at once, or never, does not show it. ``FailsEveryPeerOnLoss`` is
-flagged by the two-P scenario there: with one peer, all loads in flight are that peer's.
-``FreesWhileWriting`` is flagged by ``conformance/test_quarantine.py``: only a P that
-writes after the deadline, into blocks other requests were given, shows it.
+(``kvfail/conformance/scenarios/test_concurrency.py``), and by its soak
+(:data:`EXTRA_FLAGS`): with one load in flight it is indistinguishable from a working
+connector, which is why those scenarios exist. ``FailsBeforeDeadline`` is flagged by the
+slow-peer scenario there: a peer that answers at once, or never, does not show it.
+``FailsEveryPeerOnLoss`` is flagged by the two-P scenario there: with one peer, all loads in
+flight are that peer's. ``FreesWhileWriting`` is flagged by
+``kvfail/conformance/scenarios/test_quarantine.py``: only a P that writes after the
+deadline, into blocks other requests were given, shows it.
 """
 
 from __future__ import annotations
@@ -520,7 +521,7 @@ class SkipsStoreLoad(ExampleConnector):
 
 __all__ += ["EXPECTED_FLAGS_STORE", "SkipsStoreLoad"]
 
-#: Store-connector controls (``conformance/test_store_faults.py``): class -> its flag.
+#: Store-connector controls (``scenarios/test_store_faults.py``): class -> its flag.
 EXPECTED_FLAGS_STORE: dict[str, Flag] = {
     "SkipsStoreLoad": Flag("test_store_load_ok", "C1 wrong KV"),
 }

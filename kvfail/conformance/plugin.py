@@ -245,8 +245,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def fallback_plugins() -> list[str]:
+    """What a conftest next to the scenarios lists in ``pytest_plugins``: this module, unless
+    pytest already loaded it from the ``pytest11`` entry point ``kvfail`` (it refuses one
+    module registered under two names)."""
+    import importlib.metadata
+
+    if not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        for ep in importlib.metadata.entry_points(group="pytest11"):
+            if ep.value == __name__:
+                return []
+    return [__name__]
+
+
+#: Set before collection imports vLLM: the rig never reaches a hub (the model directory is
+#: local), and Mooncake's INFO lines at interpreter exit would follow pytest's summary line.
+_QUIET_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MC_LOG_LEVEL": "ERROR"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from kvfail import shm
+
+    for key, value in _QUIET_OFFLINE.items():
+        os.environ.setdefault(key, value)
     from kvfail.faults.process import close_peers_on_sigterm
 
     close_peers_on_sigterm()  # a run stopped with SIGTERM still closes its peers

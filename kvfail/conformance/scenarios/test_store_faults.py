@@ -1,0 +1,71 @@
+"""Store-connector scenarios: the files a store advertised are damaged before D loads them.
+
+A store connector (one that finds KV by key on disk or in a store and loads it itself)
+has faults a P/D pair has not: the entry it matched can be gone, cut short, corrupt, a
+directory, or hold someone else's bytes by the time it is read. Each scenario damages one
+file through the driver's fault point and ends with every harness oracle plus the
+integrity oracle. Requirements are capabilities (a synchronous, remote-prefill driver
+advertising the fault), never connector names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.faults.points import FaultPoint
+
+pytestmark = pytest.mark.vllm
+
+#: Damage a connector can notice when it reads the file: it must report, not raise.
+UNREADABLE = (
+    FaultPoint.STORE_FILE_DELETED,
+    FaultPoint.STORE_FILE_TRUNCATED,
+    FaultPoint.STORE_GARBAGE_HEADER,
+    FaultPoint.STORE_REPLACED_BY_DIR,
+)
+
+
+def _add(kvfail: Any, stem: str) -> tuple[Any, str]:
+    kvfail.require("remote_prefill", "sync_load")
+    engine = kvfail.engine()
+    rid = kvfail.rid(stem)
+    kvfail.driver.add_remote_request(engine, rid)
+    return engine, rid
+
+
+@pytest.mark.clauses("C1", "C4")
+@pytest.mark.guards("ExampleConnector store")
+def test_store_load_ok(kvfail: Any) -> None:
+    """The baseline: the files P saved load into D, byte for byte, and all is freed."""
+    engine, rid = _add(kvfail, "store-ok")
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=False)
+
+
+@pytest.mark.clauses("C1", "C4", "C13")
+@pytest.mark.guards("ExampleConnector store", "#40364")
+@pytest.mark.parametrize("point", UNREADABLE, ids=[p.value for p in UNREADABLE])
+def test_store_file_unreadable(kvfail: Any, point: FaultPoint) -> None:
+    """A file the connector matched cannot be read: the load is reported failed in the
+    pass that read it (C4), never raised out of start_load_kv (C13)."""
+    kvfail.require_fault(point)
+    engine, rid = _add(kvfail, "store-bad")
+    kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=True)
+
+
+@pytest.mark.clauses("C1")
+@pytest.mark.guards("ExampleConnector store", "HF3FS", "LMCache#4600")
+def test_store_data_overwritten(kvfail: Any) -> None:
+    """The file parses but holds other bytes: a connector without a checksum reports
+    success, and D runs on KV that is not P's. Only the integrity oracle sees it."""
+    kvfail.require_fault(FaultPoint.STORE_DATA_OVERWRITTEN)
+    engine, rid = _add(kvfail, "store-overwritten")
+    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_DATA_OVERWRITTEN)
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=None)

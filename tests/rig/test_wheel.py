@@ -1,0 +1,118 @@
+"""The wheel carries the suite, and the installed suite runs from outside the checkout.
+
+A connector author installs kvfail next to their own vLLM and runs
+``pytest --pyargs kvfail.conformance --connector X`` from their own folder. So: build the
+wheel from this checkout, install it into a scratch venv that borrows only the third-party
+packages of the running one (vLLM, torch, the transports, pytest; the editable kvfail of the
+checkout is not visible there), and run the suite for the toy and for kvfail's Mooncake
+over its real transport, from a folder that is not the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the installed suite needs vLLM")
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {
+    "kvfail/conformance/scenarios/__init__.py",
+    "kvfail/conformance/scenarios/conftest.py",
+    "kvfail/conformance/scenarios/test_scenarios.py",
+    "kvfail/conformance/scenarios/test_concurrency.py",
+    "kvfail/conformance/scenarios/test_quarantine.py",
+    "kvfail/conformance/plugin.py",
+    "connectors/mooncake/__init__.py",
+}
+PIP = (sys.executable, "-m", "pip")
+#: The toy, and kvfail's Mooncake over its real transport; a driver that cannot start fails.
+SUITE_ARGS = (
+    *("-p", "no:cacheprovider", "-q", "--kvfail-report", "report", "--kvfail-require-drivers"),
+    *("--connector", "toy", "--connector", "mooncake", "--policy", "fail", "--layout", "tp1"),
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    built = subprocess.run(
+        [*PIP, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (path,) = out.glob("kvfail-*.whl")
+    return path
+
+
+def test_the_wheel_holds_the_scenarios(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert names >= SHIPPED, sorted(SHIPPED - names)
+    assert not any(n.startswith(("tests/", "conformance/", "e2e/", "bench/")) for n in names)
+
+
+@pytest.mark.timeout(1500)  # a whole suite run inside one test
+def test_the_installed_suite_runs_from_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    python = venv / "bin" / "python"
+    installed = subprocess.run(
+        [*PIP, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    # The third-party packages come from the running venv as a plain path: its .pth files
+    # (among them the hook that maps kvfail to the checkout) are not processed there.
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    Path(site, "borrowed-third-party.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "KVFAIL_SHM_PREFIX"}}
+    where = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import kvfail, connectors; print(kvfail.__file__, connectors.__file__)",
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert all(Path(p).is_relative_to(venv) for p in where), where
+    run = subprocess.run(
+        [str(python), "-m", "pytest", "--pyargs", "kvfail.conformance", *SUITE_ARGS],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    assert (elsewhere / "report" / "report.json").is_file(), tail
