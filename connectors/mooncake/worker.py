@@ -264,9 +264,22 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         try:
             await super().handle_new_engine_id(remote_engine_id, pull_metas)
         except Exception as exc:
-            for req_id in pull_metas:
-                if self._mc_live(req_id):
-                    self.abandon_load(req_id, Stage.BOOTSTRAP, f"bootstrap failed: {exc!r}")
+            self._mc_bootstrap_failed(pull_metas, f"bootstrap failed: {exc!r}")
+            return
+        if remote_engine_id not in self._remote_agents:
+            # Upstream found no such engine and started no pull. Some releases (0.29)
+            # only log this and return, so nothing would ever end these loads but the
+            # deadline; later ones already failed them (then none is live here).
+            addr = next(iter(pull_metas.values())).remote_bootstrap_addr
+            self._mc_bootstrap_failed(
+                pull_metas, f"P engine {remote_engine_id} not found on bootstrap server {addr}"
+            )
+
+    def _mc_bootstrap_failed(self, pull_metas: dict[str, PullReqMeta], reason: str) -> None:
+        """Fail the loads of a bootstrap that found no P worker; each at most once."""
+        for req_id in pull_metas:
+            if self._mc_live(req_id):
+                self.abandon_load(req_id, Stage.BOOTSTRAP, reason)
 
     def receive_kv(self, remote_engine_id: str, pull_metas: dict[str, PullReqMeta]) -> None:
         """Start upstream's per-P-worker tasks, then name them as the load's peers.

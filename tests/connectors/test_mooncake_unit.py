@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
     MooncakeConnectorMetadata,
+    MooncakeConnectorWorker,
     PullReqMeta,
 )
 from vllm.v1.request import FinishReason
@@ -396,6 +397,28 @@ def test_unknown_engine_id_is_a_bootstrap_failure(
     start(connector, pull)
     assert_failed_once(poll(connector, {pull.req_id}), pull)
     assert stage_counts(connector)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
+
+
+def test_a_bootstrap_that_only_logs_its_failure_is_still_reported(
+    connector: KvfailMooncakeConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Upstream's lookup on some releases (0.29) logs a P engine it could not find and
+    returns without failing the pulls or starting one. kvfail must still report the
+    load at the bootstrap, once, not leave it to the deadline (or, without one, strand
+    it in WAITING_FOR_REMOTE_KVS: the conformance suite's test_peer_killed_before_pull).
+    Upstream's lookup is replaced by one that finds nothing and says so only in a log."""
+
+    async def finds_nothing(self: Any, remote_engine_id: str, pull_metas: Any) -> None:
+        return None
+
+    monkeypatch.setattr(MooncakeConnectorWorker, "handle_new_engine_id", finds_nothing)
+    before = stage_counts(connector)
+    pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-logged-only")
+    start(connector, pull)
+    assert_failed_once(poll(connector, {pull.req_id}, timeout_s=DEADLINE_S + 5.0), pull)
+    counts = stage_counts(connector)  # the bootstrap's failure, not the deadline's
+    assert counts[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
+    assert counts[Stage.WATCHDOG] == before[Stage.WATCHDOG]
 
 
 def test_silent_peer_is_failed_by_the_watchdog(
