@@ -54,8 +54,9 @@ SCENARIOS = DIRECTORY / "test_scenarios.py"
 #: Scenario modules run besides :data:`SCENARIOS`: the store faults (a driver that does
 #: not advertise their capabilities skips them, naming it).
 MORE_SCENARIOS = (DIRECTORY / "test_store_faults.py",)
-#: Outcome of one scenario over all policies: the worst one wins.
-_RANK = {"failed": 3, "xfailed": 3, "skipped": 1, "passed": 2}
+#: Outcome of one scenario over all policies: the worst one wins. A harness error (the
+#: installed vLLM lacks a feature the tool needs) outranks a pass, never a verdict of failure.
+_RANK = {"failed": 4, "xfailed": 4, "error": 3, "skipped": 1, "passed": 2}
 #: Default wall-clock budget of the whole audit (static + dynamic), seconds.
 DEFAULT_BUDGET_S = 480.0
 #: The child starts no scenario in the budget's last RESERVE_S seconds: a scenario (one
@@ -354,6 +355,7 @@ def _finding(
     outcome = str(worst["outcome"])
     clauses = [str(c) for c in worst.get("clauses", []) or []]
     guards = " ".join(str(g) for g in worst.get("guards", []) or [])
+    # "error" (the tool could not judge) stays UNKNOWN: never a pass, never a verdict.
     status = {"passed": PASS, "failed": FAIL, "xfailed": FAIL, "skipped": NA}.get(outcome, UNKNOWN)
     runs = ", ".join(f"{_variant(r)}={r['outcome']}" for r in recs)
     reason = str(worst.get("reason") or "")

@@ -63,7 +63,7 @@ deadline, into blocks other requests were given, shows it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -90,6 +90,7 @@ __all__ = [
     "ReportsUnknownId",
     "SwallowsFailure",
     "WritesAfterRelease",
+    "flags",
 ]
 
 log = logging.getLogger("kvfail.conformance.negative")
@@ -337,6 +338,19 @@ class Flag(NamedTuple):
     clause: str
     #: The policies under which the scenario must flag it.
     policies: frozenset[str] = frozenset({"fail", "recompute"})
+
+
+def flags(record: Mapping[str, Any], flag: Flag) -> bool:
+    """Whether one ``report.json`` record is ``flag``: the scenario's verdict of failure,
+    for the flag's reason. A harness error (``outcome == "error"``: the installed vLLM
+    lacks a feature the tool needs) never is, whatever its message says: the control was
+    not judged."""
+    return (
+        record.get("outcome") == "failed"
+        and record.get("scenario") == flag.scenario
+        and record.get("policy") in flag.policies
+        and flag.clause in str(record.get("reason", ""))
+    )
 
 
 #: What the self-test expects each control to be flagged by.

@@ -5,7 +5,9 @@ Why a plugin (registered as the ``pytest11`` entry point ``kvfail``, or loaded b
 over connector x policy here, so an out-of-tree connector runs the same suite with one
 flag, as SQLAlchemy's ``--dburi``. The plugin also enforces the outcome vocabulary: a
 conformance skip must name a missing capability (or an unavailable driver); any other
-skip is turned into a failure, so nothing can be hidden. At the end it prints the matrix
+skip is turned into a failure, so nothing can be hidden; a harness that needs a vLLM feature
+the installed vLLM lacks (:class:`kvfail.compat.MissingFeatureError`) ends the scenario in
+an ``error`` record, never a verdict. At the end it prints the matrix
 per connector and the rig patches applied to the system under test
 (:mod:`kvfail.rig_patches`), and, with ``--kvfail-report``, writes ``report.json`` /
 ``report.md``. The clauses each scenario cites are defined in ``docs/contract.md``.
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 
 from kvfail import rig_patches
+from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
 from kvfail.conformance.driver import spec_problem
@@ -427,7 +430,10 @@ def pytest_runtest_makereport(
     report = yield
     if not _is_suite_item(item):
         return report
-    if report.skipped and not hasattr(report, "wasxfail"):
+    missing = _missing_feature(call, report)
+    if missing is not None:
+        _harness_error(item, report, missing)
+    elif report.skipped and not hasattr(report, "wasxfail"):
         reason = _skip_reason(report)
         if not reason.startswith(SKIP_PREFIXES):
             report.outcome = "failed"
@@ -435,7 +441,7 @@ def pytest_runtest_makereport(
                 f"unexplained skip (a conformance skip must name a missing capability: "
                 f"'requires <capability>: ...'): {reason}"
             )
-    if call.when == "call":
+    if call.when == "call" and missing is None:
         _judge_against_baseline(item, call, report)
     if report.failed and call.excinfo is not None:
         item.stash.setdefault(_FAILURE, str(call.excinfo.value).strip()[:2000])
@@ -448,7 +454,48 @@ def pytest_runtest_makereport(
     return report
 
 
+def _missing_feature(call: pytest.CallInfo[None], report: pytest.TestReport) -> str | None:
+    """The message of a :class:`MissingFeatureError` this phase ended in, wherever it
+    surfaced: raised (directly, or as the cause of another error), or quoted by a skip, an
+    xfail or an oracle's finding (a connector that raised it in a hook the harness
+    caught). None when the phase did not meet one."""
+    exc: BaseException | None = call.excinfo.value if call.excinfo is not None else None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, MissingFeatureError):
+            return str(exc)
+        if MISSING_FEATURE_MARK in str(exc):
+            return _line_with_mark(str(exc))
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    xfail = str(getattr(report, "wasxfail", ""))
+    if MISSING_FEATURE_MARK in xfail:
+        return _line_with_mark(xfail)
+    return None
+
+
+def _line_with_mark(text: str) -> str:
+    return next(line for line in text.splitlines() if MISSING_FEATURE_MARK in line).strip()
+
+
+#: How a report starts where the tool, not the connector, is at fault.
+HARNESS_ERROR = "harness error, not a verdict"
+
+
+def _harness_error(item: pytest.Item, report: pytest.TestReport, missing: str) -> None:
+    """Turn the phase into a failure of the run (never a pass, skip or xfail) and mark the
+    scenario so its record is an ``error`` (see :func:`_record`); no baseline applies."""
+    original = "" if report.skipped else f"\n\n{report.longrepr}"
+    report.outcome = "failed"
+    report.longrepr = f"{HARNESS_ERROR}: {missing}{original}"
+    with contextlib.suppress(AttributeError):
+        del report.wasxfail
+    item.stash.setdefault(_MISSING, missing)
+
+
 _FAILURE = pytest.StashKey[str]()
+#: The :class:`MissingFeatureError` message a scenario ended in (its record is an error).
+_MISSING = pytest.StashKey[str]()
 #: The oracles' findings of a scenario that failed on them (not on an error).
 _VIOLATIONS = pytest.StashKey[list[str]]()
 
@@ -518,17 +565,21 @@ def _record(item: pytest.Item) -> None:
         return
     outcome: Outcome = "passed"
     reason = ""
-    for _when, rep in phases:
-        if rep.failed:
-            outcome = "failed"
-            reason = item.stash.get(_FAILURE, "") or str(rep.longrepr).strip().splitlines()[-1]
-            break
-        if rep.skipped:
-            if hasattr(rep, "wasxfail"):
-                outcome, reason = "xfailed", str(rep.wasxfail)
-            else:
-                outcome, reason = "skipped", _skip_reason(rep)
-            break
+    missing = item.stash.get(_MISSING, None)
+    if missing is not None:
+        outcome, reason = "error", f"{HARNESS_ERROR}: {missing}"
+    else:
+        for _when, rep in phases:
+            if rep.failed:
+                outcome = "failed"
+                reason = item.stash.get(_FAILURE, "") or str(rep.longrepr).strip().splitlines()[-1]
+                break
+            if rep.skipped:
+                if hasattr(rep, "wasxfail"):
+                    outcome, reason = "xfailed", str(rep.wasxfail)
+                else:
+                    outcome, reason = "skipped", _skip_reason(rep)
+                break
     clauses = [str(a) for m in item.iter_markers("clauses") for a in m.args]
     guards = [str(a) for m in item.iter_markers("guards") for a in m.args]
     connector = str(callspec.params["kvfail_connector"])

@@ -28,8 +28,11 @@ __all__ = [
     "write_report",
 ]
 
-Outcome = Literal["passed", "failed", "skipped", "xfailed"]
-OUTCOMES: tuple[Outcome, ...] = ("passed", "failed", "skipped", "xfailed")
+#: ``error``: the tool could not judge (a :class:`kvfail.compat.MissingFeatureError`: the
+#: installed vLLM lacks what the harness needs). Never a verdict on the connector: not a
+#: pass, not a skip, not a failure a negative control may be "flagged" by.
+Outcome = Literal["passed", "failed", "skipped", "xfailed", "error"]
+OUTCOMES: tuple[Outcome, ...] = ("passed", "failed", "skipped", "xfailed", "error")
 
 
 @dataclass

@@ -134,6 +134,44 @@ def test_scenarios_the_child_never_reached_are_not_run_cells(tmp_path: Path) -> 
     assert _dynamic_cell(Row(target, cells)) == "? 2 not run"
 
 
+def test_a_harness_error_is_unknown_never_a_pass_or_a_verdict(tmp_path: Path) -> None:
+    """A scenario the tool could not judge (``error``: a vLLM without a feature the
+    harness needs) reads as unknown, with the missing feature named: next to a pass it
+    is no pass; next to a real failure the failure is the verdict."""
+    from kvfail.audit import dynamic
+    from kvfail.compat import MISSING_FEATURE_MARK
+
+    spec = "pkg.mod:X"
+    gap = f"harness error, not a verdict: x needs y (block_pool_binding), {MISSING_FEATURE_MARK}"
+    _write(tmp_path, "plan.json", {"run": [spec], "not_run": {}, "alias": {}})
+    records = [
+        ("test_a", "fail", "error", gap),
+        ("test_a", "recompute", "passed", ""),
+        ("test_b", "fail", "error", gap),
+        ("test_b", "recompute", "failed", "C2 liveness"),
+    ]
+    _write(
+        tmp_path,
+        "collected.json",
+        [{"connector": spec, "policy": p, "scenario": s, "nodeid": s} for s, p, _o, _r in records],
+    )
+    _write(
+        tmp_path,
+        "report.json",
+        [
+            {"connector": spec, "policy": p, "scenario": s, "outcome": o, "reason": r,
+             "clauses": ["C2"], "duration_s": 1.0}
+            for s, p, o, r in records
+        ],
+    )  # fmt: skip
+    runner = dynamic.ConformanceRunner(budget_s=10)
+    runner._read(tmp_path, "")
+    found = {f.check: f for f in runner(_target())}
+    assert found["dyn:test_a"].status == "unknown"
+    assert "block_pool_binding" in found["dyn:test_a"].summary
+    assert found["dyn:test_b"].status == "fail" and "liveness" in found["dyn:test_b"].summary
+
+
 FAKE_CHILD = r"""
 import json, os, signal, subprocess, sys, time
 tmp = sys.argv[1]
