@@ -1,15 +1,18 @@
 """How fast the conformance suite is for a connector author's inner loop, against its floor.
 
-Why: an author reruns ``pytest conformance/ --connector X`` after every change. Some of
-its time no connector can save: a deadline scenario must let the declared deadline pass, a
-slow peer must be waited for. Each scenario notes those waits (``wait_floor``, summed in
-the report as ``floor_s``); everything else (vLLM imports, P restarts, engine builds,
-polling) is overhead this bench measures against that floor, in the same run.
+Why: an author reruns ``pytest --pyargs kvfail.conformance --connector X`` (the suite as
+installed; the checkout's ``conformance/`` adds this project's own self-test) after every
+change. Some of its time no connector can save: a deadline scenario must let the declared
+deadline pass, a slow peer must be waited for. Each scenario notes those waits
+(``wait_floor``, summed in the report as ``floor_s``); everything else (vLLM imports, P
+restarts, engine builds, polling) is overhead this bench measures against that floor, in the
+same run.
 
-It runs ``pytest conformance/ --connector mooncake --policy fail --layout tp1`` in a child
-process (a cold start, as the author's is) with a report directory, then prints the
-slowest scenarios next to their floors and, on its last line, ``suite_s`` (wall time of
-the run), ``suite_floor_s`` and ``suite_overhead_ratio`` (their quotient; target <= 2).
+It runs ``pytest --pyargs kvfail.conformance --connector mooncake --policy fail --layout
+tp1`` in a child process (a cold start, as the author's is) with a report directory, then
+prints the slowest scenarios next to their floors and, on its last line, ``suite_s`` (wall
+time of the run), ``suite_floor_s`` and ``suite_overhead_ratio`` (their quotient; target <=
+2).
 ``--fresh-p`` runs the same suite a second time with every P a fresh interpreter
 (``KVFAIL_P_ZYGOTE=0``), the way the suite started P before the zygote, and adds
 ``suite_fresh_p_s`` and ``zygote_speedup``.
@@ -41,7 +44,8 @@ def run_suite(connector: str, policy: str, layout: str, env: dict[str, str]) -> 
             sys.executable,
             "-m",
             "pytest",
-            "conformance/",
+            "--pyargs",
+            "kvfail.conformance",
             "--connector",
             connector,
             "--policy",
