@@ -48,6 +48,7 @@ from typing import Any
 
 from kvfail.audit.inventory import Target
 from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Finding
+from kvfail.conformance.report import RECORDS_FILE
 from kvfail.conformance.scenarios import DIRECTORY
 
 SCENARIOS = DIRECTORY / "test_scenarios.py"
@@ -75,7 +76,7 @@ HARD_CAP_S = 3600.0
 #: ``child.log``, whose tail is kept for errors).
 PROGRESS = "progress.jsonl"
 #: The child's records, one line per finished scenario (``report.json`` comes at the end).
-RECORDS = "records.jsonl"
+RECORDS = RECORDS_FILE
 
 Progress = Callable[[str], None]
 
@@ -507,19 +508,12 @@ class _AuditPlugin:
         run: list[str],
         report: Path,
         stop_at: float | None,
-        kinds: dict[str, str] | None = None,
     ) -> None:
         self.order = {spec: i for i, spec in enumerate(run)}
-        #: Driver kind (class name) of each connector: one kind can share a peer.
-        self.kinds = kinds or {}
         self.report = report
         self.stop_at = stop_at
         self.index: dict[str, int] = {}
         self.total = 0
-        #: nodeid of each connector's last scenario -> the connector (its peers go then).
-        self.last: dict[str, str] = {}
-        self.config: Any = None
-        self.flushed = 0
         self._progress = (report / PROGRESS).open("a", encoding="utf-8", buffering=1)
 
     def emit(self, **event: Any) -> None:
@@ -563,9 +557,6 @@ class _AuditPlugin:
                 }
             )
         self.total = len(collected)
-        self.config = config
-        last = {c["connector"]: c["nodeid"] for c in collected}  # in order: the last wins
-        self.last = {nodeid: spec for spec, nodeid in last.items()}
         (self.report / "collected.json").write_text(json.dumps(collected))
         self.emit(event="collected", n=self.total, connectors=len(self.order))
 
@@ -590,71 +581,17 @@ class _AuditPlugin:
         )
         return None
 
-    def pytest_runtest_logfinish(self, nodeid: str, location: object) -> None:
-        self.flush_records()
-        spec = self.last.get(nodeid)
-        if spec is not None:
-            self.release(spec)
 
-    def _state(self) -> Any:
-        """The conformance plugin's session state (its records and drivers), or None."""
-        try:
-            from kvfail.conformance.plugin import _STATE
-
-            return self.config.stash[_STATE]
-        except Exception:  # another plugin version: report.json and its teardown only
-            return None
-
-    def flush_records(self) -> None:
-        """Append the plugin's new records to ``records.jsonl`` as each scenario ends:
-        ``report.json`` is written only at the session's end, which a child stopped by
-        SIGKILL never reaches; what finished must survive that."""
-        state = self._state()
-        records = getattr(state, "records", None)
-        if not records or len(records) <= self.flushed:
-            return
-        with (self.report / RECORDS).open("a", encoding="utf-8") as fh:
-            for rec in records[self.flushed :]:
-                fh.write(json.dumps(dataclasses.asdict(rec), default=str) + "\n")
-        self.flushed = len(records)
-
-    def release(self, spec: str) -> None:
-        """Stop a connector's driver (its P processes) once its last scenario is done,
-        instead of at the end of the session: an idle P still costs CPU (NIXL's polls)
-        while the next connectors run (items run connector by connector, so no later
-        scenario needs it). ``driver.stop()`` is what the plugin's own teardown calls."""
-        state = self._state()
-        if state is None:  # the plugin's unconfigure stops the drivers
-            return
-        driver = state.drivers.get(spec)
-        if driver is None or spec not in state.started:
-            return
-        try:
-            driver.stop()
-            # The P it handed off waits for the next connector of its kind; after the
-            # last one (the run is grouped by kind) nothing will pull from it.
-            later = [s for s, i in self.order.items() if i > self.order.get(spec, -1)]
-            if not any(self.kinds.get(s) == self.kinds.get(spec) for s in later):
-                from kvfail.conformance.driver import close_shared_producers
-
-                close_shared_producers(handed_off_by=type(driver))
-        except Exception as exc:  # the session's teardown retries it
-            self.emit(event="release_failed", connector=spec, error=repr(exc)[:200])
-            return
-        state.started.discard(spec)
-        self.emit(event="released", connector=spec)
-
-
-def audit_plugin(
-    run: list[str], report: Path, stop_at: float | None, kinds: dict[str, str] | None = None
-) -> _AuditPlugin:
+def audit_plugin(run: list[str], report: Path, stop_at: float | None) -> _AuditPlugin:
     """The child's pytest plugin (``stop_at``: ``time.monotonic()`` after which no scenario
-    starts; None: no budget; ``kinds``: each connector's driver kind)."""
+    starts; None: no budget). It only orders, paces and reports progress: the records are
+    the conformance plugin's ``records.jsonl`` and ``report.json`` in ``report``, and the
+    conformance plugin stops each connector's driver after its last scenario."""
     import pytest
 
     # Before pytest's runner, which would run the item (this module imports no pytest).
     pytest.hookimpl(tryfirst=True)(_AuditPlugin.pytest_runtest_protocol)
-    return _AuditPlugin(run, report, stop_at, kinds)
+    return _AuditPlugin(run, report, stop_at)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -683,7 +620,6 @@ def main(argv: list[str] | None = None) -> int:
     not_run: dict[str, str] = {}
     alias: dict[str, str] = {}
     seen: dict[object, str] = {}
-    family: dict[str, list[str]] = {}
     for spec in args.specs:
         try:
             driver = resolve(spec)
@@ -703,7 +639,6 @@ def main(argv: list[str] | None = None) -> int:
         if cls is not None:
             seen[cls] = spec
         run.append(spec)
-        family.setdefault(type(driver).__name__, []).append(spec)
     # The registry's order is kept (upstream's connectors first): grouping by driver kind
     # put both Mooncake connectors after the NIXL ones, where the budget cut them. Drivers
     # of one kind still share a P: a driver hands its P to the next of its kind, and it is
@@ -736,11 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             *(a for layout in args.layout for a in ("--layout", layout)),
             *connectors,
         ],
-        plugins=[
-            audit_plugin(
-                run, args.report, stop_at, {s: k for k, specs in family.items() for s in specs}
-            )
-        ],
+        plugins=[audit_plugin(run, args.report, stop_at)],
     )
     # 0/1: ran (failures are findings); 2: interrupted (budget or SIGTERM, report kept).
     return 0 if rc in (0, 1, 2) else int(rc)

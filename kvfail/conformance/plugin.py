@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,8 +36,10 @@ from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
 from kvfail.conformance.driver import spec_problem
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layouts
 from kvfail.conformance.report import (
+    RECORDS_FILE,
     Outcome,
     Record,
+    append_record,
     render_durations,
     render_matrix,
     render_patches,
@@ -70,6 +73,9 @@ class _State:
     session_start: float = field(default_factory=time.monotonic)
     #: The rig-patch log every process of this run appends to (see ``_PatchLog``).
     patches: _PatchLog | None = None
+    #: Position of each connector's last scenario, and of every item, in the run's order.
+    last_index: dict[str, int] = field(default_factory=dict)
+    item_index: dict[str, int] = field(default_factory=dict)
 
     def resolve(self, spec: str) -> Any:
         """The driver for ``spec``, resolved once (not started). Raises
@@ -319,6 +325,9 @@ def pytest_configure(config: pytest.Config) -> None:
         write_baseline=config.getoption("--kvfail-write-baseline", default=None),
         patches=_PatchLog(),
     )
+    report_dir = config.stash[_STATE].report_dir
+    if report_dir:  # records.jsonl is appended to as scenarios end: this run's only
+        (Path(report_dir) / RECORDS_FILE).unlink(missing_ok=True)
 
 
 def _layouts(config: pytest.Config) -> list[str]:
@@ -410,6 +419,54 @@ def pytest_collection_modifyitems(
     }
     for spec in sorted(specs):
         state.resolve(spec)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note where each connector's last scenario is in the final order (after every plugin
+    reordered the items), so its driver can stop as soon as that scenario ends."""
+    state = session.config.stash.get(_STATE, None)
+    if state is None:
+        return
+    for index, item in enumerate(session.items):
+        if _is_suite_item(item) and hasattr(item, "callspec"):
+            state.last_index[str(item.callspec.params["kvfail_connector"])] = index
+    state.item_index = {item.nodeid: i for i, item in enumerate(session.items)}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, object, object]:
+    """After a connector's last scenario, stop its driver: an idle P still costs CPU (NIXL
+    polls) while the other connectors run, and a run ordered connector by connector (the
+    audit's) would otherwise keep every connector's peers up to the end."""
+    result = yield
+    state = item.config.stash.get(_STATE, None)
+    if state is not None and _is_suite_item(item) and hasattr(item, "callspec"):
+        spec = str(item.callspec.params["kvfail_connector"])
+        index = state.item_index.get(item.nodeid, -1)
+        if index >= 0 and state.last_index.get(spec) == index:
+            _release(state, spec, index)
+    return result
+
+
+def _release(state: _State, spec: str, index: int) -> None:
+    """Stop ``spec``'s driver; then close the P's its kind handed off, unless a connector
+    still to run has a driver of the same kind (it would take that P over)."""
+    from kvfail.conformance.driver import close_shared_producers
+
+    driver = state.drivers.get(spec)
+    if driver is None or spec not in state.started:
+        return
+    try:
+        driver.stop()
+    except Exception:  # the session's teardown stops it again (stop is idempotent)
+        return
+    state.started.discard(spec)
+    later = [s for s, last in state.last_index.items() if last > index]
+    kinds = {type(state.drivers.get(s) or state.resolve(s)) for s in later}
+    if type(driver) not in kinds:
+        close_shared_producers(handed_off_by=type(driver))
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -601,6 +658,8 @@ def _record(item: pytest.Item) -> None:
             rig_patches=patched,
         )
     )
+    if state.report_dir:
+        append_record(state.report_dir, state.records[-1])
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -658,8 +717,6 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 def _write_baseline(state: _State) -> str:
     """One entry per scenario run that failed on the oracles' findings, every finding
     citing a clause (an error, or a finding with no clause, is not a known violation)."""
-    from pathlib import Path
-
     from kvfail.conformance.baseline import render_baseline
 
     entries = []

@@ -7,7 +7,9 @@ missing capability) / xfailed (with the known finding), plus the clause each row
 ``report.md`` the rendered matrix, as ADBC's generated support tables. The clauses are
 defined in ``docs/contract.md``. A verdict reached on a patched system must say so: each
 record names the rig patches its connector ran under, and ``rig_patches.json`` and
-``report.md`` describe them (``docs/rig-patches.md``).
+``report.md`` describe them (``docs/rig-patches.md``). ``records.jsonl`` gets each record
+as its scenario ends, so what a run stopped early (a budget, SIGKILL) had finished is kept;
+a reader such as ``kvfail audit`` needs nothing but these files.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any, Literal
 
 __all__ = [
     "OUTCOMES",
+    "RECORDS_FILE",
     "Outcome",
     "Record",
+    "append_record",
     "render_durations",
     "render_matrix",
     "render_patches",
@@ -146,6 +150,18 @@ def render_patches(patches: Iterable[Mapping[str, Any]]) -> str:
         lines.append(f"    why: {p['why']}")
         lines.append(f"    without it: {p['without']}")
     return "\n".join(lines)
+
+
+#: One JSON line per finished scenario, appended as it ends (see :func:`append_record`).
+RECORDS_FILE = "records.jsonl"
+
+
+def append_record(directory: str | Path, record: Record) -> None:
+    """Add ``record`` to ``records.jsonl`` in ``directory`` (one line, written whole)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / RECORDS_FILE).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(asdict(record), default=str) + "\n")
 
 
 def write_report(

@@ -306,71 +306,64 @@ def test_child_plugin_runs_connector_by_connector_within_its_budget(
         assert "budget" in json.loads((tmp_path / "budget.json").read_text())["reason"]
 
 
-def test_a_connectors_peers_are_released_after_its_last_scenario(tmp_path: Path) -> None:
-    """Once a connector's last scenario is done its driver is stopped (its idle P would
-    cost CPU for the rest of the run), exactly once, and the plugin's teardown skips it."""
-    from types import SimpleNamespace
+def test_a_connectors_driver_stops_after_its_last_scenario(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The conformance plugin stops a connector's driver once its last scenario is done
+    (its idle P would cost CPU for the rest of the run), exactly once, and closes the P's
+    its kind handed off only when no connector still to run has a driver of that kind."""
+    from kvfail.conformance import driver as driver_module
+    from kvfail.conformance import plugin
 
-    from kvfail.audit.dynamic import _AuditPlugin
-    from kvfail.conformance.plugin import _STATE
+    closed: list[type | None] = []
+    monkeypatch.setattr(
+        driver_module,
+        "close_shared_producers",
+        lambda handed_off_by=None: closed.append(handed_off_by),
+    )
 
-    class Driver:
+    class KindA:
         stops = 0
 
         def stop(self) -> None:
             self.stops += 1
 
-    class Config:
-        stash = pytest.Stash()
+    class KindB(KindA):
+        pass
 
-    drivers = {"a": Driver(), "b": Driver()}
-    # The plugin's _State, as far as the audit's plugin reads it.
-    state = SimpleNamespace(drivers=dict(drivers), started=set(drivers), records=[])
-    plugin = _AuditPlugin(["a", "b"], tmp_path, None)
-    plugin.config = Config()
-    plugin.config.stash[_STATE] = state
-    plugin.last = {"t::x[a]": "a", "t::x[b]": "b"}
-    plugin.pytest_runtest_logfinish("t::y[a]", None)  # not a's last: nothing
-    assert drivers["a"].stops == 0
-    plugin.pytest_runtest_logfinish("t::x[a]", None)
-    plugin.pytest_runtest_logfinish("t::x[a]", None)
-    assert (drivers["a"].stops, drivers["b"].stops) == (1, 0)
-    assert state.started == {"b"}
-    events = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
-    assert events == [{"event": "released", "connector": "a"}]
+    drivers = {"a": KindA(), "b": KindB(), "c": KindA()}
+    state = plugin._State(
+        connectors=list(drivers), policies=["fail"], layouts=[], report_dir=None, silent_wait_s=1
+    )
+    state.drivers, state.started = dict(drivers), set(drivers)
+    state.last_index = {"a": 3, "b": 5, "c": 7}
+    plugin._release(state, "a", 3)
+    plugin._release(state, "a", 3)  # already stopped: not again
+    assert [d.stops for d in drivers.values()] == [1, 0, 0]
+    assert closed == []  # "c" still runs, and it is of a's kind: it takes a's P over
+    plugin._release(state, "b", 5)
+    assert closed == [KindB]  # no later connector of b's kind
+    plugin._release(state, "c", 7)
+    assert closed == [KindB, KindA]
+    assert [d.stops for d in drivers.values()] == [1, 1, 1] and state.started == set()
 
 
 def test_finished_scenarios_survive_a_killed_child(tmp_path: Path) -> None:
-    """Each record is appended to records.jsonl as its scenario ends; without report.json
-    (a child SIGKILLed before the session's end) the parent reads those, a cut line aside."""
-    from dataclasses import dataclass
-    from types import SimpleNamespace
-
+    """The conformance plugin appends each record to records.jsonl as its scenario ends;
+    without report.json (a child SIGKILLed before the session's end) the audit reads those,
+    a cut line aside."""
     from kvfail.audit import dynamic
-    from kvfail.conformance.plugin import _STATE
-
-    @dataclass
-    class Rec:  # the fields of kvfail.conformance.report.Record the audit reads
-        connector: str
-        scenario: str
-        policy: str
-        outcome: str
-        reason: str = ""
-        duration_s: float = 1.0
-
-    class Config:
-        stash = pytest.Stash()
+    from kvfail.conformance.report import Record, append_record
 
     SPEC = "pkg.mod:X"  # _target()'s spec
-    state = SimpleNamespace(drivers={}, started=set(), records=[])
-    plugin = dynamic._AuditPlugin([SPEC], tmp_path, None)
-    plugin.config = Config()
-    plugin.config.stash[_STATE] = state
-    state.records.append(Rec(SPEC, "test_one", "fail", "passed"))
-    plugin.pytest_runtest_logfinish("t::one[a]", None)
-    state.records.append(Rec(SPEC, "test_two", "fail", "failed", "C2 liveness"))
-    plugin.pytest_runtest_logfinish("t::two[a]", None)
-    plugin.pytest_runtest_logfinish("t::two[a]", None)  # nothing new: nothing written
+    for scenario, outcome, reason in (
+        ("test_one", "passed", ""),
+        ("test_two", "failed", "C2 liveness"),
+    ):
+        append_record(
+            tmp_path,
+            Record(SPEC, scenario, "fail", outcome, reason, clauses=["C2"], duration_s=1.0),
+        )
     with (tmp_path / dynamic.RECORDS).open("a") as fh:
         fh.write('{"connector": "a", "scen')  # SIGKILL mid-line
     _write(
