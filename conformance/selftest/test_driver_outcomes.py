@@ -20,7 +20,7 @@ def test_one(kvfail):
 
 
 def _fake_resolve(monkeypatch: pytest.MonkeyPatch, *, start_error: bool, absent: bool) -> None:
-    import kvfail.conformance.driver as driver_module
+    import kvfail.conformance.resolve as resolve_module
     from kvfail.conformance.driver import ToyDriver
 
     class Broken(ToyDriver):
@@ -31,7 +31,7 @@ def _fake_resolve(monkeypatch: pytest.MonkeyPatch, *, start_error: bool, absent:
             if start_error:
                 raise RuntimeError("P exited with status 1 while starting")
 
-    monkeypatch.setattr(driver_module, "resolve", lambda spec: Broken(spec))
+    monkeypatch.setattr(resolve_module, "resolve", lambda spec: Broken(spec))
 
 
 def _outcome(pytester: pytest.Pytester, *args: str) -> tuple[str, str]:

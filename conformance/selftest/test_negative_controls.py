@@ -223,7 +223,8 @@ def test_real_negative_control_is_flagged_by_the_right_scenario(
 
 
 def test_real_controls_resolve_to_the_mooncake_driver() -> None:
-    from kvfail.conformance.driver import MooncakeDriver, resolve
+    from kvfail.conformance.driver import MooncakeDriver
+    from kvfail.conformance.resolve import resolve
 
     if not REAL_CONTROLS:
         pytest.skip("connectors.mooncake is not importable here")

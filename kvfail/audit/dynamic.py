@@ -614,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvfail.faults.process import close_peers_on_sigterm
 
     close_peers_on_sigterm()  # the budget's SIGTERM: pytest tears down and closes the peers
-    from kvfail.conformance.driver import DriverUnavailable, GenericDriver, resolve
+    from kvfail.conformance.driver import DriverUnavailable, GenericDriver
+    from kvfail.conformance.resolve import resolve
 
     run: list[str] = []
     not_run: dict[str, str] = {}

@@ -32,12 +32,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import importlib.metadata
 import json
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +57,6 @@ __all__ = [
     "MooncakeDriver",
     "PairDriver",
     "ToyDriver",
-    "resolve",
-    "spec_problem",
 ]
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
@@ -1182,7 +1179,7 @@ class MooncakeDriver(PairDriver):
 
     @staticmethod
     def _connector_bases() -> tuple[type, type | None] | None:
-        return _mooncake_bases()
+        return mooncake_bases()
 
     def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
         """A pair whose P has this layout; P is shared by the drivers of a session that
@@ -1434,78 +1431,7 @@ class MooncakeDriver(PairDriver):
         super().after_scenario()
 
 
-# ------------------------------------------------------------------------ resolve
-
-
-def _nixl(name: str, **kwargs: Any) -> Driver:
-    from kvfail.conformance.nixl_driver import NixlDriver
-
-    return NixlDriver(name, **kwargs)
-
-
-BUILTIN: dict[str, Callable[[str], Driver]] = {
-    "toy": lambda name: ToyDriver(name),
-    "mooncake": lambda name: MooncakeDriver(name),
-    # Upstream's connector, same real pair (not the generic driver): its deadline is real.
-    "vllm:MooncakeConnector": lambda name: MooncakeDriver(
-        name, connector="MooncakeConnector", connector_module=None
-    ),
-    "nixl": lambda name: _nixl(name),
-    "vllm:NixlConnector": lambda name: _nixl(
-        name, connector="NixlConnector", connector_module=None
-    ),
-}
-
-
-def _entry_point_drivers() -> dict[str, Any]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _import_class(path: str) -> type:
-    module_name, _, qualname = path.partition(":")
-    if not module_name or not qualname:
-        raise ValueError(f"expected module:Class, got {path!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise TypeError(f"{path} is not a class")
-    return obj
-
-
-def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
-    from kvfail.harness.toy import ToyConnector
-
-    if issubclass(cls, ToyConnector):
-        return ToyDriver(name, cls)
-    mooncake = _mooncake_bases()
-    if mooncake is not None and issubclass(cls, mooncake[0]):
-        upstream, kvfail_cls = mooncake
-        # P runs the unbroken connector nearest above D's: a D-side control tests D only.
-        p_cls = kvfail_cls if kvfail_cls is not None and issubclass(cls, kvfail_cls) else upstream
-        if registry_name is not None:
-            return MooncakeDriver(name, connector=registry_name, connector_module=None)
-        return MooncakeDriver(
-            name,
-            connector=cls.__name__,
-            connector_module=cls.__module__,
-            p_connector=p_cls.__name__,
-            p_connector_module=None if p_cls is upstream else p_cls.__module__,
-        )
-    from kvfail.conformance.nixl_driver import NixlDriver, nixl_bases
-
-    nixl = nixl_bases()
-    if nixl is not None and issubclass(cls, nixl[0]):
-        return NixlDriver.for_class(name, cls, registry_name)
-    from kvfail.conformance.example_driver import ExampleDriver, example_base
-
-    example = example_base()
-    if example is not None and issubclass(cls, example) and cls is not example:
-        return ExampleDriver(name, connector_cls=cls)  # a subclass: a negative control
-    return GenericDriver(name, cls, registry_name)
-
-
-def _mooncake_bases() -> tuple[type, type | None] | None:
+def mooncake_bases() -> tuple[type, type | None] | None:
     """(upstream ``MooncakeConnector``, kvfail's connector or None), None without Mooncake."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
@@ -1518,61 +1444,3 @@ def _mooncake_bases() -> tuple[type, type | None] | None:
     except Exception:
         return MooncakeConnector, None
     return MooncakeConnector, KvfailMooncakeConnector
-
-
-def spec_problem(spec: str) -> str | None:
-    """What is wrong with a ``--connector`` value by its form alone (None: nothing yet);
-    cheap, imports nothing, so a typo stops the run before any vLLM import."""
-    accepted = (
-        f"accepted: one of {sorted({*BUILTIN, *_entry_point_drivers()})} (built-in or a "
-        f"{ENTRY_POINT_GROUP!r} entry point), vllm:<RegistryName> or module:Class"
-    )
-    if spec in BUILTIN or spec in _entry_point_drivers():
-        return None
-    if spec.startswith("vllm:"):
-        return None if spec.removeprefix("vllm:") else f"no registry name after 'vllm:'; {accepted}"
-    module, sep, qualname = spec.partition(":")
-    if sep and module and qualname:
-        return None
-    return f"unknown connector; {accepted}"
-
-
-def resolve(spec: str) -> Driver:
-    """Turn a ``--connector`` value into a driver.
-
-    ``toy`` | ``mooncake`` | a ``kvfail.drivers`` entry-point name | ``vllm:<RegistryName>``
-    (vLLM's ``KVConnectorFactory`` registry) | ``module:Class``. Raises
-    :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
-    """
-    if spec in BUILTIN:
-        return BUILTIN[spec](spec)
-    entry_points = _entry_point_drivers()
-    if spec in entry_points:
-        factory = entry_points[spec].load()
-        driver = factory(spec)
-        if not isinstance(driver, Driver):
-            raise TypeError(f"entry point {spec!r} returned {type(driver).__name__}, not Driver")
-        return driver
-    if spec.startswith("vllm:"):
-        registry_name = spec.removeprefix("vllm:")
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        try:
-            cls = KVConnectorFactory.get_connector_class_by_name(registry_name)
-        except Exception as exc:
-            raise DriverUnavailable(
-                f"vLLM connector {registry_name!r} cannot be loaded ({type(exc).__name__}: {exc})"
-            ) from exc
-        return _driver_for_class(spec, cls, registry_name)
-    if ":" in spec:
-        try:
-            cls = _import_class(spec)
-        except Exception as exc:
-            raise DriverUnavailable(
-                f"{spec} cannot be imported ({type(exc).__name__}: {exc})"
-            ) from exc
-        return _driver_for_class(spec, cls)
-    known = sorted({*BUILTIN, *entry_points})
-    raise DriverUnavailable(
-        f"unknown connector {spec!r}: use one of {known}, vllm:<RegistryName> or module:Class"
-    )

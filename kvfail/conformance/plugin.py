@@ -33,7 +33,6 @@ from kvfail import rig_patches
 from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
-from kvfail.conformance.driver import spec_problem
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layouts
 from kvfail.conformance.report import (
     RECORDS_FILE,
@@ -44,6 +43,7 @@ from kvfail.conformance.report import (
     render_matrix,
     render_patches,
 )
+from kvfail.conformance.resolve import spec_problem
 
 __all__ = ["POLICIES"]
 
@@ -83,7 +83,8 @@ class _State:
         run, not turn into a row of skips."""
         if spec in self.drivers:
             return self.drivers[spec]
-        from kvfail.conformance.driver import DriverUnavailable, resolve
+        from kvfail.conformance.driver import DriverUnavailable
+        from kvfail.conformance.resolve import resolve
 
         try:
             driver = resolve(spec)

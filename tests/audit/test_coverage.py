@@ -94,7 +94,7 @@ def test_pending_entry_is_accepted_only_while_it_is_true() -> None:
 
 
 def test_driven_classes_are_the_drivers_builtin_names() -> None:
-    from kvfail.conformance.driver import BUILTIN
+    from kvfail.conformance.resolve import BUILTIN
 
     assert set(coverage.DRIVEN_CLASSES) <= set(BUILTIN)
 

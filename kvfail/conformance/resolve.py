@@ -1,0 +1,153 @@
+"""Which driver runs a ``--connector`` value: the built-in names, the ``kvfail.drivers``
+entry points, ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class``.
+
+Why a module of its own: :mod:`kvfail.conformance.driver` is the base API every driver
+imports, so it must import no transport's driver; this module is the one place that knows
+them all (the NIXL and Example drivers are imported when a value needs them, since their
+modules import their transports' code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+from typing import Any
+
+from kvfail.conformance.driver import (
+    ENTRY_POINT_GROUP,
+    Driver,
+    DriverUnavailable,
+    GenericDriver,
+    MooncakeDriver,
+    ToyDriver,
+    mooncake_bases,
+)
+
+__all__ = ["BUILTIN", "resolve", "spec_problem"]
+
+
+def _nixl(name: str, **kwargs: Any) -> Driver:
+    from kvfail.conformance.nixl_driver import NixlDriver
+
+    return NixlDriver(name, **kwargs)
+
+
+BUILTIN: dict[str, Callable[[str], Driver]] = {
+    "toy": lambda name: ToyDriver(name),
+    "mooncake": lambda name: MooncakeDriver(name),
+    # Upstream's connector, same real pair (not the generic driver): its deadline is real.
+    "vllm:MooncakeConnector": lambda name: MooncakeDriver(
+        name, connector="MooncakeConnector", connector_module=None
+    ),
+    "nixl": lambda name: _nixl(name),
+    "vllm:NixlConnector": lambda name: _nixl(
+        name, connector="NixlConnector", connector_module=None
+    ),
+}
+
+
+def _entry_point_drivers() -> dict[str, Any]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _import_class(path: str) -> type:
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise ValueError(f"expected module:Class, got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{path} is not a class")
+    return obj
+
+
+def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
+    from kvfail.harness.toy import ToyConnector
+
+    if issubclass(cls, ToyConnector):
+        return ToyDriver(name, cls)
+    mooncake = mooncake_bases()
+    if mooncake is not None and issubclass(cls, mooncake[0]):
+        upstream, kvfail_cls = mooncake
+        # P runs the unbroken connector nearest above D's: a D-side control tests D only.
+        p_cls = kvfail_cls if kvfail_cls is not None and issubclass(cls, kvfail_cls) else upstream
+        if registry_name is not None:
+            return MooncakeDriver(name, connector=registry_name, connector_module=None)
+        return MooncakeDriver(
+            name,
+            connector=cls.__name__,
+            connector_module=cls.__module__,
+            p_connector=p_cls.__name__,
+            p_connector_module=None if p_cls is upstream else p_cls.__module__,
+        )
+    from kvfail.conformance.nixl_driver import NixlDriver, nixl_bases
+
+    nixl = nixl_bases()
+    if nixl is not None and issubclass(cls, nixl[0]):
+        return NixlDriver.for_class(name, cls, registry_name)
+    from kvfail.conformance.example_driver import ExampleDriver, example_base
+
+    example = example_base()
+    if example is not None and issubclass(cls, example) and cls is not example:
+        return ExampleDriver(name, connector_cls=cls)  # a subclass: a negative control
+    return GenericDriver(name, cls, registry_name)
+
+
+def spec_problem(spec: str) -> str | None:
+    """What is wrong with a ``--connector`` value by its form alone (None: nothing yet);
+    cheap, imports nothing, so a typo stops the run before any vLLM import."""
+    accepted = (
+        f"accepted: one of {sorted({*BUILTIN, *_entry_point_drivers()})} (built-in or a "
+        f"{ENTRY_POINT_GROUP!r} entry point), vllm:<RegistryName> or module:Class"
+    )
+    if spec in BUILTIN or spec in _entry_point_drivers():
+        return None
+    if spec.startswith("vllm:"):
+        return None if spec.removeprefix("vllm:") else f"no registry name after 'vllm:'; {accepted}"
+    module, sep, qualname = spec.partition(":")
+    if sep and module and qualname:
+        return None
+    return f"unknown connector; {accepted}"
+
+
+def resolve(spec: str) -> Driver:
+    """Turn a ``--connector`` value into a driver.
+
+    ``toy`` | ``mooncake`` | a ``kvfail.drivers`` entry-point name | ``vllm:<RegistryName>``
+    (vLLM's ``KVConnectorFactory`` registry) | ``module:Class``. Raises
+    :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec](spec)
+    entry_points = _entry_point_drivers()
+    if spec in entry_points:
+        factory = entry_points[spec].load()
+        driver = factory(spec)
+        if not isinstance(driver, Driver):
+            raise TypeError(f"entry point {spec!r} returned {type(driver).__name__}, not Driver")
+        return driver
+    if spec.startswith("vllm:"):
+        registry_name = spec.removeprefix("vllm:")
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        try:
+            cls = KVConnectorFactory.get_connector_class_by_name(registry_name)
+        except Exception as exc:
+            raise DriverUnavailable(
+                f"vLLM connector {registry_name!r} cannot be loaded ({type(exc).__name__}: {exc})"
+            ) from exc
+        return _driver_for_class(spec, cls, registry_name)
+    if ":" in spec:
+        try:
+            cls = _import_class(spec)
+        except Exception as exc:
+            raise DriverUnavailable(
+                f"{spec} cannot be imported ({type(exc).__name__}: {exc})"
+            ) from exc
+        return _driver_for_class(spec, cls)
+    known = sorted({*BUILTIN, *entry_points})
+    raise DriverUnavailable(
+        f"unknown connector {spec!r}: use one of {known}, vllm:<RegistryName> or module:Class"
+    )
