@@ -207,7 +207,10 @@ class ConformanceRunner:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                cwd=SCENARIOS.parents[1],
+                # Where the kvfail package lives (the checkout's root, or site-packages):
+                # ``python -m`` puts it first on the child's path, so the checkout's
+                # ``connectors`` and ``tests`` import as they do here.
+                cwd=DIRECTORY.parents[2],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,  # its own group: SIGKILL reaches it, never us
             )
