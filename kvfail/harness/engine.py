@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import socket
 import time
 import traceback
 import zlib
@@ -299,9 +298,12 @@ ForwardHook = Callable[["Engine", Worker, "SchedulerOutput"], None]
 
 
 def _free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A rendezvous port for a TP world, picked below the kernel's ephemeral range: a port
+    from ``bind(port 0)`` can be taken by any outgoing connect before the rank binds it
+    (seen as a rank failing its TCPStore listen with EADDRINUSE)."""
+    from kvfail.faults.process import free_port
+
+    return free_port()
 
 
 def ensure_world_of_one(vllm_config: VllmConfig) -> None:
