@@ -42,6 +42,7 @@ import contextvars
 import itertools
 import socket
 import struct
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -81,17 +82,12 @@ logger = init_logger(__name__)
 #: the DEALER's receive timeout, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s.
 DEFAULT_DEADLINE_S: Final = 30.0
 
-#: ``kv_connector_extra_config`` key: how long P may still push after D's pull request
-#: reached it (P's own expiry). Default: this process's
-#: ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``, which P and D normally share.
-P_EXPIRY_KEY: Final = "kvfail_p_expiry_s"
-
-
-def default_p_expiry_s() -> float:
-    """P's expiry as this process's vLLM configuration says (read when a worker starts)."""
-    from vllm import envs
-
-    return float(envs.VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)
+#: ``kv_connector_extra_config`` key: the longest a failed load's blocks are held, counted
+#: from its deadline, without proof that P's push is over. Default: no bound. No time
+#: measured on D bounds P's push: P's own expiry only bounds how long P waits for its
+#: prefill once the pull reached it, and a slow or stopped P may receive the pull, and
+#: then push, at any later time. Setting it trades that wrong-KV risk for capacity.
+MAX_HOLD_KEY: Final = "kvfail_max_hold_s"
 
 
 #: Default for ``kv_connector_extra_config["kvfail_probe_interval_s"]``: how often each P
@@ -129,9 +125,20 @@ class _PeerPull:
     """What one P-worker task has seen; lives in that task's context."""
 
     peer: tuple[int, str]
+    #: Requests this task settled: P's answer, or a failure D reported for it.
     reported: set[str] = field(default_factory=set)
+    #: Requests P named in a reply. P replies only after its push for them ended, so
+    #: nothing more is written into their blocks by this P worker.
+    answered: set[str] = field(default_factory=set)
+    #: P ended the exchange (its FINISH or ERROR reply), or its process is gone: no
+    #: request of this pull can be written into any more.
+    over: bool = False
     last_status: int | None = None
     bad_reply: bool = False
+
+    def may_still_write(self, req_ids: Collection[str]) -> set[str]:
+        """The requests of this pull whose blocks P may still push into."""
+        return set() if self.over else set(req_ids) - self.answered
 
 
 #: The P-worker task we are running in, if any.
@@ -142,6 +149,14 @@ _PULL: contextvars.ContextVar[_PeerPull | None] = contextvars.ContextVar(
 _STAGE_HINT: contextvars.ContextVar[Stage | None] = contextvars.ContextVar(
     "kvfail_mooncake_stage", default=None
 )
+
+
+#: Upstream's helper that builds (and connects) D's DEALER socket, before the pull is sent.
+_SOCKET_SETUP: Final = "make_zmq_socket"
+
+#: Reply statuses after which P writes nothing more for the exchange (P sends ERROR
+#: before any push, and FINISH after its last one).
+_TERMINAL: Final = frozenset({MooncakeXferResponseStatus.FINISH, MooncakeXferResponseStatus.ERROR})
 
 
 class _ReplyDecoder:
@@ -164,6 +179,8 @@ class _ReplyDecoder:
             raise
         if state is not None:
             state.last_status = response.status
+            if response.status in _TERMINAL:
+                state.over = True
         return response
 
 
@@ -178,6 +195,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
       this much longer before reporting (see :meth:`kvfail_fence`).
     * ``kvfail_probe_interval_s`` (default 0.2): liveness probe period for P workers with
       pulls in flight (see :meth:`_mc_probe_peer`); ``None`` or ``0`` disables it.
+    * ``kvfail_max_hold_s`` (default: none): see :data:`MAX_HOLD_KEY`.
     """
 
     def __init__(
@@ -191,7 +209,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         deadline = seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
         self._mc_grace_s = seconds_from(extra, "kvfail_fence_grace_s", 0.0) or 0.0
         self._mc_probe_s = seconds_from(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
-        self._mc_p_expiry_s = seconds_from(extra, P_EXPIRY_KEY, default_p_expiry_s())
+        self._mc_max_hold_s = seconds_from(extra, MAX_HOLD_KEY, None)
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"{type(self).__name__}[{engine_id}]",
@@ -205,6 +223,13 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         #: req_id -> the P-worker tasks currently pulling it (for the fence).
         self._mc_tasks: defaultdict[str, set[asyncio.Task[Any]]] = defaultdict(set)
         self._mc_fenced_at: dict[str, float] = {}
+        #: req_id -> P worker addresses whose pull task ended while that P may still push
+        #: into the load's blocks (no answer for it, no end of the exchange, P not found
+        #: gone): a socket error or timeout. Only P's death clears them (or the max hold).
+        self._mc_unproven: defaultdict[str, set[str]] = defaultdict(set)
+        #: Loads this worker failed unfenced (see :meth:`_mc_fail_unreported`), with when:
+        #: their blocks stay held until :meth:`_mc_release_proven` or the max hold.
+        self._mc_held: dict[str, float] = {}
         self._mc_peer_seq = itertools.count()
         #: Peers spawned by the receive_kv call in progress (loop thread only).
         self._mc_spawning: list[tuple[int, str]] | None = None
@@ -346,15 +371,14 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             return
         if self._mc_probe_s:
             self._mc_inflight[worker_addr][task] = (state, live)
-            if worker_addr not in self._mc_probes:
-                self._mc_probes[worker_addr] = asyncio.create_task(
-                    self._mc_probe_peer(worker_addr, self._mc_probe_s)
-                )
+            self._mc_watch(worker_addr)
         try:
             await super().receive_kv_from_single_worker(worker_addr, live)
         except asyncio.CancelledError:
-            # Cancelled by the fence (the load is already settled and delivered) or by
-            # shutdown; only loads still tracked (co-batched ones) need a report.
+            # Cancelled by the fence (the load is already settled and delivered), by the
+            # probe (P is gone), or by shutdown; only loads still tracked (co-batched
+            # ones) need a report. Past the max hold, D stops waiting for proof.
+            state.over = True
             state.reported.update(r for r in live if not self.failure_reporter.is_tracked(r))
             if self._mc_closed:
                 self._mc_fail_unreported(state, live, Stage.INTERNAL, "connector shut down")
@@ -378,6 +402,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                 inflight.pop(task, None)
                 if not inflight:
                     del self._mc_inflight[worker_addr]
+            unproven = state.may_still_write(live)
             with self._mc_lock:
                 for req_id in live:
                     tasks = self._mc_tasks.get(req_id)
@@ -385,8 +410,27 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                         tasks.discard(task)
                         if not tasks:
                             del self._mc_tasks[req_id]
+                for req_id in unproven:
+                    self._mc_unproven[req_id].add(worker_addr)
+            if unproven:
+                # Only the probe can still prove these writes over (by P's death).
+                self._mc_watch(worker_addr)
+            self._mc_release_proven(live)
 
     # ------------------------------------------------------------------ liveness
+
+    def _mc_watch(self, worker_addr: str) -> None:
+        """Probe this P worker while a pull to it is in flight or may still write."""
+        if self._mc_probe_s and worker_addr not in self._mc_probes:
+            self._mc_probes[worker_addr] = asyncio.create_task(
+                self._mc_probe_peer(worker_addr, self._mc_probe_s)
+            )
+
+    def _mc_watched(self, worker_addr: str) -> bool:
+        if self._mc_inflight.get(worker_addr):
+            return True
+        with self._mc_lock:
+            return any(worker_addr in addrs for addrs in self._mc_unproven.values())
 
     async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
         """Watch one P worker's side channel while D has pulls in flight to it.
@@ -409,7 +453,8 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         completes a connect (or, with a full accept queue, drops the SYN: a timeout,
         which counts as nothing). Silence is left to the deadline. Connections close
         with RST (no TIME_WAIT pile-up); one task per P worker address, on the receiver
-        loop, only while that address has pulls in flight: bounded cost.
+        loop, only while that address has pulls in flight or a pull that ended without
+        P's answer may still be written by it: bounded cost.
         """
         me = asyncio.current_task()
         held: socket.socket | None = None
@@ -418,7 +463,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             if endpoint is None:
                 return  # not a TCP address we can probe (ipc://, malformed): deadline only
             refusals = 0
-            while self._mc_inflight.get(worker_addr):
+            while self._mc_watched(worker_addr):
                 if held is not None:
                     if not await _closed_by_peer(held, interval_s):
                         continue  # still open: P's process holds it
@@ -452,10 +497,36 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         """
         self._mc_forget_engines_at(worker_addr)
         for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
+            state.over = True  # a process that is gone writes nothing more
             tracked = self.failure_reporter.is_tracked
             state.reported.update(r for r in pulls if not tracked(r))
             self._mc_fail_unreported(state, pulls, Stage.PEER_LOST, reason)
             task.cancel()
+        with self._mc_lock:
+            cleared = [r for r, addrs in self._mc_unproven.items() if worker_addr in addrs]
+            for req_id in cleared:
+                addrs = self._mc_unproven[req_id]
+                addrs.discard(worker_addr)
+                if not addrs:
+                    del self._mc_unproven[req_id]
+        self._mc_release_proven(cleared)
+
+    def _mc_release_proven(self, req_ids: Collection[str]) -> None:
+        """Give back the blocks of loads held by us once no P worker can write into them.
+
+        Only loads this worker reported with ``fenced=False`` (:attr:`_mc_held`); loads
+        the watchdog held are released through :meth:`kvfail_fence` instead.
+        """
+        with self._mc_lock:
+            ready = [
+                r
+                for r in req_ids
+                if r in self._mc_held and not self._mc_tasks.get(r) and not self._mc_unproven.get(r)
+            ]
+            for req_id in ready:
+                del self._mc_held[req_id]
+        for req_id in ready:
+            self.load_fenced(req_id)
 
     def _mc_forget_engines_at(self, worker_addr: str) -> None:
         """Make the next pull from a P engine with a dead worker query the bootstrap again.
@@ -531,6 +602,8 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             stage = Stage.PEER
         else:
             stage = Stage.TRANSFER
+        if _never_left_d(state, sys.exc_info()[1]):
+            state.over = True
         # Upstream fails every request of the exchange on an exception, even those this
         # P worker already reported done; those stay done.
         self._mc_fail_unreported(state, {r: pull_metas[r] for r in known}, stage, reason)
@@ -538,9 +611,22 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     def _mc_fail_unreported(
         self, state: _PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str
     ) -> None:
+        """Fail what this pull has not settled yet. A request P may still push into (the
+        exchange ended without P's answer for it: a socket error or timeout) is failed
+        unfenced where quarantine exists: reported now, its blocks held until P's death
+        proves the push over (:meth:`_mc_release_proven`) or the max hold passes."""
+        may_write = state.may_still_write(pulls) if self.failure_reporter.quarantine else set()
         for req_id in pulls.keys() - state.reported:
             state.reported.add(req_id)
-            self.load_failed(req_id, stage, reason, peer=state.peer)
+            if req_id in may_write:
+                with self._mc_lock:
+                    self._mc_held.setdefault(req_id, time.monotonic())
+                if self.load_failed(req_id, stage, reason, peer=state.peer, fenced=False):
+                    continue
+                with self._mc_lock:
+                    self._mc_held.pop(req_id, None)
+            else:
+                self.load_failed(req_id, stage, reason, peer=state.peer)
 
     def _mc_live(self, req_id: str) -> bool:
         """Tracked and not failed: still worth pulling."""
@@ -552,40 +638,72 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     def kvfail_fence(self, req_id: str) -> bool:
         """Whether nothing can still write into an overdue (or quarantined) load's blocks.
 
-        Mooncake is P-push: once P has D's pull request, it writes into D's registered KV
-        memory with its own TransferEngine, whenever it gets to it, up to its own expiry
-        (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``); D holds no handle to cancel. So:
+        Mooncake is P-push: once P holds D's pull request, it writes into D's registered
+        KV memory with its own TransferEngine whenever it gets to it, and D holds no handle
+        to cancel. No clock on D bounds that write: a stopped P may receive the pull late
+        and push after any wait. What proves it over is P itself: its reply naming the
+        request or ending the exchange (it replies only after pushing), or its process
+        found gone by the probe. So:
 
-        * no pull task left for the request (none started: bootstrap phase; or every
-          task ended: P replied, failed, or was found dead and its task stopped): fenced;
+        * no pull task started (bootstrap phase), or every task ended with that proof:
+          fenced;
         * with quarantine (the tracker's, see :mod:`kvfail.quarantine`): the load was
-          already reported at its deadline; the pull keeps running so that its end
-          proves the write is over, and P's expiry (``kvfail_p_expiry_s``, counted from
-          the first fence) is the outer bound, at which the tasks are cancelled;
-        * without quarantine: the tasks are cancelled (a late reply is never read), and
-          ``kvfail_fence_grace_s`` holds the blocks that much longer first; choose
-          deadline + grace above P's expiry to cover a P that is slow rather than dead.
+          already reported at its deadline; the pull keeps running, and its blocks stay
+          held until the proof comes. ``kvfail_max_hold_s``, if set, is an outer bound
+          chosen by the operator, at which the tasks are cancelled;
+        * without quarantine (an older vLLM cannot hold blocks of a reported load): the
+          tasks are cancelled (a late reply is never read), and ``kvfail_fence_grace_s``
+          holds the request that much longer first; choose the deadline plus the grace
+          above how long P may take to push.
         """
         now = time.monotonic()
         with self._mc_lock:
             tasks = tuple(self._mc_tasks.get(req_id, ()))
+            writing = bool(tasks) or bool(self._mc_unproven.get(req_id))
             first = self._mc_fenced_at.setdefault(req_id, now)
         quarantine = self.failure_reporter.quarantine
-        if tasks and quarantine and now - first < self._mc_p_expiry_s:
+        bound = self._mc_max_hold_s
+        if writing and quarantine and (bound is None or now - first < bound):
             return False
         for task in tasks:
             with contextlib.suppress(RuntimeError):  # loop already closed
                 self.receiver_loop.call_soon_threadsafe(task.cancel)
-        if tasks and not quarantine and now - first < self._mc_grace_s:
+        if writing and not quarantine and now - first < self._mc_grace_s:
             return False
         with self._mc_lock:
             self._mc_fenced_at.pop(req_id, None)
+            self._mc_unproven.pop(req_id, None)
+            self._mc_held.pop(req_id, None)
+        if writing:
+            logger.warning(
+                "kvfail: %s's blocks released %.1f s after its deadline without proof that "
+                "P's push is over (kvfail_max_hold_s or kvfail_fence_grace_s)",
+                req_id,
+                now - first,
+            )
         return True
+
+    def _mc_expire_holds(self) -> None:
+        """Past ``kvfail_max_hold_s``, release loads held by :meth:`_mc_fail_unreported`."""
+        bound = self._mc_max_hold_s
+        if bound is None:
+            return
+        now = time.monotonic()
+        with self._mc_lock:
+            due = [r for r, since in self._mc_held.items() if now - since >= bound]
+            for req_id in due:
+                del self._mc_held[req_id]
+                self._mc_unproven.pop(req_id, None)
+        for req_id in due:
+            logger.warning("kvfail: %s's blocks released at kvfail_max_hold_s, unproven", req_id)
+            self.load_fenced(req_id)
 
     # ------------------------------------------------------------------ per step
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's results from the mixin; finished sends from upstream's sender."""
+        if self._mc_held:
+            self._mc_expire_holds()
         return self.transfer_results(finished_sending=self._mc_take_finished_sending())
 
     def _mc_take_finished_sending(self) -> set[str]:
@@ -648,6 +766,21 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         tasks.update(self._mc_probes.values())
         if tasks:
             await _cancel_and_wait(tasks)
+
+
+def _never_left_d(state: _PeerPull, exc: BaseException | None) -> bool:
+    """Whether the pull failed before it could reach P (called inside upstream's
+    ``except``): the error was raised while upstream built the DEALER socket, before
+    its send. Anything else (a receive timeout, an undecodable reply, a send error)
+    leaves P's push possible; so does a renamed helper upstream (the safe side)."""
+    if exc is None or state.last_status is not None or state.bad_reply:
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == _SOCKET_SETUP:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 async def _cancel_and_wait(tasks: Collection[asyncio.Task[Any]]) -> None:

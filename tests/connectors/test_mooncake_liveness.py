@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -41,6 +42,10 @@ DEADLINE_S = 60.0
 #: How long P stays stopped in the no-false-positive test: many probe intervals, well
 #: under the deadline and under P's own expiry (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=5).
 STOP_S = 1.5
+#: The deadline of the held-blocks test's D, and how long it steps after the load failed:
+#: past P's expiry (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=5) counted from that deadline.
+HELD_DEADLINE_S = 1.0
+HELD_PAST_EXPIRY_S = 6.5
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +126,42 @@ def test_stopped_then_resumed_p_is_not_failed_by_the_probe(pair: MooncakePair) -
     assert run.ok and not rec.failed and pair.verify("stop-x"), (run, rec)
     assert worker.failure_stats()["loads_failed"] == 0
     assert oracles.check_all(pair.decoders["stop"], failed=False) == []
+
+
+def test_blocks_stay_held_past_p_expiry_until_a_stopped_p_resumes(pair: MooncakePair) -> None:
+    """P is stopped before it reads D's pull; D's deadline fails the load. Mooncake is
+    P-push: a resumed P reads the pull and may push into D's blocks then, however long
+    it was stopped, so no clock on D (the deadline, P's own expiry) may hand those
+    blocks back. They stay held until P's reply proves its push over; the integrity
+    oracle then finds no write into a released block."""
+    _warm(pair, "held")
+    worker = _worker(pair, "held")
+    worker.failure_reporter.default_deadline_s = HELD_DEADLINE_S
+    engine = pair.decoders["held"]
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    all_free = engine.spec.num_blocks - 1  # the null block is never free
+    params = pair.prefill("held-x", 100)
+    pair.freeze_p()
+    try:
+        rec = pair.add("held-x", params, prompt_len=100, consumer="held")
+        run = pair.run(["held-x"], consumer="held", timeout_s=30)
+        assert run.ok and rec.failed, (run, rec)  # failed at D's deadline
+        _step_for(engine, HELD_PAST_EXPIRY_S)  # D's deadline and P's expiry both passed
+        assert pool.get_num_free_blocks() < all_free, "blocks freed while P may still push"
+        assert worker._mc_tasks, "the pull was stopped: only P's answer can end the hold"
+    finally:
+        pair.thaw_p()
+    _step_for(engine, 30.0, until=lambda: pool.get_num_free_blocks() == all_free)
+    assert oracles.check_all(engine, ["held-x"], failed=True) == []
+
+
+def _step_for(engine: object, seconds: float, until: Callable[[], bool] | None = None) -> None:
+    """Step an engine with no requests (as vLLM does while its connector holds blocks)
+    for ``seconds``, or until ``until`` holds."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not (until is not None and until()):
+        engine.step()  # type: ignore[attr-defined]
+        time.sleep(0.02)
 
 
 def test_zz_killed_p_fails_in_flight_and_new_pulls_with_peer_lost(pair: MooncakePair) -> None:

@@ -315,14 +315,32 @@ def test_peer_finishing_without_naming_a_request(
     assert stage_counts(connector)[Stage.PEER] - before[Stage.PEER] == 1
 
 
-def test_undecodable_reply_is_a_peer_failure(
+def test_undecodable_reply_is_a_peer_failure_whose_blocks_stay_held(
     connector: KvfailMooncakeConnector, fake_p: FakePrefill
 ) -> None:
+    """P answered in a form D cannot read, so D cannot know whether P pushed or still
+    will. The load fails at once, by request (``recompute`` then runs in fresh blocks),
+    and its blocks stay held (C11): P is alive, so nothing proves its push over."""
     before = stage_counts(connector)
     pull = make_pull(fake_p.url, "garbage")
     start(connector, pull)
-    assert_failed_once(poll(connector, {pull.req_id}), pull)
+    obs = poll(connector, {pull.req_id})
+    assert obs.finished[pull.req_id] == 1 and obs.failed[pull.req_id] == 1
+    assert obs.failed_pass[pull.req_id] == obs.finished_pass[pull.req_id]  # C3
+    assert pull.req_id in obs.held and pull.req_id not in obs.released
     assert stage_counts(connector)[Stage.PEER] - before[Stage.PEER] == 1
+
+
+def test_a_pull_that_never_left_d_frees_its_blocks(
+    connector: KvfailMooncakeConnector, fake_p: FakePrefill
+) -> None:
+    """The DEALER could not even be built (a bad endpoint): the pull never reached P,
+    so nothing can write and the failure is block-level, its blocks free at once."""
+    pull = make_pull(fake_p.url, "ok", engine=BOGUS)
+    start(connector, pull)
+    obs = poll(connector, {pull.req_id})
+    assert_failed_once(obs, pull)
+    assert not obs.held
 
 
 def test_ids_p_invents_never_reach_the_scheduler(
