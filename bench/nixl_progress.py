@@ -1,7 +1,7 @@
 """CPU an idle NIXL agent costs: NIXL's busy-spinning progress thread vs the rig's delay.
 
 Why it matters here: on a small CPU rig every agent (each P, each D engine, each TP rank)
-is a process-long poller; see ``kvfail.nixl_progress``. Each side runs in its own child
+is a process-long poller; see ``kvfail.rig.nixl_progress``. Each side runs in its own child
 process (a real agent over UCX TCP on loopback, nothing else), interleaved, and is
 measured by the child's own CPU time over the same idle window. The figure is the
 ratio: CPU of the spinning agent / CPU of the delayed one.
@@ -19,7 +19,7 @@ from bench._common import figures
 
 _CHILD = r"""
 import json, os, resource, sys, time
-from kvfail import nixl_progress
+from kvfail.rig import nixl_progress
 delay = int(sys.argv[1])
 if delay > 0:
     nixl_progress.set_progress_delay(delay)

@@ -414,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     transports = args.transport or list(TRANSPORTS)
 
     from e2e.servers import missing_serve_modules
-    from kvfail import shm
+    from kvfail.rig import shm
 
     missing = missing_serve_modules()
     if missing:

@@ -60,8 +60,8 @@ _timestamp_kvfail_logs()
 
 # Every process of a server imports this module, so every NIXL agent it creates gets the
 # rig's progress-thread delay (KVFAIL_NIXL_PTHR_DELAY_US, set in e2e/servers.py): NIXL's
-# default busy poll takes a core per agent, and three servers share two (kvfail.nixl_progress).
-from kvfail import nixl_progress  # noqa: E402
+# default busy poll takes a core per agent, and three servers share two (kvfail.rig.nixl_progress).
+from kvfail.rig import nixl_progress  # noqa: E402
 
 nixl_progress.apply_from_env()
 

@@ -62,7 +62,7 @@ BASE_ENV: dict[str, str] = {
     "NIXL_LOG_LEVEL": "WARN",
     "MC_LOG_LEVEL": "WARNING",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
-    # NIXL agents poll with a 100 µs pause instead of a busy spin (kvfail.nixl_progress).
+    # NIXL agents poll with a 100 µs pause instead of a busy spin (kvfail.rig.nixl_progress).
     "KVFAIL_NIXL_PTHR_DELAY_US": "100",
     # Stats reach the log line "KV Transfer metrics: ..." every interval.
     "VLLM_LOG_STATS_INTERVAL": "1",

@@ -3,7 +3,7 @@
 Why this module: upstream's worker asks ``torch.accelerator.current_device_index()`` in its
 constructor, which raises without an accelerator, so ``kv_connector="MooncakeConnector"``
 cannot start on this machine. The subclass changes nothing but that: it constructs
-upstream's connector inside the rig's ``cpu_accelerator_index`` shim (``kvfail.cpu_shim``,
+upstream's connector inside the rig's ``cpu_accelerator_index`` shim (``kvfail.rig.cpu_shim``,
 ``docs/rig-patches.md``), the same shim kvfail's own Mooncake worker is built in. Every
 method is upstream's. Load it with ``kv_connector="UpstreamMooncakeConnector",
 kv_connector_module_path="e2e.upstream"`` (``e2e.servers.kv_transfer_config`` does, for a
@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     MooncakeConnector,
 )
 
-from kvfail.cpu_shim import cpu_accelerator_index_shim
+from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfail import shm
+from kvfail.rig import shm
 
 
 def test_an_inner_session_leaves_its_hosts_ipc_directory(pytester: pytest.Pytester) -> None:

@@ -68,8 +68,8 @@ from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.compat import KVConnectorTransferResults
-from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.deadline import DEADLINE_KEY, seconds_from
+from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

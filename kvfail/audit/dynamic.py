@@ -121,7 +121,7 @@ class ConformanceRunner:
         self._cut: str | None = None
         self.leftovers: list[str] = []
         self.error: str | None = None
-        #: The rig patches the child applied (``kvfail.rig_patches.summarize`` entries);
+        #: The rig patches the child applied (``kvfail.rig.patches.summarize`` entries);
         #: None until a report of the child's was read.
         self.rig_patches: list[dict[str, Any]] | None = None
 
@@ -331,7 +331,7 @@ def _read_patches(path: Path, records: dict[str, list[dict[str, Any]]]) -> list[
             loaded = json.loads(path.read_text())
             if isinstance(loaded, list):
                 return [dict(p) for p in loaded]
-    from kvfail.rig_patches import CATALOGUE
+    from kvfail.rig.patches import CATALOGUE
 
     by_name: dict[str, set[str]] = defaultdict(set)
     for connector, recs in records.items():

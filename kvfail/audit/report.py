@@ -104,7 +104,7 @@ class Audit:
     #: Set when the dynamic tier ran but some scenarios have no result (``--budget-s``).
     dynamic_incomplete: str | None = None
     #: What the dynamic tier's rig changed in the system under test
-    #: (``kvfail.rig_patches.summarize`` entries); None where no runner said (the static
+    #: (``kvfail.rig.patches.summarize`` entries); None where no runner said (the static
     #: tier reads source only and patches nothing).
     rig_patches: list[dict[str, Any]] | None = None
 

@@ -9,7 +9,7 @@ skip is turned into a failure, so nothing can be hidden; a harness that needs a 
 the installed vLLM lacks (:class:`kvfail.compat.MissingFeatureError`) ends the scenario in
 an ``error`` record, never a verdict. At the end it prints the matrix
 per connector and the rig patches applied to the system under test
-(:mod:`kvfail.rig_patches`), and, with ``--kvfail-report``, writes ``report.json`` /
+(:mod:`kvfail.rig.patches`), and, with ``--kvfail-report``, writes ``report.json`` /
 ``report.md``. The clauses each scenario cites are defined in ``docs/contract.md``.
 
 Hooks are inert for tests that do not use the ``kvfail`` fixture, so loading the plugin
@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 
-from kvfail import rig_patches
 from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
@@ -44,6 +43,7 @@ from kvfail.conformance.report import (
     render_patches,
 )
 from kvfail.conformance.resolve import spec_problem
+from kvfail.rig import patches as rig_patches
 
 __all__ = ["POLICIES"]
 
@@ -126,7 +126,7 @@ class _State:
 
 
 class _PatchLog:
-    """This run's rig-patch records (:mod:`kvfail.rig_patches`), from every process.
+    """This run's rig-patch records (:mod:`kvfail.rig.patches`), from every process.
 
     Why a file: patches take effect in D's TP rank processes and in P processes too; the
     path goes to them through ``$KVFAIL_RIG_PATCH_LOG``, which children inherit. Records
@@ -172,7 +172,7 @@ class _PatchLog:
 
 
 _STATE = pytest.StashKey[_State]()
-#: The IPC directory this session made (see ``kvfail.shm.session_ipc_dir``), to remove.
+#: The IPC directory this session made (see ``kvfail.rig.shm.session_ipc_dir``), to remove.
 _OWN_IPC_DIR = pytest.StashKey[str]()
 _PHASES = pytest.StashKey[list[tuple[str, pytest.TestReport]]]()
 
@@ -274,7 +274,7 @@ _QUIET_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MC_LOG_LE
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from kvfail import shm
+    from kvfail.rig import shm
 
     for key, value in _QUIET_OFFLINE.items():
         os.environ.setdefault(key, value)
@@ -751,7 +751,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _close_session(config)
     finally:
         if config.stash.get(_OWN_IPC_DIR, None):
-            from kvfail import shm
+            from kvfail.rig import shm
 
             shm.release_ipc_dir()
 
@@ -783,7 +783,7 @@ def _sweep_shared_memory() -> None:
     """Remove the TP worlds' shared memory this session left (killed peers' ranks), the
     ``psm_*`` message-queue segments of killed vLLM processes created since the session
     began that no live process uses (the IPC directory goes in ``pytest_unconfigure``)."""
-    from kvfail import shm
+    from kvfail.rig import shm
 
     if shm.owns_session_prefix():
         shm.release_orphans(_SHM_BEFORE)

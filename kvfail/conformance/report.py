@@ -58,7 +58,7 @@ class Record:
     layout: str = "tp1"
     #: The oracles' findings, clause first, when the scenario failed on them.
     violations: list[str] = field(default_factory=list)
-    #: Rig patches (:data:`kvfail.rig_patches.CATALOGUE` names) this connector ran under
+    #: Rig patches (:data:`kvfail.rig.patches.CATALOGUE` names) this connector ran under
     #: by the end of this scenario.
     rig_patches: list[str] = field(default_factory=list)
 
@@ -130,7 +130,7 @@ def render_durations(records: Iterable[Record]) -> str:
 
 
 def render_patches(patches: Iterable[Mapping[str, Any]]) -> str:
-    """The rig patches applied in a run (``kvfail.rig_patches.summarize``), one block each."""
+    """The rig patches applied in a run (``kvfail.rig.patches.summarize``), one block each."""
     patches = list(patches)
     if not patches:
         return "none recorded: the system under test ran unpatched"

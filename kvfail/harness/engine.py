@@ -75,7 +75,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvfail import compat, nixl_progress
+from kvfail import compat
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
 from kvfail.harness.hooks import (
     ForwardHookError,
@@ -87,7 +87,8 @@ from kvfail.harness.hooks import (
     run_worker_hooks,
 )
 from kvfail.harness.ranks import RankCrash, RankProcess
-from kvfail.shm import new_shm_ident, release_shared_memory
+from kvfail.rig import nixl_progress
+from kvfail.rig.shm import new_shm_ident, release_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

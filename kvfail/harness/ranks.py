@@ -42,10 +42,10 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvfail import nixl_progress
-from kvfail.cpu_shim import cpu_accelerator_index_shim
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
+from kvfail.rig import nixl_progress
+from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
 __all__ = ["RankCrash", "RankProcess", "fork_forkserver"]
 
@@ -184,7 +184,7 @@ def _build_rank(spec: EngineSpec, rank: int, init_method: str) -> RankView:
     built = build_config(spec)
     vllm_config = built.vllm_config
     # vLLM's CpuWorker names the ranks' shared-memory group after the init port; the
-    # engine gives its ranks a unique name instead (kvfail.shm).
+    # engine gives its ranks a unique name instead (kvfail.rig.shm).
     os.environ.setdefault("VLLM_DIST_IDENT", init_method.rsplit(":", 1)[-1])
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(

@@ -276,8 +276,8 @@ class MooncakePair(PeerPair):
         key = name or policy
         if key in self.decoders:
             return self.decoders[key]
-        from kvfail.cpu_shim import cpu_accelerator_index_shim
         from kvfail.harness import Engine
+        from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
         spec = self._consumer_spec(
             key,

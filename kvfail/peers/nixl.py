@@ -107,7 +107,7 @@ NIXL_ENV: dict[str, str] = {
     "NIXL_LOG_LEVEL": "WARN",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     # An agent's progress thread sleeps 100 µs between polls instead of taking a core
-    # (kvfail.nixl_progress; bench.nixl_progress measures it).
+    # (kvfail.rig.nixl_progress; bench.nixl_progress measures it).
     "KVFAIL_NIXL_PTHR_DELAY_US": "100",
 }
 #: How long upstream's handshake waits for P's answer (zmq ``RCVTIMEO``, hard-coded).

@@ -58,8 +58,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvfail import nixl_progress
 from kvfail.peers.protocol import dispatch, serve
+from kvfail.rig import nixl_progress
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine

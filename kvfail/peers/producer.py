@@ -219,8 +219,8 @@ _seeds: dict[str, str] = {}
 
 class _Producer:
     def __init__(self, config: dict[str, Any], channel: Channel) -> None:
-        from kvfail.cpu_shim import cpu_accelerator_index_shim
         from kvfail.harness import Engine, EngineSpec
+        from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
         self.channel = channel
         extra = dict(DEFAULT_EXTRA_CONFIG)

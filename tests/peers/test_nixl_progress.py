@@ -1,4 +1,4 @@
-"""``kvfail.nixl_progress``: the rig's progress-thread delay reaches a real NIXL agent.
+"""``kvfail.rig.nixl_progress``: the rig's progress-thread delay reaches a real NIXL agent.
 
 What is asserted is the config that reaches NIXL's binding (a spy between our wrapper
 and the real binding; the agent is then really created), not a CPU figure: that is
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvfail import nixl_progress
-from kvfail.nixl_progress import ENV, apply_from_env, set_progress_delay
+from kvfail.rig import nixl_progress
+from kvfail.rig.nixl_progress import ENV, apply_from_env, set_progress_delay
 
 
 def test_unset_or_zero_leaves_nixl_alone(monkeypatch: pytest.MonkeyPatch) -> None:

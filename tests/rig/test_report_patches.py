@@ -23,9 +23,9 @@ import subprocess, sys
 
 import pytest
 
-from kvfail import rig_patches
+from kvfail.rig import patches as rig_patches
 
-CHILD = "from kvfail import rig_patches; rig_patches.record('nixl_progress_delay', '100 us')"
+CHILD = "from kvfail.rig import patches; patches.record('nixl_progress_delay', '100 us')"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``kvfail.rig_patches``: each patch site records itself, and every report lists it.
+"""``kvfail.rig.patches``: each patch site records itself, and every report lists it.
 
 A verdict reached on a patched system must say so. What is checked: the two patch sites
 record when (and only when) they change something, records from another process reach
@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvfail import nixl_progress, rig_patches
 from kvfail.conformance.report import render_patches
-from kvfail.rig_patches import CATALOGUE, LOG_ENV, read_log, record, summarize
+from kvfail.rig import nixl_progress
+from kvfail.rig import patches as rig_patches
+from kvfail.rig.patches import CATALOGUE, LOG_ENV, read_log, record, summarize
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def test_records_from_this_and_another_process_reach_the_log(log: Path) -> None:
     before = len(rig_patches.recorded())
     record("nixl_progress_delay", "100 µs")
     assert rig_patches.recorded()[before:][0].name == "nixl_progress_delay"
-    code = "from kvfail import rig_patches; rig_patches.record('cpu_accelerator_index', 'x')"
+    code = "from kvfail.rig import patches; patches.record('cpu_accelerator_index', 'x')"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     apps, offset = read_log(log)
     assert [a.name for a in apps] == ["nixl_progress_delay", "cpu_accelerator_index"]
@@ -105,7 +106,7 @@ class _Accelerator:
 def test_the_cpu_shim_records_only_when_the_stand_in_answered(
     log: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvfail.cpu_shim import cpu_accelerator_index_shim
+    from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
     accel = _Accelerator()
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(accelerator=accel))

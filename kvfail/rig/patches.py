@@ -77,7 +77,7 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 touches_connector=True,
                 without="set KVFAIL_NIXL_PTHR_DELAY_US=0: D's agents keep NIXL's busy poll "
                 "(the rig's P processes keep the delay)",
-                site="kvfail.nixl_progress",
+                site="kvfail.rig.nixl_progress",
             ),
             RigPatch(
                 name="cpu_accelerator_index",
@@ -90,7 +90,7 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 touches_connector=True,
                 without="none on CPU-only torch: the connector cannot be constructed; on a "
                 "machine with an accelerator the shim does nothing",
-                site="kvfail.cpu_shim",
+                site="kvfail.rig.cpu_shim",
             ),
         )
     }
@@ -131,7 +131,7 @@ def record(name: str, detail: str = "") -> None:
 
     Never raises for a log it cannot write: reporting a patch must not change the run."""
     if name not in CATALOGUE:
-        raise KeyError(f"{name!r} is not a known rig patch: add it to kvfail.rig_patches")
+        raise KeyError(f"{name!r} is not a known rig patch: add it to kvfail.rig.patches")
     app = Application(name, os.getpid(), _process_label(), detail)
     line = json.dumps(asdict(app)) + "\n"
     with _lock:

@@ -13,7 +13,7 @@ and in the e2e servers' environment; unset or ``0`` keeps NIXL's own behaviour).
 that one public field of ``nixlAgentConfig`` as each later agent is created, by wrapping
 the binding NIXL's API module creates agents through. That is a patch of the system under
 test (the connector's own agents get the delay), so each agent it changes is recorded as
-the rig patch ``nixl_progress_delay`` (:mod:`kvfail.rig_patches`), and reports list it.
+the rig patch ``nixl_progress_delay`` (:mod:`kvfail.rig.patches`), and reports list it.
 No vLLM import, and NIXL is imported only when the variable is set.
 """
 
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from kvfail import rig_patches
+from kvfail.rig import patches as rig_patches
 
 __all__ = ["ENV", "apply_from_env", "current_delay_us", "set_progress_delay"]
 

@@ -1,4 +1,4 @@
-"""``kvfail.shm.release_orphans``: what a SIGKILLed server leaves in /dev/shm goes; what a
+"""``kvfail.rig.shm.release_orphans``: what a SIGKILLed server leaves in /dev/shm goes; what a
 live process still maps and what existed before stay."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfail import shm
+from kvfail.rig import shm
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 

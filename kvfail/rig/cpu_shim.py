@@ -7,7 +7,7 @@ after it is a no-op on CPU. vLLM's files are not edited: this context manager ma
 one torch call return 0 *only while a connector is being constructed*, and restores it on
 exit. On a machine with an accelerator it does nothing. It is still a patch of the system
 under test, so a block in which the stand-in answered is recorded as the rig patch
-``cpu_accelerator_index`` (:mod:`kvfail.rig_patches`); a block in which no code asked
+``cpu_accelerator_index`` (:mod:`kvfail.rig.patches`); a block in which no code asked
 (a NIXL connector built inside it) changed nothing and records nothing. Used by
 ``connectors.mooncake``, the harness's rank processes and the peers that run upstream's
 connector; importing this module imports no torch.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from kvfail import rig_patches
+from kvfail.rig import patches as rig_patches
 
 __all__ = ["cpu_accelerator_index_shim"]
 
