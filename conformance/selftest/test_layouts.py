@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvfail.conformance.layout import ALL_LAYOUTS, DEFAULT_LAYOUT, Layout, parse_layouts
+from kvfail.conformance.layout import (
+    ALL_LAYOUTS,
+    DEFAULT_LAYOUT,
+    Layout,
+    parse_layout_policies,
+    parse_layouts,
+)
 from kvfail.conformance.report import Record, render_matrix
 
 
@@ -16,6 +22,28 @@ def test_parse_layouts_accepts_lists_all_and_dedupes() -> None:
     assert Layout(2, 2).requires == ("tp2", "two_groups", "hma")
     with pytest.raises(ValueError, match="unknown layout 'tp4'"):
         parse_layouts(["tp4"])
+
+
+def test_a_layout_may_be_limited_to_some_policies() -> None:
+    layouts, only = parse_layout_policies(["tp1", "tp2-g2:recompute"])
+    assert layouts == [Layout(1, 1), Layout(2, 2)]
+    assert only == {Layout(2, 2): frozenset({"recompute"})}
+    layouts, only = parse_layout_policies(["all:fail+recompute"])
+    assert layouts == list(ALL_LAYOUTS) and set(only) == set(ALL_LAYOUTS)
+    assert parse_layouts(["tp2:fail"]) == [Layout(2, 1)]
+    with pytest.raises(ValueError, match="unknown policy 'retry' in 'tp2:retry'"):
+        parse_layout_policies(["tp2:retry"])
+
+
+def test_a_limited_layout_runs_only_its_policies(pytester: pytest.Pytester) -> None:
+    """The matrix the session parametrizes: tp1 under both policies, tp2-g2 under one."""
+    pytester.makepyfile("def test_x(kvfail_connector, kvfail_policy, kvfail_layout):\n    pass\n")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--collect-only", "-q",
+        "--connector", "toy", "--layout", "tp1,tp2-g2:recompute",
+    )  # fmt: skip
+    ids = sorted(line.split("[", 1)[1].rstrip("]") for line in result.outlines if "[" in line)
+    assert ids == ["toy-fail", "toy-recompute", "toy-recompute-tp2-g2"], result.outlines
 
 
 def _record(policy: str, layout: str, outcome: str = "passed") -> Record:

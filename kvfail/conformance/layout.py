@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ALL_LAYOUTS", "DEFAULT_LAYOUT", "Layout", "parse_layouts"]
+__all__ = ["ALL_LAYOUTS", "DEFAULT_LAYOUT", "Layout", "parse_layout_policies", "parse_layouts"]
 
 _PATTERN = re.compile(r"^tp(?P<tp>[12])(?:-g(?P<groups>[12]))?$")
 
@@ -50,13 +50,38 @@ DEFAULT_LAYOUT = Layout()
 ALL_LAYOUTS = (Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(2, 2))
 
 
+#: The ``kv_load_failure_policy`` values a layout may be limited to.
+_POLICIES = ("fail", "recompute")
+
+
 def parse_layouts(values: list[str]) -> list[Layout]:
     """``--layout`` values (repeatable, comma-separated, ``all``) -> distinct layouts."""
+    return parse_layout_policies(values)[0]
+
+
+def parse_layout_policies(values: list[str]) -> tuple[list[Layout], dict[Layout, frozenset[str]]]:
+    """Like :func:`parse_layouts`, where a layout may name the only policies it runs
+    under: ``tp2-g2:recompute`` (``+`` joins several). Why: a connector cannot see the
+    policy (the scheduler applies it to what the connector reported), so a costly layout
+    can run under one policy in a quick run while the full matrix stays one option away.
+    Returns the layouts and, for those limited, their policies."""
     out: list[Layout] = []
+    only: dict[Layout, frozenset[str]] = {}
     for value in values:
         for part in value.split(","):
-            if not part.strip():
+            name, _, limit = part.strip().partition(":")
+            if not name:
                 continue
-            chosen = ALL_LAYOUTS if part.strip() == "all" else (Layout.parse(part),)
+            chosen = ALL_LAYOUTS if name == "all" else (Layout.parse(name),)
             out += [layout for layout in chosen if layout not in out]
-    return out or [DEFAULT_LAYOUT]
+            if limit:
+                policies = frozenset(limit.split("+"))
+                unknown = sorted(policies - set(_POLICIES))
+                if unknown:
+                    raise ValueError(
+                        f"unknown policy {unknown[0]!r} in {part.strip()!r}: use "
+                        f"{' or '.join(_POLICIES)}, joined by +"
+                    )
+                for layout in chosen:
+                    only[layout] = only.get(layout, frozenset()) | policies
+    return out or [DEFAULT_LAYOUT], only

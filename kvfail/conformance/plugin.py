@@ -32,7 +32,7 @@ import pytest
 from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
-from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layouts
+from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layout_policies
 from kvfail.conformance.report import (
     RECORDS_FILE,
     Outcome,
@@ -73,6 +73,8 @@ class _State:
     session_start: float = field(default_factory=time.monotonic)
     #: The rig-patch log every process of this run appends to (see ``_PatchLog``).
     patches: _PatchLog | None = None
+    #: Layouts limited to some policies (``tp2-g2:recompute``), with those policies.
+    layout_policies: dict[Layout, frozenset[str]] = field(default_factory=dict)
     #: Position of each connector's last scenario, and of every item, in the run's order.
     last_index: dict[str, int] = field(default_factory=dict)
     item_index: dict[str, int] = field(default_factory=dict)
@@ -205,7 +207,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         help="engine layout(s) to run each scenario in: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
-        "(TP size x KV-cache groups; repeatable or comma-separated; replaces the ini option "
+        "(TP size x KV-cache groups; repeatable or comma-separated; LAYOUT:POLICY limits a "
+        "layout to one policy, e.g. tp2-g2:recompute; replaces the ini option "
         "kvfail_layouts, whose default is tp1)",
     )
     parser.addini(
@@ -294,7 +297,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
     policy = config.getoption("--policy", default="both")
     try:
-        layouts = parse_layouts(_layouts(config))
+        layouts, layout_policies = parse_layout_policies(_layouts(config))
     except ValueError as exc:
         raise pytest.UsageError(f"--layout: {exc}") from None
     connectors = _connectors(config)
@@ -319,6 +322,7 @@ def pytest_configure(config: pytest.Config) -> None:
         connectors=connectors,
         policies=list(POLICIES) if policy == "both" else [policy],
         layouts=layouts,
+        layout_policies=layout_policies,
         report_dir=config.getoption("--kvfail-report", default=None),
         silent_wait_s=float(config.getoption("--kvfail-silent-wait", default=6.0)),
         require_drivers=require,
@@ -358,8 +362,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "kvfail_connector" not in metafunc.fixturenames:
         return
     state = metafunc.config.stash[_STATE]
+    only = state.layout_policies
     combos = [
-        (c, p, layout) for c in state.connectors for p in state.policies for layout in state.layouts
+        (c, p, layout)
+        for c in state.connectors
+        for p in state.policies
+        for layout in state.layouts
+        if p in only.get(layout, (p,))
     ]
     # The default layout keeps the historical ids (connector-policy).
     ids = [
