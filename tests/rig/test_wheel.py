@@ -4,13 +4,14 @@ A connector author installs kvfail next to their own vLLM and runs
 ``pytest --pyargs kvfail.conformance --connector X`` from their own folder. So: build the
 wheel from this checkout, install it into a scratch venv that borrows only the third-party
 packages of the running one (vLLM, torch, the transports, pytest; the editable kvfail of the
-checkout is not visible there), and run the core scenarios for the toy and for kvfail's
+checkout is not visible there), and run five core scenarios for the toy and for kvfail's
 Mooncake over its real transport, from a folder that is not the checkout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -32,12 +33,19 @@ SHIPPED = {
     "connectors/mooncake/__init__.py",
 }
 PIP = (sys.executable, "-m", "pip")
-#: The core scenarios (one failure story each); the other modules run in the default run.
+#: The core scenarios' module; every scenario of every module runs in the default run.
 SUITE = "kvfail.conformance.scenarios.test_scenarios"
+#: What the installed copy must show it can do, one story each: a good load, a block-level
+#: failure, a P killed (its restart), P's own error reply, and malformed params.
+CORE = (
+    "successful_load or failed_load_one_group or peer_killed_before_pull"
+    " or peer_names_failed_request or params_missing_transfer_id"
+)
 #: The toy, and kvfail's Mooncake over its real transport; a driver that cannot start fails.
 SUITE_ARGS = (
     *("-p", "no:cacheprovider", "-q", "--kvfail-report", "report", "--kvfail-require-drivers"),
     *("--connector", "toy", "--connector", "mooncake", "--policy", "fail", "--layout", "tp1"),
+    *("-k", CORE),
 )
 
 
@@ -119,4 +127,8 @@ def test_the_installed_suite_runs_from_outside_the_checkout(wheel: Path, tmp_pat
     assert run.returncode == 0, tail
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    # Each core story was selected for both connectors (the toy skips, by name, the faults
+    # it cannot make): a renamed scenario must not shrink the check.
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped)", summary)}
+    assert sum(counts.values()) == 2 * len(CORE.split(" or ")), summary
     assert (elsewhere / "report" / "report.json").is_file(), tail
