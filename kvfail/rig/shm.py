@@ -136,25 +136,31 @@ def _unused(names: set[str]) -> set[str]:
 
 
 def release_orphans(
-    before: set[str], prefix: str | tuple[str, ...] = ANON_PREFIX, settle_s: float = 0.2
+    before: set[str],
+    prefix: str | tuple[str, ...] = ANON_PREFIX,
+    settle_s: float = 0.2,
+    wait_s: float = 0.0,
 ) -> int:
     """Unlink segments named ``prefix*`` (one prefix or several) that appeared since
     ``before`` was taken and that no live process uses any more: what killed servers left.
     A segment must be unused in two looks ``settle_s`` apart (a process may be between
     creating and mapping it; its age says nothing, as a live queue's writes keep its mtime
-    fresh)."""
+    fresh). ``wait_s``: keep looking that long for segments still in use, for processes
+    that are still exiting (a killed server's children unmap theirs only as they go)."""
     import time
 
-    candidates = segment_names(prefix) - before
-    if not candidates:
-        return 0
-    unused = _unused(candidates)
-    if unused:
-        time.sleep(settle_s)
-        unused = _unused(unused)
+    end = time.monotonic() + wait_s
     removed = 0
-    for name in unused:
-        with contextlib.suppress(OSError):
-            (_SHM_DIR / name).unlink()
-            removed += 1
-    return removed
+    while True:
+        candidates = segment_names(prefix) - before
+        unused = _unused(candidates) if candidates else set()
+        if unused:
+            time.sleep(settle_s)
+            unused = _unused(unused)
+        for name in unused:
+            with contextlib.suppress(OSError):
+                (_SHM_DIR / name).unlink()
+                removed += 1
+        if not candidates - unused or time.monotonic() >= end:
+            return removed
+        time.sleep(0.25)

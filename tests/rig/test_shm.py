@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -90,6 +91,30 @@ def test_a_killed_processs_named_semaphore_goes_and_a_held_one_stays() -> None:
         assert shm.segment_names(prefix) - before == {f"{prefix}held", f"{prefix}orphan"}
         assert shm.release_orphans(before, prefix=prefix) == 1
         assert shm.segment_names(prefix) - before == {f"{prefix}held"}
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        for path in Path("/dev/shm").glob(f"{prefix}*"):
+            path.unlink()
+
+
+def test_the_sweep_waits_for_a_segment_whose_last_user_is_still_exiting() -> None:
+    """A killed server's children unmap their queues only as they exit: with ``wait_s``
+    the sweep keeps looking and removes the segment once its last user is gone."""
+    tag = f"mp-kvfailwait{os.getpid()}"
+    prefix = f"sem.{tag}"
+    before = shm.segment_names(prefix)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _SEMAPHORE, f"/{tag}late", "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"up"
+        assert shm.release_orphans(before, prefix=prefix) == 0  # still mapped: kept
+        threading.Timer(0.5, holder.kill).start()  # the last user exits while we wait
+        assert shm.release_orphans(before, prefix=prefix, wait_s=30.0) == 1
+        assert shm.segment_names(prefix) == before
     finally:
         holder.kill()
         holder.wait(timeout=10)
