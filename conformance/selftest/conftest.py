@@ -14,10 +14,6 @@ import pytest
 def vllm_loaded() -> None:
     """Import vLLM and everything an inner conformance session uses, and run one load."""
     pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-    import kvfail.conformance.driver
-    import kvfail.conformance.negative
-    import kvfail.conformance.plugin
-    import kvfail.conformance.suite  # noqa: F401
     from kvfail.harness import Engine, EngineSpec
 
     with Engine(EngineSpec(extra_config={"toy_mode": "complete"})) as engine:

@@ -21,7 +21,7 @@ def test_one(kvfail):
 
 def _fake_resolve(monkeypatch: pytest.MonkeyPatch, *, start_error: bool, absent: bool) -> None:
     import kvfail.conformance.resolve as resolve_module
-    from kvfail.conformance.driver import ToyDriver
+    from kvfail.conformance.toy_driver import ToyDriver
 
     class Broken(ToyDriver):
         def unavailable(self) -> str | None:

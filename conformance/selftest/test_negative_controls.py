@@ -29,10 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-import kvfail.conformance.driver
 import kvfail.conformance.negative as negative
-import kvfail.conformance.plugin
-import kvfail.conformance.suite  # noqa: F401 - loaded before the inner session
 from kvfail.conformance.capabilities import Capabilities, derive_from_class
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 from kvfail.harness import Engine, EngineSpec
@@ -223,7 +220,7 @@ def test_real_negative_control_is_flagged_by_the_right_scenario(
 
 
 def test_real_controls_resolve_to_the_mooncake_driver() -> None:
-    from kvfail.conformance.driver import MooncakeDriver
+    from kvfail.conformance.mooncake_driver import MooncakeDriver
     from kvfail.conformance.resolve import resolve
 
     if not REAL_CONTROLS:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance import driver as drivers
+from kvfail.conformance import pair_driver as drivers
 from kvfail.conformance.nixl_driver import NixlDriver
 from kvfail.peers.base import PeerPair
 

@@ -26,7 +26,7 @@ from kvfail.audit.source import ClassRef, SourceIndex
 from kvfail.audit.static import Graph
 
 #: The ``--connector`` values of upstream classes with a built-in transport driver
-#: (``kvfail.conformance.resolve.BUILTIN``); a registry class that is, or derives from,
+#: (registered in ``kvfail.drivers``); a registry class that is, or derives from,
 #: one of them gets that driver (``_driver_for_class``). Kept as source locations so the
 #: gate needs no vLLM import; tests/audit checks them against the driver module.
 DRIVEN_CLASSES: dict[str, str] = {

@@ -617,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvfail.faults.process import close_peers_on_sigterm
 
     close_peers_on_sigterm()  # the budget's SIGTERM: pytest tears down and closes the peers
-    from kvfail.conformance.driver import DriverUnavailable, GenericDriver
+    from kvfail.conformance.driver import DriverUnavailable
+    from kvfail.conformance.generic_driver import GenericDriver
     from kvfail.conformance.resolve import resolve
 
     run: list[str] = []

@@ -17,14 +17,14 @@ are real with NIXL here:
   deadline can end it (the suite's wait bounds the scenario); kvfail's connector declares
   and enforces ``kvfail_deadline_s``;
 * ``net_delay``: a slow but live P. P's process group is stopped once D added the
-  requests and continued :attr:`~kvfail.conformance.driver.PairDriver.NET_DELAY_S` later
+  requests and continued :attr:`~kvfail.conformance.pair_driver.PairDriver.NET_DELAY_S` later
   (by :meth:`NixlDriver.observe`, after D's next step past that time). Over UCX/TCP a READ
   is not one-sided on the wire: P's UCX worker answers each GET, so a warm D's READ waits
   in ``PROC`` (as for ``freeze_peer``) and then completes with P's bytes; a cold D's
   handshake waits on P's side-channel listener the same way. A delay of the handshake
   alone would hold nothing for a warm D, which never handshakes again;
 * ``slow_peer_past_deadline``: the same stall, for
-  :attr:`~kvfail.conformance.driver.PairDriver.slow_peer_delay_s` (the deadline the
+  :attr:`~kvfail.conformance.pair_driver.PairDriver.slow_peer_delay_s` (the deadline the
   scenario asks D for, plus ``SLOW_PEER_PAST_S``): a warm D's READ is posted to the
   stopped P, D's deadline passes, and the READ completes when P goes on, writing P's
   bytes into the blocks D gave the load, whatever D did with them meanwhile. Needs a warm
@@ -75,12 +75,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvfail.conformance.driver import (
-    Declared,
-    PairDriver,
-    register_producer,
-    shared_producer,
-)
+from kvfail.conformance.driver import Declared
+from kvfail.conformance.pair_driver import PairDriver, register_producer, shared_producer
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
@@ -88,7 +84,7 @@ if TYPE_CHECKING:
     from kvfail.harness.config import Policy
     from kvfail.harness.engine import Engine
 
-__all__ = ["NixlDriver", "nixl_bases"]
+__all__ = ["NixlDriver", "make_driver", "make_upstream_driver", "nixl_bases"]
 
 
 def nixl_bases() -> tuple[type, type | None] | None:
@@ -525,3 +521,13 @@ class NixlDriver(PairDriver):
                 rec.injected_at = time.monotonic()
                 rec.steps_at_injection = engine.record.steps
         # The others were armed before or while the request was added (see arm()).
+
+
+def make_driver(name: str) -> NixlDriver:
+    """Entry point ``kvfail.drivers`` ``nixl``: kvfail's connector on D."""
+    return NixlDriver(name)
+
+
+def make_upstream_driver(name: str) -> NixlDriver:
+    """Entry point ``vllm:NixlConnector``: upstream's connector on the same real pair."""
+    return NixlDriver(name, connector="NixlConnector", connector_module=None)

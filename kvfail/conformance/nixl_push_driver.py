@@ -35,8 +35,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvfail.conformance.driver import Declared, register_producer, shared_producer
+from kvfail.conformance.driver import Declared
 from kvfail.conformance.nixl_driver import NixlDriver, _LateRead
+from kvfail.conformance.pair_driver import register_producer, shared_producer
 from kvfail.faults.points import FaultPoint
 
 __all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver"]

@@ -463,7 +463,7 @@ def pytest_runtest_protocol(
 def _release(state: _State, spec: str, index: int) -> None:
     """Stop ``spec``'s driver; then close the P's its kind handed off, unless a connector
     still to run has a driver of the same kind (it would take that P over)."""
-    from kvfail.conformance.driver import close_shared_producers
+    from kvfail.conformance.pair_driver import close_shared_producers
 
     driver = state.drivers.get(spec)
     if driver is None or spec not in state.started:
@@ -771,7 +771,7 @@ def _close_session(config: pytest.Config) -> None:
         return
     if state.patches is not None:
         state.patches.close()
-    from kvfail.conformance.driver import close_shared_producers
+    from kvfail.conformance.pair_driver import close_shared_producers
 
     try:
         for spec in list(state.started):

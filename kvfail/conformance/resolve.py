@@ -1,54 +1,31 @@
-"""Which driver runs a ``--connector`` value: the built-in names, the ``kvfail.drivers``
-entry points, ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class``.
+"""Which driver runs a ``--connector`` value: a name registered in the ``kvfail.drivers``
+entry-point group (kvfail's own drivers are registered there exactly as a third party's
+are), ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class``.
 
 Why a module of its own: :mod:`kvfail.conformance.driver` is the base API every driver
-imports, so it must import no transport's driver; this module is the one place that knows
-them all (the NIXL and Example drivers are imported when a value needs them, since their
-modules import their transports' code).
+imports, so it must import no driver; this module is the one place that maps a connector
+class to the in-tree driver for its transport (each driver module is imported when a
+value needs it, since those modules import their transports' code).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable
 from typing import Any
 
-from kvfail.conformance.driver import (
-    ENTRY_POINT_GROUP,
-    Driver,
-    DriverUnavailable,
-    GenericDriver,
-    MooncakeDriver,
-    ToyDriver,
-    mooncake_bases,
-)
+from kvfail.conformance.driver import ENTRY_POINT_GROUP, Driver, DriverUnavailable
 
-__all__ = ["BUILTIN", "resolve", "spec_problem"]
-
-
-def _nixl(name: str, **kwargs: Any) -> Driver:
-    from kvfail.conformance.nixl_driver import NixlDriver
-
-    return NixlDriver(name, **kwargs)
-
-
-BUILTIN: dict[str, Callable[[str], Driver]] = {
-    "toy": lambda name: ToyDriver(name),
-    "mooncake": lambda name: MooncakeDriver(name),
-    # Upstream's connector, same real pair (not the generic driver): its deadline is real.
-    "vllm:MooncakeConnector": lambda name: MooncakeDriver(
-        name, connector="MooncakeConnector", connector_module=None
-    ),
-    "nixl": lambda name: _nixl(name),
-    "vllm:NixlConnector": lambda name: _nixl(
-        name, connector="NixlConnector", connector_module=None
-    ),
-}
+__all__ = ["registered", "resolve", "spec_problem"]
 
 
 def _entry_point_drivers() -> dict[str, Any]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def registered() -> list[str]:
+    """The ``--connector`` names registered in the ``kvfail.drivers`` entry-point group."""
+    return sorted(_entry_point_drivers())
 
 
 def _import_class(path: str) -> type:
@@ -64,6 +41,8 @@ def _import_class(path: str) -> type:
 
 
 def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
+    from kvfail.conformance.mooncake_driver import MooncakeDriver, mooncake_bases
+    from kvfail.conformance.toy_driver import ToyDriver
     from kvfail.harness.toy import ToyConnector
 
     if issubclass(cls, ToyConnector):
@@ -92,6 +71,8 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
     example = example_base()
     if example is not None and issubclass(cls, example) and cls is not example:
         return ExampleDriver(name, connector_cls=cls)  # a subclass: a negative control
+    from kvfail.conformance.generic_driver import GenericDriver
+
     return GenericDriver(name, cls, registry_name)
 
 
@@ -99,10 +80,10 @@ def spec_problem(spec: str) -> str | None:
     """What is wrong with a ``--connector`` value by its form alone (None: nothing yet);
     cheap, imports nothing, so a typo stops the run before any vLLM import."""
     accepted = (
-        f"accepted: one of {sorted({*BUILTIN, *_entry_point_drivers()})} (built-in or a "
-        f"{ENTRY_POINT_GROUP!r} entry point), vllm:<RegistryName> or module:Class"
+        f"accepted: one of {registered()} (a {ENTRY_POINT_GROUP!r} entry point), "
+        "vllm:<RegistryName> or module:Class"
     )
-    if spec in BUILTIN or spec in _entry_point_drivers():
+    if spec in _entry_point_drivers():
         return None
     if spec.startswith("vllm:"):
         return None if spec.removeprefix("vllm:") else f"no registry name after 'vllm:'; {accepted}"
@@ -115,12 +96,11 @@ def spec_problem(spec: str) -> str | None:
 def resolve(spec: str) -> Driver:
     """Turn a ``--connector`` value into a driver.
 
-    ``toy`` | ``mooncake`` | a ``kvfail.drivers`` entry-point name | ``vllm:<RegistryName>``
-    (vLLM's ``KVConnectorFactory`` registry) | ``module:Class``. Raises
-    :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
+    A ``kvfail.drivers`` entry-point name (``toy``, ``mooncake``, ``nixl``, ...) |
+    ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory`` registry) | ``module:Class``.
+    A registered name wins over the other forms (``vllm:MooncakeConnector`` is one).
+    Raises :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
     """
-    if spec in BUILTIN:
-        return BUILTIN[spec](spec)
     entry_points = _entry_point_drivers()
     if spec in entry_points:
         factory = entry_points[spec].load()
@@ -147,7 +127,7 @@ def resolve(spec: str) -> Driver:
                 f"{spec} cannot be imported ({type(exc).__name__}: {exc})"
             ) from exc
         return _driver_for_class(spec, cls)
-    known = sorted({*BUILTIN, *entry_points})
+    known = sorted(entry_points)
     raise DriverUnavailable(
         f"unknown connector {spec!r}: use one of {known}, vllm:<RegistryName> or module:Class"
     )

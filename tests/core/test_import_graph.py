@@ -98,3 +98,14 @@ def test_the_driver_api_imports_no_transport_driver() -> None:
     graph = import_graph()
     assert "kvfail.conformance.nixl_driver" not in graph["kvfail.conformance.driver"]
     assert "kvfail.conformance.driver" in graph["kvfail.conformance.nixl_driver"]
+
+
+def test_the_driver_api_imports_no_driver_at_all() -> None:
+    """The API module is what every driver imports; a driver module (one per driver, each
+    registered as an entry point) is never imported back by it."""
+    graph = import_graph()
+    drivers = {m for m in graph if m.startswith("kvfail.conformance.") and m.endswith("_driver")}
+    assert {"toy_driver", "generic_driver", "pair_driver", "mooncake_driver"} <= {
+        m.rpartition(".")[2] for m in drivers
+    }
+    assert not graph["kvfail.conformance.driver"] & drivers

@@ -50,23 +50,32 @@ SUITE_ARGS = (
 )
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    # Built from a copy of the files git knows (committed or not, never ignored ones):
-    # setuptools keeps a build/ folder in the tree it builds, and a stale one there would
-    # put modules that no longer exist into the wheel (and litter the checkout).
-    source = tmp_path_factory.mktemp("source")
+def _source_copy(dest: Path) -> Path:
+    """The checkout's files git knows (tracked, or new and not ignored), copied to ``dest``.
+
+    Why build from a copy: setuptools writes ``kvfail.egg-info`` into the folder it builds
+    from, and a stale one in the checkout shadows the editable install's metadata for
+    every process started there, ``kvfail.drivers`` entry points included."""
     listed = subprocess.run(
-        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
         capture_output=True,
         check=True,
         timeout=60,
     ).stdout.decode()
     for name in filter(None, listed.split("\0")):
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
+        source = ROOT / name
+        if source.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    source = _source_copy(tmp_path_factory.mktemp("source"))
     built = subprocess.run(
         [*PIP, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         capture_output=True,

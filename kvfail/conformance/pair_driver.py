@@ -1,0 +1,367 @@
+"""What the drivers over a real P/D pair share, and the session's registry of shared P's.
+
+A pair is a real P process and the D engines built against it (``kvfail.peers.base
+.PeerPair``); :class:`PairDriver` turns one into the Driver API. ``mooncake_driver``,
+``nixl_driver`` and ``nixl_push_driver`` are built on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Driver
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine
+
+__all__ = [
+    "PairDriver",
+    "close_shared_producers",
+    "register_producer",
+    "shared_producer",
+]
+
+#: One P process per P configuration, shared by the drivers of a session that want the
+#: same P (``mooncake`` and the real negative controls pull from kvfail's P; every NIXL
+#: driver pulls from upstream's): each P costs a vLLM import (10-60 s here). A pair that
+#: finds a live P here borrows it. The driver that started it owns it and closes it in
+#: ``stop``, unless the driver hands it off (``PairDriver.hand_off_p``): then this registry
+#: keeps it for the next driver and :func:`close_shared_producers` closes it at the end.
+_SHARED_P: dict[str, Any] = {}
+
+
+def shared_producer(key: str) -> Any | None:
+    """The live P registered under ``key``, if any."""
+    shared = _SHARED_P.get(key)
+    if shared is None or not shared.process.alive:
+        return None
+    return shared
+
+
+def register_producer(key: str, producer: Any) -> None:
+    """Offer a P its starter owns to the drivers that want the same P (they borrow it)."""
+    _SHARED_P[key] = producer
+
+
+#: Registry keys whose P a stopped driver handed off, by that driver's class.
+_HANDED_OFF: dict[str, type] = {}
+
+
+def close_shared_producers(handed_off_by: type | None = None) -> None:
+    """Close the registered P's (only those handed off by drivers of ``handed_off_by``
+    when given: a P an idle registry keeps still costs CPU); idempotent."""
+    keys = [
+        k for k in list(_SHARED_P) if handed_off_by is None or _HANDED_OFF.get(k) is handed_off_by
+    ]
+    for key in keys:
+        with contextlib.suppress(Exception):
+            _SHARED_P[key].close()
+        _SHARED_P.pop(key, None)
+        _HANDED_OFF.pop(key, None)
+
+
+class PairDriver(Driver):
+    """What the drivers over a real P/D pair (:class:`MooncakeDriver`, ``NixlDriver``)
+    share: connector resolution, cold D engines built through the pair, faults armed at
+    add time, and the pair's records for bytes and detection times.
+
+    A subclass sets ``pair_module`` (``kvfail.peers.<transport>``, whose
+    ``<transport>_available`` says whether it can run), ``pair_name`` (for messages) and
+    implements :meth:`start`, :meth:`_connector_bases` and :meth:`_consumer`.
+    """
+
+    poll_s = 0.005
+    #: The deadline a deadline scenario asks D's connector for, through the configuration
+    #: key kvfail's connectors read (:data:`kvfail.deadline.DEADLINE_KEY`); a connector that
+    #: does not read it ignores it. The suite judges by what the connector declares.
+    SCENARIO_DEADLINE_S = 3.0
+    #: How late a slow but live P answers (``net_delay``): many D steps long, and far
+    #: enough below :attr:`SCENARIO_DEADLINE_S` that a cold D's own set-up (bootstrap,
+    #: first connection) on a loaded machine still fits before it.
+    NET_DELAY_S = 0.5
+    #: How long after :attr:`SCENARIO_DEADLINE_S` a ``slow_peer_past_deadline`` P answers
+    #: and writes: well past a deadline enforced at D's drains (milliseconds apart), and
+    #: well within the scenario's bounded waits.
+    SLOW_PEER_PAST_S = 1.5
+    #: At most this often a driver asks P whether its late write has landed.
+    LATE_POLL_S = 0.25
+    #: ``kvfail.peers.<transport>``: holds the pair and ``<transport>_available``.
+    pair_module = ""
+    #: The pair class's name, for messages.
+    pair_name = ""
+    #: Run the cyclic garbage collector once closed D engines are dropped: for a
+    #: transport whose threads go only with the object (NIXL's agent polls a core until
+    #: it is collected). Others leave the engines to reference counting (a collection
+    #: costs ~0.85 s per scenario in a process holding vLLM).
+    collect_closed_engines = False
+
+    @property
+    def slow_peer_delay_s(self) -> float:  # type: ignore[override]
+        """``slow_peer_past_deadline``: P answers this long after D added the load."""
+        return self.SCENARIO_DEADLINE_S + self.SLOW_PEER_PAST_S
+
+    def _init_pair_driver(self, name: str, connector: str, connector_module: str | None) -> None:
+        self.name = name
+        self._connector = connector
+        self._module = connector_module
+        self._why: str | None = None
+        self._pair: Any = None
+        #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
+        self._layout_pairs: dict[tuple[int, int], Any] = {}
+        #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
+        self._broken: set[int] = set()
+        #: Which pair built each D engine (a driver may hold one pair per layout).
+        self._engine_pairs: dict[int, Any] = {}
+        self._names: dict[int, str] = {}
+        self._seq = 0
+        self.connector_cls: type = object
+        try:
+            if connector_module is None:
+                from vllm.distributed.kv_transfer.kv_connector.factory import (
+                    KVConnectorFactory,
+                )
+
+                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
+            else:
+                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
+            peers = importlib.import_module(self.pair_module)
+            transport = self.pair_module.rsplit(".", 1)[-1]
+            self._why = getattr(peers, f"{transport}_available")()
+        except Exception as exc:  # any import failure makes the driver unavailable
+            self._why = f"{connector} / {self.pair_module}: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _connector_bases() -> tuple[type, type | None] | None:
+        """(upstream connector, kvfail's connector or None); None without the transport."""
+        raise NotImplementedError
+
+    def unavailable(self) -> str | None:
+        return self._why
+
+    def engine_spec(
+        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
+    ) -> EngineSpec:
+        raise NotImplementedError(f"{type(self).__name__} builds engines through {self.pair_name}")
+
+    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
+        """A fresh D engine called ``name`` from ``pair``."""
+        raise NotImplementedError
+
+    def build_engine(
+        self,
+        policy: Policy,
+        *,
+        num_kv_cache_groups: int = 1,
+        tp_size: int = 1,
+        deadline: bool = False,
+    ) -> Engine:
+        pair = self._layout_pair(tp_size, num_kv_cache_groups)
+        self._seq += 1
+        name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
+        engine = self._consumer(pair, policy, name, deadline)
+        self._names[id(engine)] = name
+        self._engine_pairs[id(engine)] = pair
+        return engine
+
+    # ------------------------------------------------------------ pairs and their P
+
+    #: The (tp_size, groups) layouts this driver's pairs can be built in.
+    layouts: frozenset[tuple[int, int]] = frozenset({(1, 1)})
+    #: At ``stop``, leave a healthy P to the session's registry for the next driver that
+    #: wants the same P, instead of closing it (see ``_SHARED_P``).
+    hand_off_p: bool = False
+
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """A started pair whose P and D have this layout."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._pair is None:
+            self._pair = self._new_pair(1, 1)
+
+    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+        """The pair whose P matches this D layout (built on first use), with a live P."""
+        layout = (tp_size, num_kv_cache_groups)
+        if layout not in self.layouts:
+            raise NotImplementedError(
+                f"{self.pair_name} builds layouts {sorted(self.layouts)} only, not {layout}"
+            )
+        self.start()
+        if layout == (1, 1):
+            return self._live(self._pair)
+        if layout not in self._layout_pairs:
+            self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
+        return self._live(self._layout_pairs[layout])
+
+    def _pairs(self) -> list[Any]:
+        return [p for p in (self._pair, *self._layout_pairs.values()) if p is not None]
+
+    def stop(self) -> None:
+        for pair in self._pairs():
+            if self.hand_off_p:
+                self._hand_off(pair)
+            pair.close()
+        self._pair = None
+        self._layout_pairs.clear()
+
+    def _hand_off(self, pair: Any) -> None:
+        """Leave ``pair``'s own, healthy P to the session registry (see ``_SHARED_P``)
+        instead of closing it, unless another live P already serves its key."""
+        key = getattr(pair, "kvfail_share_key", None)
+        producer = pair.p
+        if key is None or producer is None or not pair.owns_p:
+            return
+        proc = producer.process
+        if not proc.alive or proc.frozen or self._p_crashed(pair):
+            return
+        current = shared_producer(key)
+        if current is not None and current is not producer:
+            return
+        _SHARED_P[key] = producer
+        _HANDED_OFF[key] = type(self)
+        pair.owns_p = False
+
+    def _p_replaced(self, pair: Any) -> None:
+        """Hook: ``pair`` gets a new P (forget what pointed at the old one)."""
+
+    def _live(self, pair: Any) -> Any:
+        """``pair`` with a live P (a P shared with another driver may have been killed
+        by that driver's scenario: this driver then starts its own; the next use waits)."""
+        if pair.p is None or not pair.p.process.alive:
+            self._replace_p(pair)
+        return pair
+
+    def _replace_p(self, pair: Any, *, wait: bool = False) -> None:
+        """Give ``pair`` a live P: the replacement another driver already registered for
+        the same P (borrowed), else a new one of its own (registered for the others)."""
+        self._p_replaced(pair)
+        key = getattr(pair, "kvfail_share_key", None)
+        shared = shared_producer(key) if key is not None else None
+        if shared is not None and shared is not pair.p:
+            pair.p, pair.owns_p = shared, False
+            if wait:
+                shared.wait_ready(pair.ready_timeout_s)
+            return
+        pair.restart_p(wait=wait)
+        if key is not None:
+            register_producer(key, pair.p)
+
+    @staticmethod
+    def _p_crashed(pair: Any) -> bool:
+        """P's process lives but its engine crashed (a rank died), or it does not answer."""
+        if pair.p is None or pair.p.ready is None:
+            return False  # still starting: not known yet
+        try:
+            return pair.p.stats(timeout_s=10.0).get("crashed") is not None
+        except Exception:
+            return True
+
+    def _forget_closed_engines(self) -> None:
+        """Drop the pairs' references to D engines a scenario closed, and collect them.
+
+        Why: a closed engine's transport can outlive its close (NIXL's agent, whose
+        progress thread polls a core, goes only with the object), and every scenario
+        builds a fresh D: 19 pollers had piled up in one NIXL session.
+        """
+        dropped = 0
+        for pair in self._pairs():
+            for name, engine in list(pair.decoders.items()):
+                if engine.closed:
+                    del pair.decoders[name]
+                    dropped += 1
+        if dropped and self.collect_closed_engines:
+            gc.collect()
+
+    def _repair_peers(self) -> None:
+        """After a scenario: close a second P; thaw a frozen P; kill what is left of a P
+        that lost a rank (on purpose, or a rank that died after a fault) so a driver
+        sharing it sees it dead rather than half-working; replace a dead P without
+        waiting for its import."""
+        self._forget_closed_engines()
+        for pair in self._pairs():
+            pair.close_second_p()  # one scenario's (``kill_one_peer``); a later one starts anew
+            if pair.p is None:
+                continue
+            proc = pair.p.process
+            if proc.alive and proc.frozen:
+                pair.thaw_p()
+            if id(pair) in self._broken or (proc.alive and self._p_crashed(pair)):
+                self._broken.discard(id(pair))
+                pair.kill_p()
+            if not proc.alive:
+                self._replace_p(pair)
+
+    def after_scenario(self) -> None:
+        self._repair_peers()
+
+    def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
+        probe = getattr(self._pair_of(engine), "stuck_state", None)
+        return [] if probe is None else list(probe(engine, list(request_ids)))
+
+    def end_faults(self, engine: Engine) -> None:
+        pair = self._pair_of(engine)
+        producer = pair.p
+        if producer is not None and producer.process.alive and producer.process.frozen:
+            pair.thaw_p()
+
+    def _pair_of(self, engine: Engine) -> Any:
+        return self._engine_pairs.get(id(engine), self._pair)
+
+    def _peer_producer(self, pair: Any, peer: int, fault: FaultPoint | None) -> Any:
+        """P number ``peer`` of ``pair``, ready: 0 is its P, 1 its second P (started now
+        if it has none). The second P serves plain loads, or is killed (``kill_one_peer``)."""
+        if peer == 0:
+            return pair._ready_producer()
+        if peer != 1:
+            raise ValueError(f"{self.pair_name} has two P's (peer 0 and 1), not peer {peer}")
+        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+            raise ValueError(f"driver {self.name!r}: {fault} cannot be armed on the second P")
+        return pair.second_p()
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
+        """Every fault is set up while the request is added (see the class docstring)."""
+        self._fault_at_add[(id(engine), request_id)] = point  # type: ignore[attr-defined]
+
+    def add_local_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """A request D computes itself, watched by the pair's integrity oracle."""
+        self._pair_of(engine).integrity.track(engine, request_id, request_id, prompt_len)
+        return super().add_local_request(
+            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+        )
+
+    def settle(
+        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
+    ) -> None:
+        """Nothing to do: a real pull completes on its own."""
+
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair_of(engine).records.get(request_id)
+        if rec is None or rec.verified is None:
+            return f"{request_id} never ran after its load: no bytes were checked"
+        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
+
+    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+        rec = self._pair_of(engine).records.get(request_id)
+        if rec is None:
+            return None
+        # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
+        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        if not wrong:
+            return None
+        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        rec = self._pair_of(engine).records.get(request_id)
+        return None if rec is None else rec.reported_s
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        findings: list[str] = self._pair_of(engine).integrity_findings(engine)
+        return findings

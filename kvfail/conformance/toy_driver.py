@@ -1,0 +1,402 @@
+"""The ``toy`` driver: :class:`kvfail.harness.toy.ToyConnector`, a labelled in-process
+TEST DOUBLE, behind the Driver API.
+
+It exists to test the suite itself fast; it proves nothing about a real transport. It
+also drives any ToyConnector subclass, which is how the negative controls
+(``kvfail.conformance.negative``) are run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Declared, Driver
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine
+    from kvfail.harness.hooks import SplitForward
+
+__all__ = ["ToyDriver", "make_driver"]
+
+
+class ToyDriver(Driver):
+    """In-process driver for ``ToyConnector`` and its subclasses (a TEST DOUBLE).
+
+    Loads run in the toy's ``hold`` mode so the driver decides when each one ends; P is
+    played by writing a seeded byte pattern into the toy's in-memory transport, so D's
+    blocks can be compared with it afterwards.
+
+    ``net_delay``: the in-memory P answers by itself, :attr:`DELAY_STEPS` D steps after
+    the load was first seen waiting (counted in :meth:`observe`), so a connector that
+    fails a load after one step is caught. A toy step takes milliseconds, far below the
+    toy's :attr:`DEADLINE_S`; a step count, not a sleep, keeps the delay the same on a
+    loaded machine.
+
+    ``kill_one_peer``: peer ``k`` > 0 is a second in-memory P with its own engine id
+    (:meth:`remote_engine`). Killing one is what its death looks like at the toy's
+    transport boundary: from then on every load from it that is in flight on a worker
+    fails with stage ``peer_lost`` (checked after each step, in :meth:`observe`, and at
+    :meth:`provoke`); loads from the other P are untouched.
+
+    ``slow_peer_past_deadline``: the in-memory P never answers the load, so only the
+    connector's deadline ends it; the toy transport holds a write for it
+    (``ToyConnector.hold_write``), so the toy's fence quarantines its blocks. Then,
+    :attr:`LATE_WRITE_STEPS` D steps after the load stopped waiting (its report reached
+    the scheduler), the write lands (``ToyConnector.land_write``): P's bytes go into the
+    blocks the load was given, in D's real KV tensors on every rank, wherever the
+    scheduler has them by then: a slow P whose write lands after D gave up. Steps, not
+    seconds, as for ``net_delay``.
+    """
+
+    #: The toy reporter's watchdog deadline used by the silent-peer scenario.
+    DEADLINE_S = 0.5
+    #: D steps a ``net_delay`` load waits before the in-memory P answers.
+    DELAY_STEPS = 3
+    #: D steps after a ``slow_peer_past_deadline`` load stopped waiting before the
+    #: in-memory P's late write lands (requests added right after it got its blocks).
+    LATE_WRITE_STEPS = 5
+    REMOTE_ENGINE = "P-toy"
+
+    def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:
+        from kvfail.harness.toy import ToyConnector
+
+        self.name = name
+        self.connector_cls = connector_cls or ToyConnector
+        if not issubclass(self.connector_cls, ToyConnector):
+            raise TypeError(f"{self.connector_cls.__name__} is not a ToyConnector")
+        #: (D engine id, request id) -> rank -> (tokens loaded, wrong positions) at the
+        #: request's first schedule: the byte check of what it ran on.
+        self._first: dict[tuple[str, str], dict[int, tuple[int, dict[str, list[int]]]]] = {}
+        from kvfail.peers.integrity import IntegrityLedger
+
+        #: The KV-integrity oracle; the in-memory P sends every rank the same bytes.
+        self._integrity = IntegrityLedger(rank_seeded=False)
+        #: (D engine id, request id) -> steps seen waiting, for ``net_delay`` loads.
+        self._delayed: dict[tuple[str, str], int] = {}
+        #: (D engine id, request id) -> the engine id of the P it loads from.
+        self._peer_of: dict[tuple[str, str], str] = {}
+        #: Engine ids of the in-memory P's killed in this scenario (``kill_one_peer``).
+        self._dead_peers: set[str] = set()
+        #: (D engine id, request id) -> when it was added / first named in a report.
+        self._added_at: dict[tuple[str, str], float] = {}
+        self._reported_s: dict[tuple[str, str], float] = {}
+        #: D engine id -> how many of its ``kv_reports`` :meth:`observe` has read.
+        self._reports_read: dict[str, int] = {}
+        #: (D engine id, request id) -> a ``slow_peer_past_deadline`` load's late write.
+        self._late: dict[tuple[str, str], _ToyLateWrite] = {}
+
+    @property
+    def faults(self) -> frozenset[FaultPoint]:
+        return frozenset(
+            {
+                FaultPoint.PEER_ERROR_RESPONSE,  # toy transport reports an error
+                FaultPoint.FREEZE_PEER,  # toy transport never answers
+                FaultPoint.ABORT_WHILE_WAITING,
+                FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
+                FaultPoint.TP_ONE_RANK,
+                FaultPoint.NET_DELAY,  # the in-memory P answers DELAY_STEPS steps late
+                FaultPoint.KILL_ONE_PEER,  # a second in-memory P, whose loads all fail
+                FaultPoint.SLOW_PEER_PAST_DEADLINE,  # writes once the load stopped waiting
+            }
+        )
+
+    def declared(self) -> Declared:
+        cls = self.connector_cls.__name__
+        return {
+            "async_load": (True, f"{cls} loads asynchronously (load_kv_async=True)"),
+            "sync_load": (False, f"{cls} only advertises asynchronous loads"),
+            "remote_prefill": (True, "the toy transport plays P in memory"),
+            "two_groups": (True, "the harness builds D with two KV-cache groups"),
+            "real_transport": (False, f"{cls} is an in-memory test double, not a transport"),
+            "tp2": (True, "harness simulates TP=2; the toy's reporting is rank-independent"),
+            "byte_verification": (True, "D's blocks are compared with P's seeded pattern"),
+            "malformed_params": (False, f"{cls}'s in-memory transport has no params to break"),
+        }
+
+    def engine_spec(
+        self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
+    ) -> EngineSpec:
+        from kvfail.harness.config import EngineSpec
+
+        extra: dict[str, Any] = {"toy_mode": "hold"}
+        if deadline:
+            extra["toy_deadline_s"] = self.DEADLINE_S
+        return EngineSpec(
+            connector=self.connector_cls.__name__,
+            connector_module=self.connector_cls.__module__,
+            policy=policy,
+            num_kv_cache_groups=num_kv_cache_groups,
+            tp_size=tp_size,
+            extra_config=extra,
+        )
+
+    def forward(self) -> SplitForward:
+        """The integrity oracle (see :mod:`kvfail.peers.integrity`)."""
+        return self._integrity.split_forward(on_first=self._on_first)
+
+    def _on_first(
+        self, engine: Engine, rank: int, req_id: str, loaded: int, wrong: dict[str, list[int]]
+    ) -> None:
+        self._first.setdefault((str(engine.spec.engine_id), req_id), {})[rank] = (loaded, wrong)
+
+    @classmethod
+    def remote_engine(cls, peer: int = 0) -> str:
+        """The engine id of in-memory P number ``peer`` (0: the driver's P)."""
+        return cls.REMOTE_ENGINE if peer == 0 else f"{cls.REMOTE_ENGINE}-{peer + 1}"
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        return self._add(engine, request_id, prompt_len, max_tokens, self.REMOTE_ENGINE)
+
+    def add_remote_requests(
+        self,
+        engine: Engine,
+        request_ids: Sequence[str],
+        *,
+        fault: FaultPoint | None = None,
+        prompt_len: int = 100,
+        max_tokens: int = 3,
+        peer: int = 0,
+    ) -> list[str]:
+        """As the base, from in-memory P number ``peer``; ``kill_one_peer`` kills that P
+        once it has "prefilled" them (its loads fail while in flight, see the class)."""
+        if fault is not FaultPoint.KILL_ONE_PEER and peer == 0:
+            return super().add_remote_requests(
+                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+            )
+        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+            raise ValueError(f"toy driver: {fault} is not armed on peer {peer}")
+        remote = self.remote_engine(peer)
+        for request_id in request_ids:
+            self._add(engine, request_id, prompt_len, max_tokens, remote)
+        if fault is FaultPoint.KILL_ONE_PEER:
+            self._dead_peers.add(remote)
+        return list(request_ids)
+
+    def _add(
+        self, engine: Engine, request_id: str, prompt_len: int, max_tokens: int, remote: str
+    ) -> str:
+        """P ``remote``'s prefill into the in-memory transport, then D's request."""
+        import torch
+
+        from kvfail.harness.toy import TRANSPORT
+        from kvfail.peers.pattern import write_pattern
+
+        block_size = engine.spec.block_size
+        num_blocks = max((prompt_len - 1) // block_size, 0)
+        worker = engine.workers[0]
+        layers = {}
+        # P's prefill, as a real P writes it: the pattern of this prompt, token by token.
+        for layer, name in enumerate(worker.view(1).built.layer_names):
+            cache = worker.kv_caches[name]
+            data = torch.zeros((num_blocks, *cache.shape[1:]), dtype=cache.dtype)
+            write_pattern(data, layer, range(num_blocks), 0, num_blocks * block_size, request_id)
+            layers[name] = data
+        TRANSPORT.put((remote, request_id), layers)
+        self._integrity.track(engine, request_id, request_id, prompt_len)
+        self._added_at[(str(engine.spec.engine_id), request_id)] = time.monotonic()
+        self._peer_of[(str(engine.spec.engine_id), request_id)] = remote
+        engine.add_request(
+            request_id,
+            prompt_len=prompt_len,
+            prompt_seed=request_id,
+            max_tokens=max_tokens,
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "remote_engine_id": remote,
+                "remote_request_id": request_id,
+            },
+        )
+        return request_id
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
+        """``net_delay`` and ``slow_peer_past_deadline`` are set up before the request
+        exists; the rest are provoked."""
+        if point is FaultPoint.NET_DELAY:
+            self._delayed[(str(engine.spec.engine_id), request_id)] = 0
+        elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            self._late[(str(engine.spec.engine_id), request_id)] = _ToyLateWrite()
+
+    def add_local_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """A request D computes itself, watched by the integrity oracle (nothing loaded)."""
+        self._integrity.track(engine, request_id, request_id, prompt_len)
+        return super().add_local_request(
+            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+        )
+
+    def _workers(self, engine: Engine, ranks: Iterable[int] | None) -> list[Any]:
+        wanted = None if ranks is None else set(ranks)
+        return [w for w in engine.workers if wanted is None or w.rank in wanted]
+
+    def settle(
+        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
+    ) -> None:
+        for worker in self._workers(engine, ranks):
+            worker.connector.complete(request_id)
+
+    def provoke(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Iterable[int] | None = None,
+        block_index: int | None = None,
+    ) -> None:
+        from kvfail import Stage
+
+        if point not in self.faults:
+            raise ValueError(f"toy driver cannot provoke {point}")
+        if point in (FaultPoint.PEER_ERROR_RESPONSE, FaultPoint.TP_ONE_RANK):
+            for worker in self._workers(engine, ranks):
+                worker.connector.fail(
+                    request_id,
+                    stage=Stage.PEER,
+                    reason=f"toy: provoked {point.value}",
+                    block_index=block_index,
+                )
+        elif point is FaultPoint.ABORT_WHILE_WAITING:
+            engine.abort(request_id)
+        elif point is FaultPoint.KILL_ONE_PEER:
+            self._fail_dead_peers(engine)
+        # FREEZE_PEER: the toy transport simply never answers; NOTIFY_ONLY_EMPTY_BLOCKS is
+        # set up by the scenario (a request with no loadable block); NET_DELAY answers by
+        # itself (see observe): nothing to do here.
+
+    def _fail_dead_peers(self, engine: Engine) -> None:
+        """Fail, on every worker, each load in flight from a killed in-memory P (its
+        death as the transport sees it: the peer is gone, not an answer from it)."""
+        from kvfail import Stage
+
+        if not self._dead_peers:
+            return
+        eid = str(engine.spec.engine_id)
+        for worker in engine.workers:
+            for req_id in sorted(worker.connector.inflight()):
+                remote = self._peer_of.get((eid, req_id))
+                if remote in self._dead_peers:
+                    worker.connector.fail(
+                        req_id, stage=Stage.PEER_LOST, reason=f"toy: P {remote} was killed"
+                    )
+
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        first = self._first.get((str(engine.spec.engine_id), request_id))
+        if first is None or set(first) != {w.rank for w in engine.workers}:
+            return f"{request_id} never ran on every rank after its load: no bytes were checked"
+        for rank, (loaded, wrong) in sorted(first.items()):
+            if loaded == 0:
+                return f"rank {rank}: {request_id} was computed locally, nothing was loaded"
+            if wrong:
+                return f"rank {rank}: loaded positions differ from P's: {wrong}"
+        return None
+
+    def observe(self, engine: Engine) -> None:
+        self._integrity.after_step(engine)
+        self._fail_dead_peers(engine)
+        eid = str(engine.spec.engine_id)
+        # Detection times: when a report first named each request (for detection_s).
+        reports = engine.record.kv_reports
+        now = time.monotonic()
+        for report in reports[self._reports_read.get(eid, 0) :]:
+            if report.rank is None:
+                for rid in report.finished_recving | report.failed_recving:
+                    self._reported_s.setdefault((eid, rid), now)
+        self._reports_read[eid] = len(reports)
+        waiting = engine.waiting_for_remote()
+        for key in [k for k in self._late if k[0] == eid]:
+            self._late_write_step(engine, key, waiting)
+        # net_delay: the in-memory P answers once the load has waited DELAY_STEPS steps.
+        for key in [k for k in self._delayed if k[0] == eid]:
+            if key[1] not in waiting:
+                if self._delayed[key]:  # it waited and ended otherwise (failed, aborted)
+                    del self._delayed[key]
+                continue
+            self._delayed[key] += 1
+            if self._delayed[key] >= self.DELAY_STEPS:
+                del self._delayed[key]
+                self.settle(engine, key[1])
+
+    def _late_write_step(
+        self, engine: Engine, key: tuple[str, str], waiting: frozenset[str]
+    ) -> None:
+        """``slow_peer_past_deadline``: note the load each worker started while it waits;
+        :attr:`LATE_WRITE_STEPS` steps after it stopped waiting, write P's bytes into
+        those blocks, on every rank (see the class docstring)."""
+        late = self._late[key]
+        rid = key[1]
+        if late.done is not None:
+            return
+        if rid in waiting:
+            for worker in engine.workers:
+                load = worker.connector._inflight.get(rid)
+                if load is not None and worker.rank not in late.loads:
+                    late.loads[worker.rank] = load
+                    worker.connector.hold_write(rid)  # P's write is on its way
+            return
+        if not late.loads:
+            return  # never in flight on a worker: nothing to write, so never "done"
+        if late.left_at is None:
+            late.left_at = engine.record.steps
+        if engine.record.steps - late.left_at < self.LATE_WRITE_STEPS:
+            return
+        for worker in engine.workers:
+            load = late.loads.get(worker.rank)
+            if load is not None:
+                worker.connector.land_write(rid, load)
+        blocks = sorted({b for load in late.loads.values() for g in load.block_ids for b in g})
+        late.done = (
+            f"the toy's P wrote {rid}'s blocks {blocks} on ranks {sorted(late.loads)}, "
+            f"{engine.record.steps - late.left_at} steps after the load stopped waiting"
+        )
+
+    def late_write(self, engine: Engine, request_id: str) -> str | None:
+        late = self._late.get((str(engine.spec.engine_id), request_id))
+        return None if late is None else late.done
+
+    def detection_s(self, engine: Engine, request_id: str) -> float | None:
+        key = (str(engine.spec.engine_id), request_id)
+        if key not in self._reported_s or key not in self._added_at:
+            return None
+        return self._reported_s[key] - self._added_at[key]
+
+    def integrity_findings(self, engine: Engine) -> list[str]:
+        return self._integrity.final_findings(engine)
+
+    def after_scenario(self) -> None:
+        self._integrity.engines.clear()  # the scenario's engines are closed
+        for timed in (self._delayed, self._added_at, self._reported_s, self._reports_read):
+            timed.clear()
+        self._late.clear()
+        self._peer_of.clear()
+        self._dead_peers.clear()  # the next scenario's second P is a new one
+
+    def stop(self) -> None:
+        from kvfail.harness.toy import TRANSPORT
+
+        TRANSPORT.clear()
+        self._first.clear()
+
+
+@dataclass
+class _ToyLateWrite:
+    """A ``slow_peer_past_deadline`` load on the toy: what its late write will write."""
+
+    #: rank -> the load as that rank's worker started it (its blocks, P's key).
+    loads: dict[int, Any] = field(default_factory=dict)
+    #: D's step count when the load was first seen no longer waiting.
+    left_at: int | None = None
+    #: What the late write did, once done.
+    done: str | None = None
+
+
+def make_driver(name: str) -> ToyDriver:
+    """Entry point ``kvfail.drivers`` ``toy``."""
+    return ToyDriver(name)
