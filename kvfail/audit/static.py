@@ -15,6 +15,7 @@ import linecache
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvfail.audit.inventory import Target
 from kvfail.audit.source import ClassRef, Module, SourceIndex, expr_name
@@ -70,54 +71,9 @@ class CheckSpec:
     level: str  # "MUST" | "SHOULD"
     resembles: str
     heuristic: bool = False
-
-
-CHECKS: tuple[CheckSpec, ...] = (
-    CheckSpec(
-        "reports",
-        "reports load failures",
-        "C1",
-        "MUST",
-        "#49556 (method missing), LMCache #4600 (failure counted as success)",
-    ),
-    CheckSpec(
-        "block_channel",
-        "get_block_ids_with_load_errors",
-        "C1",
-        "SHOULD",
-        "#49556 (connector without the method)",
-    ),
-    CheckSpec(
-        "request_channel",
-        "failed_recving",
-        "C5",
-        "SHOULD",
-        "#54733 (request-level failures), PR #56855",
-    ),
-    CheckSpec("hma", "HMA routing", "C5", "MUST", "#45474, #50687 (HMA with block-level only)"),
-    CheckSpec("stub", "no hard-coded set()", "C1", "MUST", "LMCache PR #2973 (returned set())"),
-    CheckSpec("fallback", "no silent getattr fallback", "C1", "SHOULD", "#49556, LMCache PR #2973"),
-    CheckSpec(
-        "result_checked", "future result read", "C1", "MUST", "HF3FS (.done() only), LMCache #4600"
-    ),
-    CheckSpec(
-        "no_assert",
-        "no assert on transfer result",
-        "C13",
-        "MUST",
-        "#39732, llm-d-kv-cache #514 (Offloading assert)",
-    ),
-    CheckSpec("no_raise", "no raise in load hooks", "C13", "MUST", "#40364, #44249"),
-    CheckSpec(
-        "deadline",
-        "in-flight deadline",
-        "C10",
-        "SHOULD",
-        "#35943, #50719, LMCache #5047 (no timeout)",
-        heuristic=True,
-    ),
-)
-CHECK_BY_ID = {c.id: c for c in CHECKS}
+    #: The check itself (a static check's; None for the dynamic tier's columns, which
+    #: reuse this spec to describe a scenario).
+    run: Callable[[CheckContext], Finding] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -484,19 +440,50 @@ def _collect(funcs: list[Func], pattern) -> list[Evidence]:  # type: ignore[no-u
     return sorted(set(out), key=lambda e: (e.path, e.line))
 
 
-def audit_target(target: Target, index: SourceIndex, graph: Graph | None = None) -> list[Finding]:
-    """Run every static check on one connector; one finding per check, in CHECKS order."""
-    if target.ref is None:
-        return [Finding(c.id, NA, "not installed") for c in CHECKS]
-    graph = graph or Graph(index)
-    model = graph.model(target.ref)
-    found: dict[str, Finding] = {}
+@dataclass
+class CheckContext:
+    """One connector under the static checks: its class model, the call graph, and the
+    findings made so far (a check may build on another's, e.g. ``reports`` on both
+    channels; :meth:`finding` runs that one first, once)."""
 
-    # --- block-level channel: the override and whatever it delegates to.
-    block_root = model.method(BLOCK_METHOD)
-    block_funcs = graph.reachable([block_root]) if block_root else []
-    block_impls = [f for f in block_funcs if f.name == BLOCK_METHOD]
-    stubs = [f.ev(s) for f in block_impls if (s := is_stub(f)) is not None]
+    target: Target
+    model: ClassModel
+    graph: Graph
+    found: dict[str, Finding] = field(default_factory=dict)
+    _reached: dict[tuple[str, ...], list[Func]] = field(default_factory=dict)
+
+    def finding(self, check_id: str) -> Finding:
+        if check_id not in self.found:
+            run = CHECK_BY_ID[check_id].run
+            assert run is not None, f"{check_id} is not a static check"
+            self.found[check_id] = run(self)
+        return self.found[check_id]
+
+    @cached_property
+    def block_root(self) -> Func | None:
+        return self.model.method(BLOCK_METHOD)
+
+    @cached_property
+    def block_impls(self) -> list[Func]:
+        """The block-level channel: the override and whatever it delegates to."""
+        funcs = self.graph.reachable([self.block_root]) if self.block_root else []
+        return [f for f in funcs if f.name == BLOCK_METHOD]
+
+    @cached_property
+    def stubs(self) -> list[Evidence]:
+        return [f.ev(s) for f in self.block_impls if (s := is_stub(f)) is not None]
+
+    def reach(self, *hooks: str) -> list[Func]:
+        """Every function the named methods reach (the worker path), walked once."""
+        if hooks not in self._reached:
+            roots = [m for h in hooks if (m := self.model.method(h)) is not None]
+            self._reached[hooks] = self.graph.reachable(roots)
+        return self._reached[hooks]
+
+
+def check_block_channel(ctx: CheckContext) -> Finding:
+    block_root, block_impls = ctx.block_root, ctx.block_impls
+    graph, model = ctx.graph, ctx.model
     probed = [f for f in block_impls if getattr_fallbacks(f)]
     real = [
         f
@@ -510,137 +497,230 @@ def audit_target(target: Target, index: SourceIndex, graph: Graph | None = None)
         if expr.endswith("." + BLOCK_METHOD)
     ] + [("getattr(...)", f.ev(n)) for f in probed for n in getattr_fallbacks(f)]
     if block_root is None:
-        found["block_channel"] = Finding("block_channel", FAIL, "not overridden")
-    elif real:
+        return Finding("block_channel", FAIL, "not overridden")
+    if real:
         ev = [real[0].ev(real[0].node)]
         where = "delegated" if real[0].owner is not model.ref else "yes"
-        found["block_channel"] = Finding("block_channel", PASS, where, ev)
-    elif external:
-        found["block_channel"] = Finding(
+        return Finding("block_channel", PASS, where, ev)
+    if external:
+        return Finding(
             "block_channel",
             UNKNOWN,
             f"delegated to {external[0][0]} (external)",
             [external[0][1]],
         )
-    else:
-        found["block_channel"] = Finding(
-            "block_channel",
-            FAIL,
-            "only returns set()" if stubs else "no implementation",
-            stubs or [block_root.ev(block_root.node)],
-        )
-    found["stub"] = Finding(
-        "stub", FAIL if stubs else PASS, "return set()" if stubs else "none", stubs
+    return Finding(
+        "block_channel",
+        FAIL,
+        "only returns set()" if ctx.stubs else "no implementation",
+        ctx.stubs or [block_root.ev(block_root.node)],
     )
-    fallbacks = _collect(block_impls, getattr_fallbacks)
-    found["fallback"] = Finding(
+
+
+def check_stub(ctx: CheckContext) -> Finding:
+    stubs = ctx.stubs
+    return Finding("stub", FAIL if stubs else PASS, "return set()" if stubs else "none", stubs)
+
+
+def check_fallback(ctx: CheckContext) -> Finding:
+    fallbacks = _collect(ctx.block_impls, getattr_fallbacks)
+    return Finding(
         "fallback",
         FAIL if fallbacks else PASS,
         "getattr(..., set())" if fallbacks else "none",
         fallbacks,
     )
 
-    # --- request-level channel.
-    tr_root = model.method("get_transfer_results")
-    if tr_root is None:
-        found["request_channel"] = Finding("request_channel", FAIL, "no get_transfer_results")
-    else:
-        tr_funcs = graph.reachable([tr_root])
-        fills = _collect(tr_funcs, fills_failed_recving)
-        ext = [e for f in tr_funcs for e in graph.callees(f)[1]]
-        if fills:
-            found["request_channel"] = Finding("request_channel", PASS, "fills it", fills[:3])
-        elif ext:
-            found["request_channel"] = Finding(
-                "request_channel", UNKNOWN, f"delegated to {ext[0][0]}", [tr_root.ev(ext[0][1])]
-            )
-        else:
-            found["request_channel"] = Finding(
-                "request_channel", FAIL, "never filled", [tr_root.ev(tr_root.node)]
-            )
 
-    # --- C1 as a whole: at least one channel carries failures.
-    statuses = {found["block_channel"].status, found["request_channel"].status}
+def check_request_channel(ctx: CheckContext) -> Finding:
+    tr_root = ctx.model.method("get_transfer_results")
+    if tr_root is None:
+        return Finding("request_channel", FAIL, "no get_transfer_results")
+    tr_funcs = ctx.graph.reachable([tr_root])
+    fills = _collect(tr_funcs, fills_failed_recving)
+    ext = [e for f in tr_funcs for e in ctx.graph.callees(f)[1]]
+    if fills:
+        return Finding("request_channel", PASS, "fills it", fills[:3])
+    if ext:
+        return Finding(
+            "request_channel", UNKNOWN, f"delegated to {ext[0][0]}", [tr_root.ev(ext[0][1])]
+        )
+    return Finding("request_channel", FAIL, "never filled", [tr_root.ev(tr_root.node)])
+
+
+def check_reports(ctx: CheckContext) -> Finding:
+    """C1 as a whole: at least one channel carries failures."""
+    channels = {k: ctx.finding(k) for k in ("block_channel", "request_channel")}
+    statuses = {f.status for f in channels.values()}
     if PASS in statuses:
-        which = [k for k in ("block_channel", "request_channel") if found[k].status == PASS]
-        found["reports"] = Finding(
+        which = [k for k, f in channels.items() if f.status == PASS]
+        return Finding(
             "reports",
             PASS,
             " + ".join("block" if k == "block_channel" else "request" for k in which),
-            [e for k in which for e in found[k].evidence[:1]],
+            [e for k in which for e in channels[k].evidence[:1]],
         )
-    elif UNKNOWN in statuses:
-        found["reports"] = Finding("reports", UNKNOWN, "only via external code")
-    else:
-        found["reports"] = Finding("reports", FAIL, "no channel")
+    if UNKNOWN in statuses:
+        return Finding("reports", UNKNOWN, "only via external code")
+    return Finding("reports", FAIL, "no channel")
 
-    # --- HMA: a connector that supports HMA must report request-level (C5).
+
+def check_hma(ctx: CheckContext) -> Finding:
+    """A connector that supports HMA must report request-level (C5)."""
+    model, ref = ctx.model, ctx.target.ref
+    assert ref is not None
     hma_def = model.method("request_finished_all_groups")
-    hma = "SupportsHMA" in model.base_names or hma_def is not None
+    if "SupportsHMA" not in model.base_names and hma_def is None:
+        return Finding("hma", NA, "no HMA")
+    path = str(ref.module.path)
     hma_ev = (
         [hma_def.ev(hma_def.node)]
         if hma_def
-        else [
-            Evidence(
-                str(target.ref.module.path),
-                target.ref.node.lineno,
-                linecache.getline(str(target.ref.module.path), target.ref.node.lineno).strip(),
-            )
-        ]
+        else [Evidence(path, ref.node.lineno, linecache.getline(path, ref.node.lineno).strip())]
     )
-    req = found["request_channel"].status
-    if not hma:
-        found["hma"] = Finding("hma", NA, "no HMA")
-    elif found["reports"].status == FAIL:
+    req = ctx.finding("request_channel").status
+    if ctx.finding("reports").status == FAIL:
         # No channel at all is C1's cell; C5 is about routing failures that are reported.
-        found["hma"] = Finding("hma", NA, "HMA, no channel (C1)", hma_ev)
-    elif req == PASS:
-        found["hma"] = Finding("hma", PASS, "HMA + failed_recving", hma_ev)
-    elif req == UNKNOWN:
-        found["hma"] = Finding("hma", UNKNOWN, "HMA, channel external", hma_ev)
-    else:
-        found["hma"] = Finding("hma", FAIL, "HMA, block-level only", hma_ev)
+        return Finding("hma", NA, "HMA, no channel (C1)", hma_ev)
+    if req == PASS:
+        return Finding("hma", PASS, "HMA + failed_recving", hma_ev)
+    if req == UNKNOWN:
+        return Finding("hma", UNKNOWN, "HMA, channel external", hma_ev)
+    return Finding("hma", FAIL, "HMA, block-level only", hma_ev)
 
-    # --- the worker path: hooks and everything they reach.
-    roots = [m for h in WORKER_HOOKS if (m := model.method(h)) is not None]
-    path = graph.reachable(roots)
-    done = _collect(path, done_without_result)
-    found["result_checked"] = Finding(
+
+def check_result_checked(ctx: CheckContext) -> Finding:
+    done = _collect(ctx.reach(*WORKER_HOOKS), done_without_result)
+    return Finding(
         "result_checked",
         FAIL if done else PASS,
         ".done() without .result()" if done else "ok",
         done[:3],
     )
-    asserts = _collect(path, result_asserts)
-    found["no_assert"] = Finding(
+
+
+def check_no_assert(ctx: CheckContext) -> Finding:
+    asserts = _collect(ctx.reach(*WORKER_HOOKS), result_asserts)
+    return Finding(
         "no_assert",
         FAIL if asserts else PASS,
         "asserts success" if asserts else "none",
         asserts[:3],
     )
-    hooks = [f for f in path if f.name in RAISE_HOOKS]
+
+
+def check_no_raise(ctx: CheckContext) -> Finding:
+    hooks = [f for f in ctx.reach(*WORKER_HOOKS) if f.name in RAISE_HOOKS]
     raised = _collect(hooks, raises)
-    found["no_raise"] = Finding(
+    return Finding(
         "no_raise",
         FAIL if raised else PASS,
         f"raise x{len(raised)}" if raised else "none",
         raised[:3],
     )
-    load_path = graph.reachable(
-        [
-            m
-            for h in ("start_load_kv", "get_finished", "get_transfer_results")
-            if (m := model.method(h)) is not None
-        ]
-    )
+
+
+def check_deadline(ctx: CheckContext) -> Finding:
+    load_path = ctx.reach("start_load_kv", "get_finished", "get_transfer_results")
     deadlines = _collect(load_path, deadline_names)
-    found["deadline"] = Finding(
+    return Finding(
         "deadline",
         PASS if deadlines else FAIL,
         "named in path" if deadlines else "none found",
         deadlines[:3],
     )
-    return [found[c.id] for c in CHECKS]
+
+
+#: Every static check, in the audit's column order: what it reads for (the spec) and the
+#: function that reads it. A new check is one function above and one entry here.
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec(
+        "reports",
+        "reports load failures",
+        "C1",
+        "MUST",
+        "#49556 (method missing), LMCache #4600 (failure counted as success)",
+        run=check_reports,
+    ),
+    CheckSpec(
+        "block_channel",
+        "get_block_ids_with_load_errors",
+        "C1",
+        "SHOULD",
+        "#49556 (connector without the method)",
+        run=check_block_channel,
+    ),
+    CheckSpec(
+        "request_channel",
+        "failed_recving",
+        "C5",
+        "SHOULD",
+        "#54733 (request-level failures), PR #56855",
+        run=check_request_channel,
+    ),
+    CheckSpec(
+        "hma",
+        "HMA routing",
+        "C5",
+        "MUST",
+        "#45474, #50687 (HMA with block-level only)",
+        run=check_hma,
+    ),
+    CheckSpec(
+        "stub",
+        "no hard-coded set()",
+        "C1",
+        "MUST",
+        "LMCache PR #2973 (returned set())",
+        run=check_stub,
+    ),
+    CheckSpec(
+        "fallback",
+        "no silent getattr fallback",
+        "C1",
+        "SHOULD",
+        "#49556, LMCache PR #2973",
+        run=check_fallback,
+    ),
+    CheckSpec(
+        "result_checked",
+        "future result read",
+        "C1",
+        "MUST",
+        "HF3FS (.done() only), LMCache #4600",
+        run=check_result_checked,
+    ),
+    CheckSpec(
+        "no_assert",
+        "no assert on transfer result",
+        "C13",
+        "MUST",
+        "#39732, llm-d-kv-cache #514 (Offloading assert)",
+        run=check_no_assert,
+    ),
+    CheckSpec(
+        "no_raise", "no raise in load hooks", "C13", "MUST", "#40364, #44249", run=check_no_raise
+    ),
+    CheckSpec(
+        "deadline",
+        "in-flight deadline",
+        "C10",
+        "SHOULD",
+        "#35943, #50719, LMCache #5047 (no timeout)",
+        heuristic=True,
+        run=check_deadline,
+    ),
+)
+CHECK_BY_ID = {c.id: c for c in CHECKS}
+
+
+def audit_target(target: Target, index: SourceIndex, graph: Graph | None = None) -> list[Finding]:
+    """Run every static check on one connector; one finding per check, in CHECKS order."""
+    if target.ref is None:
+        return [Finding(c.id, NA, "not installed") for c in CHECKS]
+    graph = graph or Graph(index)
+    ctx = CheckContext(target, graph.model(target.ref), graph)
+    return [ctx.finding(c.id) for c in CHECKS]
 
 
 def _is_pure_delegation(func: Func) -> bool:
