@@ -20,8 +20,10 @@ value, and the loaded object is called with that value and returns a :class:`Dri
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.capabilities import Capabilities
@@ -37,12 +39,57 @@ __all__ = [
     "Declared",
     "Driver",
     "DriverUnavailable",
+    "EngineHandle",
+    "Fault",
 ]
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
 
 
 Declared = dict[str, tuple[Any, str]]
+
+
+@dataclass(eq=False)
+class Fault:
+    """One fault armed for one request on one D engine, from arming to provoking.
+
+    :meth:`Driver.arm` makes it and files it on the engine's :class:`EngineHandle`;
+    the driver's :meth:`Driver.add_remote_request` takes it from there
+    (:meth:`EngineHandle.take_fault`) to set up what must exist before D adds the request,
+    and keeps in :attr:`state` whatever it will need later (a frozen P, a late write, a
+    step count), so :meth:`Driver.provoke` and the driver's per-step hooks find
+    everything about this fault in this one object.
+    """
+
+    #: A fault point, or a malformation's name (``Driver.add_malformed_request``).
+    point: FaultPoint | str
+    request_id: str
+    #: The driver's own record of what it did for this fault (None: nothing yet).
+    state: Any = None
+
+
+@dataclass(eq=False)
+class EngineHandle:
+    """What a driver keeps about one D engine: one object per engine, never a dict keyed
+    by ``id(engine)`` (an id is reused once the engine is collected).
+
+    :meth:`Driver.handle` makes it on first use and it lives as long as the engine does.
+    A driver that keeps more per engine subclasses it and overrides
+    :meth:`Driver.new_handle`.
+    """
+
+    engine: Engine
+    #: Faults armed on this engine, by request id, until the driver takes or ends them.
+    faults: dict[str, Fault] = field(default_factory=dict)
+    #: Faults the driver set up and still has to act on (provoke, a per-step hook).
+    active: dict[str, Fault] = field(default_factory=dict)
+
+    def take_fault(self, request_id: str) -> Fault | None:
+        """The fault armed for ``request_id`` (None: none), moved to :attr:`active`."""
+        fault = self.faults.pop(request_id, None)
+        if fault is not None:
+            self.active[request_id] = fault
+        return fault
 
 
 class DriverUnavailable(Exception):
@@ -116,10 +163,41 @@ class Driver(ABC):
         """D's forward (what runs where the model would), e.g. the integrity oracle's."""
         return None
 
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:  # noqa: B027
-        """Called before :meth:`add_remote_request` for a fault that must be set up before
-        the request exists (e.g. a bad address in P's ``kv_transfer_params``); default: the
-        fault is provoked later by :meth:`provoke`."""
+    def new_handle(self, engine: Engine) -> EngineHandle:
+        """A new handle for ``engine`` (a driver that keeps more per engine overrides it)."""
+        return EngineHandle(engine)
+
+    def handle(self, engine: Engine) -> EngineHandle:
+        """This driver's one handle for ``engine``, made on first use."""
+        handles: weakref.WeakKeyDictionary[Engine, EngineHandle] | None = getattr(
+            self, "_handles", None
+        )
+        if handles is None:
+            handles = self._handles = weakref.WeakKeyDictionary()
+        found = handles.get(engine)
+        if found is None:
+            found = handles[engine] = self.new_handle(engine)
+        return found
+
+    def forget_engines(self) -> None:
+        """Drop every engine's handle (after a scenario: its engines are closed)."""
+        handles = getattr(self, "_handles", None)
+        if handles is not None:
+            handles.clear()
+
+    def handles(self) -> list[EngineHandle]:
+        """The handles of the engines this driver has seen and that still exist."""
+        handles = getattr(self, "_handles", None)
+        return [] if handles is None else list(handles.values())
+
+    def arm(self, engine: Engine, request_id: str, point: FaultPoint | str) -> Fault:
+        """Arm ``point`` for the request about to be added as ``request_id``: call before
+        :meth:`add_remote_request`, which sets up whatever must exist before the request
+        does (e.g. a bad address in P's ``kv_transfer_params``); the rest happens in
+        :meth:`provoke`. Returns the :class:`Fault`, filed on the engine's handle."""
+        fault = Fault(point, request_id)
+        self.handle(engine).faults[request_id] = fault
+        return fault
 
     @abstractmethod
     def add_remote_request(

@@ -22,10 +22,11 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Driver
+from kvfail.conformance.driver import Declared, Driver, EngineHandle
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -135,8 +136,6 @@ class ExampleDriver(Driver):
         self._p: Engine | None = None
         #: request id -> the files P wrote for its prompt (one per layer).
         self._files: dict[str, list[Path]] = {}
-        #: (engine, request id) -> the first wrong-KV finding seen while it ran.
-        self._wrong: dict[tuple[int, str], str] = {}
 
     @property
     def root(self) -> Path:
@@ -265,24 +264,37 @@ class ExampleDriver(Driver):
         (what P wrote for the loaded ones, what D's forward wrote for the rest)."""
         from vllm.v1.request import RequestStatus
 
+        found = self.handle(engine).wrong
         for rid, request in engine.scheduler.requests.items():
-            key = (id(engine), rid)
-            if key in self._wrong or request.status != RequestStatus.RUNNING:
+            if rid in found or request.status != RequestStatus.RUNNING:
                 continue
             wrong = wrong_positions(engine, rid, request.num_computed_tokens)
             if wrong:
-                self._wrong[key] = (
-                    f"C1 wrong KV: {rid} ran on KV that is not P's ({'; '.join(wrong)})"
-                )
+                found[rid] = f"C1 wrong KV: {rid} ran on KV that is not P's ({'; '.join(wrong)})"
+
+    def new_handle(self, engine: Engine) -> _StoreHandle:
+        return _StoreHandle(engine)
+
+    def handle(self, engine: Engine) -> _StoreHandle:
+        found = super().handle(engine)
+        assert isinstance(found, _StoreHandle)
+        return found
 
     def integrity_findings(self, engine: Engine) -> list[str]:
-        return [v for (e, _rid), v in self._wrong.items() if e == id(engine)]
+        return list(self.handle(engine).wrong.values())
 
     def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
-        return self._wrong.get((id(engine), request_id))
+        return self.handle(engine).wrong.get(request_id)
 
     def after_scenario(self) -> None:
-        self._wrong.clear()
+        self.forget_engines()
+
+
+@dataclass(eq=False)
+class _StoreHandle(EngineHandle):
+    """A D engine of the Example driver: the first wrong-KV finding per request it ran."""
+
+    wrong: dict[str, str] = field(default_factory=dict)
 
 
 def make_driver(name: str) -> ExampleDriver:

@@ -10,18 +10,26 @@ import json
 import signal
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Declared
 from kvfail.conformance.pair_driver import PairDriver, register_producer, shared_producer
-from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
-    from kvfail.harness.config import Policy
     from kvfail.harness.engine import Engine
 
 __all__ = ["MooncakeDriver", "make_driver", "make_upstream_driver", "mooncake_bases"]
+
+
+@dataclass
+class _LatePush:
+    """A ``slow_peer_past_deadline`` fault's state: the P armed to push late, and what its
+    push did once P says it happened."""
+
+    producer: Any
+    done: str | None = None
 
 
 class MooncakeDriver(PairDriver):
@@ -80,12 +88,6 @@ class MooncakeDriver(PairDriver):
     ) -> None:
         self._p_connector = p_connector
         self._p_module = p_connector_module
-        self._seen: dict[int, int] = {}
-        self._fault_at_add: dict[tuple[int, str], FaultPoint | str] = {}
-        #: (D engine, request id) -> the P armed to write late (``slow_peer_past_deadline``).
-        self._late: dict[tuple[int, str], Any] = {}
-        #: (D engine, request id) -> what its late write did, once P says it happened.
-        self._late_done: dict[tuple[int, str], str] = {}
         self._late_polled = 0.0
         #: Bootstrap proxies by pair (``id``), made on first use, closed by the pair.
         self._proxies: dict[int, Any] = {}
@@ -172,22 +174,6 @@ class MooncakeDriver(PairDriver):
             ),
         }
 
-    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
-        base = pair.extra_config
-        if deadline:
-            pair.extra_config = {**base, DEADLINE_KEY: self.SCENARIO_DEADLINE_S}
-        try:
-            engine = pair.consumer(policy, name=name)
-        finally:
-            pair.extra_config = base
-        self._seen[id(engine)] = 0
-        return engine
-
-    def observe(self, engine: Engine) -> None:
-        if id(engine) in self._seen:
-            pair = self._pair_of(engine)
-            self._seen[id(engine)] = pair.observe(engine, self._seen[id(engine)])
-
     @staticmethod
     def malformed(params: dict[str, Any], kind: str) -> dict[str, Any]:
         """P's real ``kv_transfer_params`` with one field broken."""
@@ -204,7 +190,7 @@ class MooncakeDriver(PairDriver):
         self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
     ) -> str:
         """Add a request whose params P produced but one field is broken (``MALFORMED``)."""
-        self._fault_at_add[(id(engine), request_id)] = kind
+        self.arm(engine, request_id, kind)
         return self.add_remote_request(engine, request_id, prompt_len=prompt_len)
 
     def add_remote_request(
@@ -215,7 +201,8 @@ class MooncakeDriver(PairDriver):
 
         pair = self._live(self._pair_of(engine))
         params = pair.prefill(request_id, prompt_len)
-        point = self._fault_at_add.pop((id(engine), request_id), None)
+        fault = self.handle(engine).take_fault(request_id)
+        point = None if fault is None else fault.point
         if isinstance(point, str) and not isinstance(point, FaultPoint):
             params = self.malformed(params, point)
         elif point is FaultPoint.REFUSE:
@@ -238,7 +225,8 @@ class MooncakeDriver(PairDriver):
             pair.inject(request_id, "delay", delay_s=self.NET_DELAY_S)
         elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
             pair.inject(request_id, "delay", delay_s=self.slow_peer_delay_s)
-            self._late[(id(engine), request_id)] = pair.p
+            assert fault is not None
+            fault.state = _LatePush(pair.p)
         elif point in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
             pair.kill_p()  # one request: its P is the one that dies
         elif point is FaultPoint.KILL_DURING_TRANSFER:
@@ -258,7 +246,7 @@ class MooncakeDriver(PairDriver):
             params,
             prompt_len=prompt_len,
             max_tokens=max_tokens,
-            consumer=self._names[id(engine)],
+            consumer=engine,
         )
         return request_id
 
@@ -295,7 +283,7 @@ class MooncakeDriver(PairDriver):
                 rid_params,
                 prompt_len=prompt_len,
                 max_tokens=max_tokens,
-                consumer=self._names[id(engine)],
+                consumer=engine,
             )
         return list(request_ids)
 
@@ -315,12 +303,15 @@ class MooncakeDriver(PairDriver):
     def late_write(self, engine: Engine, request_id: str) -> str | None:
         """Whether P's delayed push for ``request_id`` ran on every P rank (asked of P
         at most every :attr:`LATE_POLL_S`); then which ranks' push wrote into D."""
-        key = (id(engine), request_id)
-        if key in self._late_done:
-            return self._late_done[key]
-        producer = self._late.get(key)
+        fault = self.handle(engine).active.get(request_id)
+        late = None if fault is None else fault.state
+        if not isinstance(late, _LatePush):
+            return None
+        if late.done is not None:
+            return late.done
+        producer = late.producer
         now = time.monotonic()
-        if producer is None or now - self._late_polled < self.LATE_POLL_S:
+        if now - self._late_polled < self.LATE_POLL_S:
             return None
         self._late_polled = now
         if not producer.process.alive or producer.process.frozen:
@@ -333,16 +324,11 @@ class MooncakeDriver(PairDriver):
         if len(pushed) < len(engine.workers):
             return None
         written = pushes["written"].get(request_id, [])
-        self._late_done[key] = (
+        late.done = (
             f"P pushed {request_id} {self.slow_peer_delay_s:g} s after the pull; the push "
             f"wrote into D on rank(s) {written} of {sorted(pushed)}"
         )
-        return self._late_done[key]
-
-    def after_scenario(self) -> None:
-        self._late.clear()
-        self._late_done.clear()
-        super().after_scenario()
+        return late.done
 
 
 def mooncake_bases() -> tuple[type, type | None] | None:

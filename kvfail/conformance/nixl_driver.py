@@ -75,13 +75,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvfail.conformance.driver import Declared
+from kvfail.conformance.driver import Declared, Fault
 from kvfail.conformance.pair_driver import PairDriver, register_producer, shared_producer
-from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
-    from kvfail.harness.config import Policy
     from kvfail.harness.engine import Engine
 
 __all__ = ["NixlDriver", "make_driver", "make_upstream_driver", "nixl_bases"]
@@ -135,6 +133,14 @@ class _LateRead:
         )
 
 
+@dataclass
+class _KillOnProvoke:
+    """A kill on a warm D: P was stopped when D added the request, and the first
+    :meth:`NixlDriver.provoke` kills it (see ``NixlDriver._fault_on_peer``)."""
+
+    producer: Any
+
+
 #: The P processes a throwaway pull has warmed (see ``NixlDriver._warm_p``).
 _WARM_P: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -184,13 +190,8 @@ class NixlDriver(PairDriver):
         connector: str = "KvfailNixlConnector",
         connector_module: str | None = "connectors.nixl",
     ) -> None:
-        self._fault_at_add: dict[tuple[int, str], FaultPoint] = {}
-        #: (D engine, request id) -> the stopped P the first provoke() kills (warm D).
-        self._kill_on_provoke: dict[tuple[int, str], Any] = {}
         #: ``net_delay``: id(P handle) -> (P, when observe() thaws it).
         self._thaw_at: dict[int, tuple[Any, float]] = {}
-        #: ``slow_peer_past_deadline``: (D engine, request id) -> its late write.
-        self._late: dict[tuple[int, str], _LateRead] = {}
         #: The bad metadata P was armed with in this scenario, if any.
         self._bad_metadata: str | None = None
         #: (faults, P request id) armed by ``notify_failed`` in this scenario.
@@ -280,8 +281,7 @@ class NixlDriver(PairDriver):
         bad, notify, unreleased = self._bad_metadata, self._notify_armed, self._unreleased
         self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
         self._scenario_pair = None
-        self._kill_on_provoke.clear()
-        self._late.clear()
+        self.forget_engines()  # their armed faults (a P to kill, late reads) with them
         self._end_delays(now=True)
         self._repair_peers()
         if pair is None or pair.p is None or not pair.p.process.alive:
@@ -342,21 +342,37 @@ class NixlDriver(PairDriver):
             ),
         }
 
-    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
-        extra = {DEADLINE_KEY: self.SCENARIO_DEADLINE_S} if deadline else {}
-        engine: Engine = pair.consumer(policy, name=name, extra_config=extra)
-        return engine
-
     def observe(self, engine: Engine) -> None:
-        pair = self._pair_of(engine)
-        if pair is not None:
-            pair.observe(engine)
+        super().observe(engine)
         waiting = engine.waiting_for_remote()
-        for (eid, rid), late in self._late.items():
-            if eid == id(engine) and late.blocks is None and rid in waiting:
+        for rid, fault in self.handle(engine).active.items():
+            late = fault.state
+            if isinstance(late, _LateRead) and late.blocks is None and rid in waiting:
                 groups = engine.scheduler.kv_cache_manager.get_block_ids(rid)
                 late.blocks = tuple(tuple(g) for g in groups)
         self._end_delays()
+
+    def _late_reads(self) -> list[_LateRead]:
+        """Every ``slow_peer_past_deadline`` fault's late write, on any engine."""
+        return [
+            f.state
+            for handle in self.handles()
+            for f in handle.active.values()
+            if isinstance(f.state, _LateRead)
+        ]
+
+    def _on_peer(
+        self, engine: Engine, request_ids: Sequence[str], point: FaultPoint, state: object
+    ) -> None:
+        """File a fault on P's whole process for each of ``request_ids`` (its state:
+        what :meth:`provoke` and :meth:`observe` act on later)."""
+        active = self.handle(engine).active
+        for rid in request_ids:
+            armed = active.get(rid)
+            if armed is not None and armed.point is point:  # armed for this one request
+                armed.state = state
+            else:
+                active[rid] = Fault(point, rid, state)
 
     def _delay(self, producer: Any, seconds: float | None = None) -> None:
         """``net_delay``: stop P now and let it go on :attr:`NET_DELAY_S` (or ``seconds``)
@@ -375,8 +391,9 @@ class NixlDriver(PairDriver):
     def late_write(self, engine: Engine, request_id: str) -> str | None:
         """Once the stopped P was thawed and had :attr:`LATE_SETTLE_S` to answer the READ:
         on which D ranks the load's blocks changed meanwhile (D not stepping)."""
-        late = self._late.get((id(engine), request_id))
-        return None if late is None else late.done
+        fault = self.handle(engine).active.get(request_id)
+        late = None if fault is None else fault.state
+        return late.done if isinstance(late, _LateRead) else None
 
     def _end_delays(self, *, now: bool = False) -> None:
         """Thaw each ``net_delay`` P whose delay is over (every one when ``now``); for a
@@ -384,7 +401,7 @@ class NixlDriver(PairDriver):
         for key, (producer, at) in list(self._thaw_at.items()):
             if now or time.monotonic() >= at:
                 del self._thaw_at[key]
-                late = [] if now else [v for v in self._late.values() if v.producer is producer]
+                late = [] if now else [v for v in self._late_reads() if v.producer is producer]
                 before = [v.digests() for v in late]
                 proc = producer.process
                 if proc.alive and proc.frozen:
@@ -407,7 +424,8 @@ class NixlDriver(PairDriver):
             pair.expire_leases(self._unreleased)
             self._unreleased = []
         params = self._prefill(pair, request_id, prompt_len)
-        point = self._fault_at_add.pop((id(engine), request_id), None)
+        fault = self.handle(engine).take_fault(request_id)
+        point = None if fault is None else fault.point
         if point in (FaultPoint.REFUSE, FaultPoint.UNKNOWN_ENGINE):
             # D never reaches P for these, so P is never told: its send lease is ended
             # after the scenario, or many such pulls would fill P's blocks for the next.
@@ -453,16 +471,15 @@ class NixlDriver(PairDriver):
                     "cold D's READ would wait for the handshake, and no late write could land"
                 )
             self._delay(producer, self.slow_peer_delay_s)
-            self._late.update(
-                {(id(engine), rid): _LateRead(producer, engine) for rid in request_ids}
-            )
+            for rid in request_ids:
+                self._on_peer(engine, [rid], fault, _LateRead(producer, engine))
         elif fault in self.KILLS and warm:
             # A warm D posts its READ in the step that schedules the request, and a READ
             # to a dead P fails in that same step: the request would never be seen
             # waiting. So P is stopped now (the READ goes out to it, nothing answers)
             # and killed by provoke(), before it ever served the pull.
             producer.process.freeze()
-            self._kill_on_provoke.update({(id(engine), rid): producer for rid in request_ids})
+            self._on_peer(engine, request_ids, fault, _KillOnProvoke(producer))
         else:
             kind = "kill" if fault in self.KILLS else "freeze"
             pair.fault_after_handshake(request_ids[0], kind, consumer=engine, producer=producer)
@@ -511,8 +528,11 @@ class NixlDriver(PairDriver):
     ) -> None:
         if point is FaultPoint.ABORT_WHILE_WAITING:
             engine.abort(request_id)
-        elif (id(engine), request_id) in self._kill_on_provoke:
-            producer = self._kill_on_provoke.pop((id(engine), request_id))
+            return
+        fault = self.handle(engine).active.get(request_id)
+        if fault is not None and isinstance(fault.state, _KillOnProvoke):
+            producer = fault.state.producer
+            fault.state = None  # killed once
             pair = self._pair_of(engine)
             if producer.process.alive:  # once for several requests
                 producer.process.kill(timeout_s=pair.kill_timeout_s)

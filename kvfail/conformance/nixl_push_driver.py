@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfail.conformance.driver import Declared
-from kvfail.conformance.nixl_driver import NixlDriver, _LateRead
+from kvfail.conformance.nixl_driver import NixlDriver, _KillOnProvoke, _LateRead
 from kvfail.conformance.pair_driver import register_producer, shared_producer
 from kvfail.faults.points import FaultPoint
 
@@ -127,14 +127,13 @@ class NixlPushDriver(NixlDriver):
                     "registration is never sent and nothing could be written late"
                 )
             self._delay(producer, self.slow_peer_delay_s)
-            self._late.update(
-                {(id(engine), rid): _LateWrite(producer, engine) for rid in request_ids}
-            )
+            for rid in request_ids:
+                self._on_peer(engine, [rid], fault, _LateWrite(producer, engine))
         elif fault is FaultPoint.FREEZE_PEER:
             producer.process.freeze()
         elif fault in self.KILLS and warm:
             producer.process.freeze()
-            self._kill_on_provoke.update({(id(engine), rid): producer for rid in request_ids})
+            self._on_peer(engine, request_ids, fault, _KillOnProvoke(producer))
         elif fault in self.KILLS:
             producer.process.kill(timeout_s=pair.kill_timeout_s)
         else:

@@ -11,17 +11,21 @@ import contextlib
 import gc
 import importlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Driver
+from kvfail.conformance.driver import Driver, EngineHandle
+from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
+    from kvfail.peers.base import PeerPair
 
 __all__ = [
     "PairDriver",
+    "PairHandle",
     "close_shared_producers",
     "register_producer",
     "shared_producer",
@@ -64,6 +68,14 @@ def close_shared_producers(handed_off_by: type | None = None) -> None:
             _SHARED_P[key].close()
         _SHARED_P.pop(key, None)
         _HANDED_OFF.pop(key, None)
+
+
+@dataclass(eq=False)
+class PairHandle(EngineHandle):
+    """A D engine built through a pair: the pair it belongs to and its name there."""
+
+    pair: PeerPair | None = None
+    name: str = ""
 
 
 class PairDriver(Driver):
@@ -111,14 +123,11 @@ class PairDriver(Driver):
         self._connector = connector
         self._module = connector_module
         self._why: str | None = None
-        self._pair: Any = None
+        self._pair: PeerPair | None = None
         #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
-        self._layout_pairs: dict[tuple[int, int], Any] = {}
+        self._layout_pairs: dict[tuple[int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
         self._broken: set[int] = set()
-        #: Which pair built each D engine (a driver may hold one pair per layout).
-        self._engine_pairs: dict[int, Any] = {}
-        self._names: dict[int, str] = {}
         self._seq = 0
         self.connector_cls: type = object
         try:
@@ -149,9 +158,20 @@ class PairDriver(Driver):
     ) -> EngineSpec:
         raise NotImplementedError(f"{type(self).__name__} builds engines through {self.pair_name}")
 
-    def _consumer(self, pair: Any, policy: Policy, name: str, deadline: bool) -> Engine:
-        """A fresh D engine called ``name`` from ``pair``."""
-        raise NotImplementedError
+    def _consumer(self, pair: PeerPair, policy: Policy, name: str, deadline: bool) -> Engine:
+        """A fresh D engine called ``name`` from ``pair``; ``deadline`` asks its connector
+        for :attr:`SCENARIO_DEADLINE_S` through the key kvfail's connectors read."""
+        extra = {DEADLINE_KEY: self.SCENARIO_DEADLINE_S} if deadline else {}
+        engine: Engine = pair.consumer(policy, name=name, extra_config=extra)
+        return engine
+
+    def new_handle(self, engine: Engine) -> PairHandle:
+        return PairHandle(engine)
+
+    def handle(self, engine: Engine) -> PairHandle:
+        found = super().handle(engine)
+        assert isinstance(found, PairHandle)
+        return found
 
     def build_engine(
         self,
@@ -165,8 +185,8 @@ class PairDriver(Driver):
         self._seq += 1
         name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
         engine = self._consumer(pair, policy, name, deadline)
-        self._names[id(engine)] = name
-        self._engine_pairs[id(engine)] = pair
+        handle = self.handle(engine)
+        handle.pair, handle.name = pair, name
         return engine
 
     # ------------------------------------------------------------ pairs and their P
@@ -177,7 +197,7 @@ class PairDriver(Driver):
     #: wants the same P, instead of closing it (see ``_SHARED_P``).
     hand_off_p: bool = False
 
-    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> PeerPair:
         """A started pair whose P and D have this layout."""
         raise NotImplementedError
 
@@ -185,7 +205,7 @@ class PairDriver(Driver):
         if self._pair is None:
             self._pair = self._new_pair(1, 1)
 
-    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
+    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> PeerPair:
         """The pair whose P matches this D layout (built on first use), with a live P."""
         layout = (tp_size, num_kv_cache_groups)
         if layout not in self.layouts:
@@ -199,7 +219,7 @@ class PairDriver(Driver):
             self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
         return self._live(self._layout_pairs[layout])
 
-    def _pairs(self) -> list[Any]:
+    def _pairs(self) -> list[PeerPair]:
         return [p for p in (self._pair, *self._layout_pairs.values()) if p is not None]
 
     def stop(self) -> None:
@@ -210,10 +230,10 @@ class PairDriver(Driver):
         self._pair = None
         self._layout_pairs.clear()
 
-    def _hand_off(self, pair: Any) -> None:
+    def _hand_off(self, pair: PeerPair) -> None:
         """Leave ``pair``'s own, healthy P to the session registry (see ``_SHARED_P``)
         instead of closing it, unless another live P already serves its key."""
-        key = getattr(pair, "kvfail_share_key", None)
+        key = pair.kvfail_share_key
         producer = pair.p
         if key is None or producer is None or not pair.owns_p:
             return
@@ -227,21 +247,21 @@ class PairDriver(Driver):
         _HANDED_OFF[key] = type(self)
         pair.owns_p = False
 
-    def _p_replaced(self, pair: Any) -> None:
+    def _p_replaced(self, pair: PeerPair) -> None:
         """Hook: ``pair`` gets a new P (forget what pointed at the old one)."""
 
-    def _live(self, pair: Any) -> Any:
+    def _live(self, pair: PeerPair) -> PeerPair:
         """``pair`` with a live P (a P shared with another driver may have been killed
         by that driver's scenario: this driver then starts its own; the next use waits)."""
         if pair.p is None or not pair.p.process.alive:
             self._replace_p(pair)
         return pair
 
-    def _replace_p(self, pair: Any, *, wait: bool = False) -> None:
+    def _replace_p(self, pair: PeerPair, *, wait: bool = False) -> None:
         """Give ``pair`` a live P: the replacement another driver already registered for
         the same P (borrowed), else a new one of its own (registered for the others)."""
         self._p_replaced(pair)
-        key = getattr(pair, "kvfail_share_key", None)
+        key = pair.kvfail_share_key
         shared = shared_producer(key) if key is not None else None
         if shared is not None and shared is not pair.p:
             pair.p, pair.owns_p = shared, False
@@ -253,7 +273,7 @@ class PairDriver(Driver):
             register_producer(key, pair.p)
 
     @staticmethod
-    def _p_crashed(pair: Any) -> bool:
+    def _p_crashed(pair: PeerPair) -> bool:
         """P's process lives but its engine crashed (a rank died), or it does not answer."""
         if pair.p is None or pair.p.ready is None:
             return False  # still starting: not known yet
@@ -298,11 +318,11 @@ class PairDriver(Driver):
                 self._replace_p(pair)
 
     def after_scenario(self) -> None:
+        self.forget_engines()
         self._repair_peers()
 
     def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
-        probe = getattr(self._pair_of(engine), "stuck_state", None)
-        return [] if probe is None else list(probe(engine, list(request_ids)))
+        return list(self._pair_of(engine).stuck_state(engine, list(request_ids)))
 
     def end_faults(self, engine: Engine) -> None:
         pair = self._pair_of(engine)
@@ -310,10 +330,16 @@ class PairDriver(Driver):
         if producer is not None and producer.process.alive and producer.process.frozen:
             pair.thaw_p()
 
-    def _pair_of(self, engine: Engine) -> Any:
-        return self._engine_pairs.get(id(engine), self._pair)
+    def _pair_of(self, engine: Engine) -> PeerPair:
+        return self.handle(engine).pair or self._pair
 
-    def _peer_producer(self, pair: Any, peer: int, fault: FaultPoint | None) -> Any:
+    def observe(self, engine: Engine) -> None:
+        """The pair stamps detection times and runs the integrity oracle's watch."""
+        pair = self._pair_of(engine)
+        if pair is not None:
+            pair.observe(engine)
+
+    def _peer_producer(self, pair: PeerPair, peer: int, fault: FaultPoint | None) -> Any:
         """P number ``peer`` of ``pair``, ready: 0 is its P, 1 its second P (started now
         if it has none). The second P serves plain loads, or is killed (``kill_one_peer``)."""
         if peer == 0:
@@ -323,10 +349,6 @@ class PairDriver(Driver):
         if fault not in (None, FaultPoint.KILL_ONE_PEER):
             raise ValueError(f"driver {self.name!r}: {fault} cannot be armed on the second P")
         return pair.second_p()
-
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """Every fault is set up while the request is added (see the class docstring)."""
-        self._fault_at_add[(id(engine), request_id)] = point  # type: ignore[attr-defined]
 
     def add_local_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Driver
+from kvfail.conformance.driver import Declared, Driver, EngineHandle
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -69,26 +69,12 @@ class ToyDriver(Driver):
         self.connector_cls = connector_cls or ToyConnector
         if not issubclass(self.connector_cls, ToyConnector):
             raise TypeError(f"{self.connector_cls.__name__} is not a ToyConnector")
-        #: (D engine id, request id) -> rank -> (tokens loaded, wrong positions) at the
-        #: request's first schedule: the byte check of what it ran on.
-        self._first: dict[tuple[str, str], dict[int, tuple[int, dict[str, list[int]]]]] = {}
         from kvfail.peers.integrity import IntegrityLedger
 
         #: The KV-integrity oracle; the in-memory P sends every rank the same bytes.
         self._integrity = IntegrityLedger(rank_seeded=False)
-        #: (D engine id, request id) -> steps seen waiting, for ``net_delay`` loads.
-        self._delayed: dict[tuple[str, str], int] = {}
-        #: (D engine id, request id) -> the engine id of the P it loads from.
-        self._peer_of: dict[tuple[str, str], str] = {}
         #: Engine ids of the in-memory P's killed in this scenario (``kill_one_peer``).
         self._dead_peers: set[str] = set()
-        #: (D engine id, request id) -> when it was added / first named in a report.
-        self._added_at: dict[tuple[str, str], float] = {}
-        self._reported_s: dict[tuple[str, str], float] = {}
-        #: D engine id -> how many of its ``kv_reports`` :meth:`observe` has read.
-        self._reports_read: dict[str, int] = {}
-        #: (D engine id, request id) -> a ``slow_peer_past_deadline`` load's late write.
-        self._late: dict[tuple[str, str], _ToyLateWrite] = {}
 
     @property
     def faults(self) -> frozenset[FaultPoint]:
@@ -142,7 +128,15 @@ class ToyDriver(Driver):
     def _on_first(
         self, engine: Engine, rank: int, req_id: str, loaded: int, wrong: dict[str, list[int]]
     ) -> None:
-        self._first.setdefault((str(engine.spec.engine_id), req_id), {})[rank] = (loaded, wrong)
+        self.handle(engine).first.setdefault(req_id, {})[rank] = (loaded, wrong)
+
+    def new_handle(self, engine: Engine) -> _ToyHandle:
+        return _ToyHandle(engine)
+
+    def handle(self, engine: Engine) -> _ToyHandle:
+        found = super().handle(engine)
+        assert isinstance(found, _ToyHandle)
+        return found
 
     @classmethod
     def remote_engine(cls, peer: int = 0) -> str:
@@ -200,8 +194,14 @@ class ToyDriver(Driver):
             layers[name] = data
         TRANSPORT.put((remote, request_id), layers)
         self._integrity.track(engine, request_id, request_id, prompt_len)
-        self._added_at[(str(engine.spec.engine_id), request_id)] = time.monotonic()
-        self._peer_of[(str(engine.spec.engine_id), request_id)] = remote
+        handle = self.handle(engine)
+        handle.added_at[request_id] = time.monotonic()
+        handle.peer_of[request_id] = remote
+        fault = handle.take_fault(request_id)
+        if fault is not None and fault.point is FaultPoint.NET_DELAY:
+            fault.state = _ToyDelay()
+        elif fault is not None and fault.point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
+            fault.state = _ToyLateWrite()
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
@@ -214,14 +214,6 @@ class ToyDriver(Driver):
             },
         )
         return request_id
-
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint) -> None:
-        """``net_delay`` and ``slow_peer_past_deadline`` are set up before the request
-        exists; the rest are provoked."""
-        if point is FaultPoint.NET_DELAY:
-            self._delayed[(str(engine.spec.engine_id), request_id)] = 0
-        elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            self._late[(str(engine.spec.engine_id), request_id)] = _ToyLateWrite()
 
     def add_local_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
@@ -278,17 +270,17 @@ class ToyDriver(Driver):
 
         if not self._dead_peers:
             return
-        eid = str(engine.spec.engine_id)
+        peer_of = self.handle(engine).peer_of
         for worker in engine.workers:
             for req_id in sorted(worker.connector.inflight()):
-                remote = self._peer_of.get((eid, req_id))
+                remote = peer_of.get(req_id)
                 if remote in self._dead_peers:
                     worker.connector.fail(
                         req_id, stage=Stage.PEER_LOST, reason=f"toy: P {remote} was killed"
                     )
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        first = self._first.get((str(engine.spec.engine_id), request_id))
+        first = self.handle(engine).first.get(request_id)
         if first is None or set(first) != {w.rank for w in engine.workers}:
             return f"{request_id} never ran on every rank after its load: no bytes were checked"
         for rank, (loaded, wrong) in sorted(first.items()):
@@ -301,37 +293,39 @@ class ToyDriver(Driver):
     def observe(self, engine: Engine) -> None:
         self._integrity.after_step(engine)
         self._fail_dead_peers(engine)
-        eid = str(engine.spec.engine_id)
+        handle = self.handle(engine)
         # Detection times: when a report first named each request (for detection_s).
         reports = engine.record.kv_reports
         now = time.monotonic()
-        for report in reports[self._reports_read.get(eid, 0) :]:
+        for report in reports[handle.reports_read :]:
             if report.rank is None:
                 for rid in report.finished_recving | report.failed_recving:
-                    self._reported_s.setdefault((eid, rid), now)
-        self._reports_read[eid] = len(reports)
+                    handle.reported_s.setdefault(rid, now)
+        handle.reports_read = len(reports)
         waiting = engine.waiting_for_remote()
-        for key in [k for k in self._late if k[0] == eid]:
-            self._late_write_step(engine, key, waiting)
+        for rid, fault in list(handle.active.items()):
+            if isinstance(fault.state, _ToyLateWrite):
+                self._late_write_step(engine, rid, fault.state, waiting)
         # net_delay: the in-memory P answers once the load has waited DELAY_STEPS steps.
-        for key in [k for k in self._delayed if k[0] == eid]:
-            if key[1] not in waiting:
-                if self._delayed[key]:  # it waited and ended otherwise (failed, aborted)
-                    del self._delayed[key]
+        for rid, fault in list(handle.active.items()):
+            delay = fault.state
+            if not isinstance(delay, _ToyDelay):
                 continue
-            self._delayed[key] += 1
-            if self._delayed[key] >= self.DELAY_STEPS:
-                del self._delayed[key]
-                self.settle(engine, key[1])
+            if rid not in waiting:
+                if delay.steps:  # it waited and ended otherwise (failed, aborted)
+                    del handle.active[rid]
+                continue
+            delay.steps += 1
+            if delay.steps >= self.DELAY_STEPS:
+                del handle.active[rid]
+                self.settle(engine, rid)
 
     def _late_write_step(
-        self, engine: Engine, key: tuple[str, str], waiting: frozenset[str]
+        self, engine: Engine, rid: str, late: _ToyLateWrite, waiting: frozenset[str]
     ) -> None:
         """``slow_peer_past_deadline``: note the load each worker started while it waits;
         :attr:`LATE_WRITE_STEPS` steps after it stopped waiting, write P's bytes into
         those blocks, on every rank (see the class docstring)."""
-        late = self._late[key]
-        rid = key[1]
         if late.done is not None:
             return
         if rid in waiting:
@@ -358,31 +352,52 @@ class ToyDriver(Driver):
         )
 
     def late_write(self, engine: Engine, request_id: str) -> str | None:
-        late = self._late.get((str(engine.spec.engine_id), request_id))
-        return None if late is None else late.done
+        fault = self.handle(engine).active.get(request_id)
+        late = None if fault is None else fault.state
+        return late.done if isinstance(late, _ToyLateWrite) else None
 
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
-        key = (str(engine.spec.engine_id), request_id)
-        if key not in self._reported_s or key not in self._added_at:
+        handle = self.handle(engine)
+        if request_id not in handle.reported_s or request_id not in handle.added_at:
             return None
-        return self._reported_s[key] - self._added_at[key]
+        return handle.reported_s[request_id] - handle.added_at[request_id]
 
     def integrity_findings(self, engine: Engine) -> list[str]:
         return self._integrity.final_findings(engine)
 
     def after_scenario(self) -> None:
         self._integrity.engines.clear()  # the scenario's engines are closed
-        for timed in (self._delayed, self._added_at, self._reported_s, self._reports_read):
-            timed.clear()
-        self._late.clear()
-        self._peer_of.clear()
+        self.forget_engines()  # their faults, detection times and byte checks with them
         self._dead_peers.clear()  # the next scenario's second P is a new one
 
     def stop(self) -> None:
         from kvfail.harness.toy import TRANSPORT
 
         TRANSPORT.clear()
-        self._first.clear()
+        self.forget_engines()
+
+
+@dataclass(eq=False)
+class _ToyHandle(EngineHandle):
+    """A D engine of the toy driver: what the driver timed and checked per request."""
+
+    #: request id -> rank -> (tokens loaded, wrong positions) at its first schedule: the
+    #: byte check of what it ran on.
+    first: dict[str, dict[int, tuple[int, dict[str, list[int]]]]] = field(default_factory=dict)
+    #: request id -> the engine id of the in-memory P it loads from.
+    peer_of: dict[str, str] = field(default_factory=dict)
+    #: request id -> when it was added / first named in a report.
+    added_at: dict[str, float] = field(default_factory=dict)
+    reported_s: dict[str, float] = field(default_factory=dict)
+    #: How many of the engine's ``kv_reports`` :meth:`ToyDriver.observe` has read.
+    reports_read: int = 0
+
+
+@dataclass
+class _ToyDelay:
+    """A ``net_delay`` fault's state: D steps its load has been seen waiting."""
+
+    steps: int = 0
 
 
 @dataclass

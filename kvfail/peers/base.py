@@ -20,7 +20,9 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import PeerExitedError, PeerProcess, free_port
@@ -254,6 +256,34 @@ class ProducerHandleBase:
 # --------------------------------------------------------------------------- the pair
 
 
+@dataclass
+class DecodeRecord:
+    """What D observed for one request it added: one record for every transport's pair.
+
+    The detection clock starts when the request is added, unless a driver injects its
+    fault later (NIXL's kill once a READ is posted): then it moves ``injected_at`` and
+    ``steps_at_injection`` to that moment."""
+
+    req_id: str
+    prompt_seed: str
+    prompt_len: int
+    params: dict[str, Any]
+    added_at: float
+    #: When the fault was injected (default: when the request was added).
+    injected_at: float | None = None
+    #: Seconds from injection (or add) to the first scheduler report naming the request.
+    reported_s: float | None = None
+    #: D engine steps from injection to that report.
+    reported_steps: int | None = None
+    failed: bool = False
+    #: Bytes check at the first step the request ran after its load; None: never ran.
+    verified: bool | None = None
+    #: ``rank<r>:<layer>`` -> first bad positions; ``rank<r>`` with none: computed locally.
+    mismatches: dict[str, list[int]] = field(default_factory=dict)
+    checked_ranks: set[int] = field(default_factory=set)
+    steps_at_injection: int = 0
+
+
 class PeerPair:
     """P (subprocess) + D engines (this process): what Mooncake and NIXL pairs share.
 
@@ -267,7 +297,7 @@ class PeerPair:
     #: How long :meth:`kill_p` waits for P's group to be reaped.
     kill_timeout_s: float = 5.0
 
-    records: dict[str, Any]
+    records: dict[str, DecodeRecord]
     integrity: IntegrityLedger
     decoders: dict[str, Engine]
     d: Engine | None
@@ -285,12 +315,49 @@ class PeerPair:
         self.integrity = IntegrityLedger()
         self.records = {}
         self.decoders = {}
+        #: D engine -> how many of its scheduler reports :meth:`observe` has read.
+        self._seen: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
         self._seq = itertools.count()
         self.p = None
         self.owns_p = True
         self.p2 = None
 
     # ------------------------------------------------------------------ engines
+
+    # ------------------------------------------------------------------ the pair protocol
+    #
+    # What a conformance driver (``kvfail.conformance.pair_driver.PairDriver``) asks of any
+    # pair, whatever its transport: build a D, have P prefill, add D's request (``add``,
+    # above ``prefill_and_add``), observe D's steps (``observe``), read the one
+    # :class:`DecodeRecord` per request (``records``), and kill, stop or replace P.
+
+    #: The session registry key of this pair's P, when drivers may share it.
+    kvfail_share_key: str | None = None
+
+    def consumer(
+        self,
+        policy: str = "fail",
+        *,
+        name: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+    ) -> Engine:
+        """The D engine called ``name`` (default: the policy's name), built on first use;
+        a fresh name is a D that never talked to P ("cold")."""
+        raise NotImplementedError
+
+    def prefill(
+        self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None
+    ) -> dict[str, Any]:
+        """P's half only; returns the params D gets (break them, then :meth:`add`)."""
+        raise NotImplementedError
+
+    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
+        """Replace P with a fresh process of its own (waited for when ``wait``)."""
+        raise NotImplementedError
+
+    def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
+        """What D's workers hold for requests that never finished (evidence only)."""
+        return []
 
     def _consumer_spec(
         self,
@@ -317,6 +384,7 @@ class PeerPair:
 
     def _register(self, key: str, engine: Engine) -> Engine:
         self.decoders[key] = engine
+        self._seen[engine] = 0
         return engine
 
     def _engine(self, consumer: str | Engine | None) -> Engine:
@@ -347,8 +415,11 @@ class PeerPair:
 
     def _new_record(
         self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
-    ) -> Any:
-        raise NotImplementedError
+    ) -> DecodeRecord:
+        now = time.monotonic()
+        return DecodeRecord(
+            req_id, seed, prompt_len, params, now, now, steps_at_injection=engine.record.steps
+        )
 
     def add(
         self,
@@ -433,9 +504,22 @@ class PeerPair:
                 if rid in report.failed_requests:
                     rec.failed = True
 
-    def _stamp(self, rec: Any, report: Any, now: float) -> None:
-        """First report naming ``rec``'s request: its detection time, from its add."""
-        rec.reported_s = round(now - rec.added_at, 4)
+    def _stamp(self, rec: DecodeRecord, report: Any, now: float) -> None:
+        """First report naming ``rec``'s request: its detection time from the injection
+        (default: the add), and in D steps."""
+        start = rec.injected_at if rec.injected_at is not None else rec.added_at
+        rec.reported_s = round(now - start, 4)
+        rec.reported_steps = report.step + 1 - rec.steps_at_injection
+
+    def observe(self, engine: Engine) -> None:
+        """Stamp detection times from ``engine``'s scheduler reports not seen yet, and run
+        the integrity oracle's release watch; call after every step of a D stepped
+        elsewhere (the conformance suite steps its own)."""
+        seen = self._seen.get(engine, 0)
+        reports = engine.record.kv_reports
+        self._stamp_reports(reports[seen:], time.monotonic())
+        self._after_step(engine)
+        self._seen[engine] = len(reports)
 
     def verify(self, req_id: str) -> bool:
         """True iff D's KV blocks held exactly P's pattern for every pulled token."""

@@ -38,11 +38,11 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
 from kvfail.peers.base import (
+    DecodeRecord,
     PeerPair,
     ProducerHandleBase,
     closed_port,
@@ -160,27 +160,6 @@ class ProducerHandle(ProducerHandleBase):
 # --------------------------------------------------------------------------- D side
 
 
-@dataclass
-class DecodeRecord:
-    """What D observed for one request it added."""
-
-    req_id: str
-    prompt_seed: str
-    prompt_len: int
-    params: dict[str, Any]
-    added_at: float
-    #: Seconds from ``add_request`` to the step whose KV output first named the request
-    #: (``finished_recving`` or a failure attributed to it); None until then.
-    reported_s: float | None = None
-    failed: bool = False
-    #: Bytes check at the first step the request ran after its load; None: never ran.
-    verified: bool | None = None
-    #: Where the check failed: ``rank<r>:<layer>`` -> first bad token positions
-    #: (``rank<r>`` with no positions: the request was computed locally, nothing loaded).
-    mismatches: dict[str, list[int]] = field(default_factory=dict)
-    checked_ranks: set[int] = field(default_factory=set)
-
-
 def _load_state(view: Any, req_id: str) -> str:
     """One D rank's Mooncake worker state for ``req_id``: evidence for a stuck load."""
     w: Any = getattr(view.connector, "connector_worker", None)
@@ -267,11 +246,18 @@ class MooncakePair(PeerPair):
 
     # ------------------------------------------------------------------ engines
 
-    def consumer(self, policy: str = "fail", *, name: str | None = None) -> Engine:
+    def consumer(
+        self,
+        policy: str = "fail",
+        *,
+        name: str | None = None,
+        extra_config: Mapping[str, Any] | None = None,
+    ) -> Engine:
         """The D engine called ``name`` (default: the policy's name), built on first use.
 
         Several D engines can share one P. A fresh name gives a D that never talked to P
         ("cold"): Mooncake queries the bootstrap server only for engine ids it has not seen.
+        ``extra_config`` adds to the pair's for this D.
         """
         key = name or policy
         if key in self.decoders:
@@ -284,7 +270,7 @@ class MooncakePair(PeerPair):
             policy,
             connector=self.connector,
             connector_module=self.connector_module,
-            extra_config=self.extra_config,
+            extra_config={**self.extra_config, **dict(extra_config or {})},
             tp_size=self.tp_size,
             tp_mode="processes" if self.tp_size > 1 else "simulated",
             num_kv_cache_groups=self.num_kv_cache_groups,
@@ -345,11 +331,6 @@ class MooncakePair(PeerPair):
         :meth:`add`)."""
         return self._producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
-    def _new_record(
-        self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
-    ) -> DecodeRecord:
-        return DecodeRecord(req_id, seed, prompt_len, params, time.monotonic())
-
     def run(
         self,
         req_ids: Iterable[str] | None = None,
@@ -372,12 +353,13 @@ class MooncakePair(PeerPair):
         names = [consumer] if consumers is None else list(consumers)
         engines = [self._engine(name) for name in names]
         wanted = {rid for e in engines for rid in e.requests} if req_ids is None else set(req_ids)
-        seen = [len(e.record.kv_reports) for e in engines]
+        for engine in engines:  # from now on: reports before the run are not this run's
+            self._seen[engine] = len(engine.record.kv_reports)
         start = time.monotonic()
         steps = 0
         while True:
-            for i, engine in enumerate(engines):
-                seen[i] = self._observe(engine, seen[i])
+            for engine in engines:
+                self.observe(engine)
             if any(e.crashed is not None for e in engines):
                 return RunResult(False, "crash", steps, time.monotonic() - start)
             if not any(wanted & set(e.scheduler.requests) for e in engines):
@@ -389,19 +371,6 @@ class MooncakePair(PeerPair):
             steps += 1
             if poll_s > 0:
                 time.sleep(poll_s)
-
-    def observe(self, engine: Engine, seen: int) -> int:
-        """Stamp detection times from ``engine``'s scheduler reports after index ``seen``;
-        returns the new index. Call after every step of a D engine stepped elsewhere
-        (the conformance suite steps its own engines)."""
-        return self._observe(engine, seen)
-
-    def _observe(self, engine: Engine, seen: int) -> int:
-        """Stamp detection times from the scheduler reports after index ``seen``."""
-        reports = engine.record.kv_reports
-        self._stamp_reports(reports[seen:], time.monotonic())
-        self._after_step(engine)
-        return len(reports)
 
     # ------------------------------------------------------------------ faults
 

@@ -61,11 +61,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import free_port
 from kvfail.peers.base import (
+    DecodeRecord,
     PeerPair,
     ProducerHandleBase,
     closed_port,
@@ -433,30 +433,6 @@ def _nixl_error(message: str) -> Exception:
         return RuntimeError(message)
 
 
-@dataclass
-class DecodeRecord:
-    """What D observed for one request it added."""
-
-    req_id: str
-    prompt_seed: str
-    prompt_len: int
-    params: dict[str, Any]
-    added_at: float
-    #: When the fault was injected (default: when the request was added).
-    injected_at: float | None = None
-    #: Seconds from injection (or add) to the first scheduler report naming the request.
-    reported_s: float | None = None
-    #: D engine steps from injection to that report.
-    reported_steps: int | None = None
-    failed: bool = False
-    #: Bytes check at the first step the request ran after its load; None: never ran.
-    verified: bool | None = None
-    #: ``rank<r>:<layer>`` -> first bad positions; ``rank<r>`` with none: computed locally.
-    mismatches: dict[str, list[int]] = field(default_factory=dict)
-    checked_ranks: set[int] = field(default_factory=set)
-    steps_at_injection: int = 0
-
-
 class NixlPair(PeerPair):
     """P (subprocess) + D engines (this process), real NIXL pull connectors on both sides.
 
@@ -512,7 +488,6 @@ class NixlPair(PeerPair):
             os.environ.setdefault(key, value)
         self._init_common()
         self.records: dict[str, DecodeRecord] = {}
-        self._seen: dict[int, int] = {}
         #: Rank-side notification faults by D engine (``id``), refreshed by :meth:`observe`.
         self._rank_faults: dict[int, RankNotificationFaults] = {}
         self.p: NixlProducerHandle | None = None
@@ -568,7 +543,6 @@ class NixlPair(PeerPair):
             for worker in engine.workers:  # each rank's NIXL worker pinned its process
                 worker.call(_unpin, mask)
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
-        self._seen[id(engine)] = 0
         return self._register(key, engine)
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
@@ -598,14 +572,6 @@ class NixlPair(PeerPair):
     ) -> dict[str, Any]:
         """P's half only; returns the params D gets (break them, then :meth:`add`)."""
         return self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
-
-    def _new_record(
-        self, engine: Engine, req_id: str, seed: str, prompt_len: int, params: dict
-    ) -> DecodeRecord:
-        now = time.monotonic()
-        record = DecodeRecord(req_id, seed, prompt_len, params, now, now)
-        record.steps_at_injection = engine.record.steps
-        return record
 
     def handshaked(self, engine: Engine, producer: NixlProducerHandle | None = None) -> bool:
         """Every D worker of ``engine`` holds the remote agent of ``producer`` (default:
@@ -722,22 +688,11 @@ class NixlPair(PeerPair):
         return engine.run_until(done, max_steps=10**9, timeout_s=timeout_s, poll_s=poll_s)
 
     def observe(self, engine: Engine) -> None:
-        """Stamp detection times from ``engine``'s scheduler reports not seen yet; call
-        after every step of a D stepped elsewhere (the conformance suite steps its own)."""
-        seen = self._seen.get(id(engine), 0)
-        reports = engine.record.kv_reports
-        self._stamp_reports(reports[seen:], time.monotonic())
-        self._after_step(engine)
-        self._seen[id(engine)] = len(reports)
+        """As the base; then refresh the rank-side notification faults armed on it."""
+        super().observe(engine)
         remote = self._rank_faults.get(id(engine))
         if remote is not None and remote.armed:
             remote.refresh()
-
-    def _stamp(self, rec: DecodeRecord, report: Any, now: float) -> None:
-        """Detection time from the injection (default: the add), and in D steps."""
-        start = rec.injected_at if rec.injected_at is not None else rec.added_at
-        rec.reported_s = round(now - start, 4)
-        rec.reported_steps = report.step + 1 - rec.steps_at_injection
 
     # ------------------------------------------------------------------ faults
 

@@ -38,10 +38,9 @@ def _step_until(pair: MooncakePair, done: object, what: str, timeout_s: float = 
     in the transport's own threads, so steps are paced like ``MooncakePair.run``'s."""
     engine = pair.d
     assert engine is not None
-    seen = len(engine.record.kv_reports)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        seen = pair.observe(engine, seen)
+        pair.observe(engine)
         if done():  # type: ignore[operator]
             return
         engine.step()
