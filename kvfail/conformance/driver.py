@@ -24,7 +24,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from kvfail.conformance.capabilities import Capabilities
 from kvfail.faults.points import FaultPoint
@@ -96,7 +96,11 @@ class DriverUnavailable(Exception):
     """The driver cannot run here (module missing, peer cannot start); message = why."""
 
 
-class Driver(ABC):
+#: The handle type a driver keeps per D engine (see :meth:`Driver.new_handle`).
+H = TypeVar("H", bound=EngineHandle)
+
+
+class Driver(ABC, Generic[H]):
     """One connector under test, and the means to provoke its faults.
 
     Lifecycle: :meth:`start` once per session before the first scenario (start peers),
@@ -118,10 +122,10 @@ class Driver(ABC):
         """None when the driver can run, else why not (printed in every skip)."""
         return None
 
-    def start(self) -> None:  # noqa: B027 - optional hook, most drivers need no peers
+    def start(self) -> None:
         """Start peers (P processes, stores); idempotent."""
 
-    def stop(self) -> None:  # noqa: B027 - optional hook
+    def stop(self) -> None:
         """Stop whatever :meth:`start` started; idempotent, bounded."""
 
     @property
@@ -163,15 +167,14 @@ class Driver(ABC):
         """D's forward (what runs where the model would), e.g. the integrity oracle's."""
         return None
 
-    def new_handle(self, engine: Engine) -> EngineHandle:
-        """A new handle for ``engine`` (a driver that keeps more per engine overrides it)."""
-        return EngineHandle(engine)
+    def new_handle(self, engine: Engine) -> H:
+        """A new handle for ``engine``: a driver that keeps more per engine is a
+        ``Driver[MyHandle]`` and returns a ``MyHandle`` here."""
+        return cast(H, EngineHandle(engine))
 
-    def handle(self, engine: Engine) -> EngineHandle:
+    def handle(self, engine: Engine) -> H:
         """This driver's one handle for ``engine``, made on first use."""
-        handles: weakref.WeakKeyDictionary[Engine, EngineHandle] | None = getattr(
-            self, "_handles", None
-        )
+        handles: weakref.WeakKeyDictionary[Engine, H] | None = getattr(self, "_handles", None)
         if handles is None:
             handles = self._handles = weakref.WeakKeyDictionary()
         found = handles.get(engine)
@@ -303,10 +306,10 @@ class Driver(ABC):
         released block). Default: this driver cannot see D's bytes."""
         return []
 
-    def observe(self, engine: Engine) -> None:  # noqa: B027 - optional hook
+    def observe(self, engine: Engine) -> None:
         """Called after every step the suite takes on ``engine`` (timestamps reports)."""
 
-    def end_faults(self, engine: Engine) -> None:  # noqa: B027 - optional hook
+    def end_faults(self, engine: Engine) -> None:
         """Let ``engine``'s peers finish what they owe it (thaw a frozen P): before the
         leak oracle, so blocks a connector holds while a peer may still write can come
         back. A dead peer stays dead."""
@@ -323,5 +326,5 @@ class Driver(ABC):
         """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
         raise NotImplementedError(f"driver {self.name!r} cannot build malformed params")
 
-    def after_scenario(self) -> None:  # noqa: B027 - optional hook
+    def after_scenario(self) -> None:
         """Called after every scenario's engines are closed: repair shared peers."""

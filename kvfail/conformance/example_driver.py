@@ -113,7 +113,7 @@ def example_base() -> type | None:
     return ExampleConnector
 
 
-class ExampleDriver(Driver):
+class ExampleDriver(Driver["_StoreHandle"]):
     """vLLM's ExampleConnector over real files on disk (see the module docstring).
 
     ``connector_cls``: a subclass to run on D instead (a negative control); P always runs
@@ -274,11 +274,6 @@ class ExampleDriver(Driver):
 
     def new_handle(self, engine: Engine) -> _StoreHandle:
         return _StoreHandle(engine)
-
-    def handle(self, engine: Engine) -> _StoreHandle:
-        found = super().handle(engine)
-        assert isinstance(found, _StoreHandle)
-        return found
 
     def integrity_findings(self, engine: Engine) -> list[str]:
         return list(self.handle(engine).wrong.values())

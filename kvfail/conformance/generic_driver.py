@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvfail.conformance.driver import ENTRY_POINT_GROUP, Declared, Driver, DriverUnavailable
+from kvfail.conformance.driver import (
+    ENTRY_POINT_GROUP,
+    Declared,
+    Driver,
+    DriverUnavailable,
+    EngineHandle,
+)
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -19,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["GenericDriver"]
 
 
-class GenericDriver(Driver):
+class GenericDriver(Driver[EngineHandle]):
     """A connector with no kvfail driver: it can be built, but there is no peer to load
     from, so only the scenarios needing no remote prefill run; the rest are skipped
     naming ``remote_prefill``."""

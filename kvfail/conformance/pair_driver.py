@@ -78,7 +78,7 @@ class PairHandle(EngineHandle):
     name: str = ""
 
 
-class PairDriver(Driver):
+class PairDriver(Driver[PairHandle]):
     """What the drivers over a real P/D pair (:class:`MooncakeDriver`, ``NixlDriver``)
     share: connector resolution, cold D engines built through the pair, faults armed at
     add time, and the pair's records for bytes and detection times.
@@ -167,11 +167,6 @@ class PairDriver(Driver):
 
     def new_handle(self, engine: Engine) -> PairHandle:
         return PairHandle(engine)
-
-    def handle(self, engine: Engine) -> PairHandle:
-        found = super().handle(engine)
-        assert isinstance(found, PairHandle)
-        return found
 
     def build_engine(
         self,

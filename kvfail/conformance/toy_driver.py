@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["ToyDriver", "make_driver"]
 
 
-class ToyDriver(Driver):
+class ToyDriver(Driver["_ToyHandle"]):
     """In-process driver for ``ToyConnector`` and its subclasses (a TEST DOUBLE).
 
     Loads run in the toy's ``hold`` mode so the driver decides when each one ends; P is
@@ -132,11 +132,6 @@ class ToyDriver(Driver):
 
     def new_handle(self, engine: Engine) -> _ToyHandle:
         return _ToyHandle(engine)
-
-    def handle(self, engine: Engine) -> _ToyHandle:
-        found = super().handle(engine)
-        assert isinstance(found, _ToyHandle)
-        return found
 
     @classmethod
     def remote_engine(cls, peer: int = 0) -> str:
