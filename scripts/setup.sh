@@ -82,6 +82,9 @@ log "installing transports"
 # 5. Test tools, constrained by the pins so nothing above is replaced; then kvfail.
 log "installing test tools and kvfail"
 "${PIP[@]}" install -c "$PINS" -r requirements/dev.txt
+# A kvfail.egg-info left in the checkout by an in-tree build would shadow the editable
+# install's metadata (its kvfail.drivers entry points) for every process started here.
+rm -rf kvfail.egg-info
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 
 echo "$WANT" > "$STAMP"
