@@ -1,11 +1,13 @@
-"""Self-test of the store scenarios: the store control is flagged, the reference is not.
+"""Self-test of the store scenarios: each store control is flagged, its reference is not.
 
 ``SkipsStoreLoad`` (``kvfail.conformance.negative``) is vLLM's ExampleConnector with its
 load skipped: the scheduler counts the stored prefix as loaded and D runs on blocks that
-never got P's bytes, and nothing is reported. Only the ExampleDriver's integrity oracle
-can see it; the unbroken ExampleConnector must pass the same scenario (a flag is
-evidence only where the reference passes). Run in one inner session, like the other
-controls (``test_negative_controls.py``).
+never got P's bytes, and nothing is reported. ``LoadsFromLastChild`` is vLLM's
+MultiConnector routing a load to the last matching child, which reads a bystander's
+bytes. Only the drivers' integrity oracle can see either; the unbroken connector
+(``STORE_REFERENCES``) must pass the same scenario (a flag is evidence only where the
+reference passes). Run in one inner session, like the other controls
+(``test_negative_controls.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-import kvfail.conformance.example_driver  # noqa: F401 - loaded before the inner session
+import kvfail.conformance.example_driver
+import kvfail.conformance.multi_driver  # noqa: F401 - loaded before the inner session
 import kvfail.conformance.negative as negative
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 STORE = SCENARIOS / "test_store_faults.py"
-REFERENCE = "vllm:ExampleConnector"
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +32,23 @@ def store_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("kvfail-store-report")
     scenarios = sorted({f.scenario for f in negative.EXPECTED_FLAGS_STORE.values()})
     args = [str(STORE), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
-    args += ["--layout", "tp1", "-k", " or ".join(scenarios), "--connector", REFERENCE]
+    args += ["--layout", "tp1", "-k", " or ".join(scenarios)]
+    for reference in sorted(set(negative.STORE_REFERENCES.values())):
+        args += ["--connector", reference]
     for control in sorted(negative.EXPECTED_FLAGS_STORE):
         args += ["--connector", f"kvfail.conformance.negative:{control}"]
     pytest.main(args)
     return json.loads((out / "report.json").read_text())
 
 
-def test_reference_passes_what_flags_the_controls(store_run: list[dict[str, Any]]) -> None:
-    scenarios = {f.scenario for f in negative.EXPECTED_FLAGS_STORE.values()}
-    mine = [r for r in store_run if r["connector"] == REFERENCE and r["scenario"] in scenarios]
-    assert mine, "the reference did not run"
+@pytest.mark.parametrize("control", sorted(negative.EXPECTED_FLAGS_STORE))
+def test_reference_passes_what_flags_the_control(
+    store_run: list[dict[str, Any]], control: str
+) -> None:
+    reference = negative.STORE_REFERENCES[control]
+    scenario = negative.EXPECTED_FLAGS_STORE[control].scenario
+    mine = [r for r in store_run if r["connector"] == reference and r["scenario"] == scenario]
+    assert mine, f"the reference {reference} did not run {scenario}"
     assert all(r["outcome"] == "passed" for r in mine), mine
 
 

@@ -39,8 +39,6 @@ DRIVEN_CLASSES: dict[str, str] = {
 DRIVERS_PENDING: dict[str, str] = {
     "MooncakeStoreConnector": "runs over mooncake_master and the TransferEngine, both "
     "installed; a store driver is not built yet",
-    "MultiConnector": "composes other connectors; a driver over two children (one whose "
-    "load fails, a bystander) is not built yet",
     "NixlPushConnector": "the nixl-push-upstream driver runs it under its own name; the "
     "registry name has no driver yet",
 }

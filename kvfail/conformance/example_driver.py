@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STORE_FAULTS",
     "ExampleDriver",
+    "damage",
     "example_base",
     "make_driver",
     "pattern_value",
@@ -77,6 +78,28 @@ def write_pattern(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
         slots = ctx.attn_metadata[name].slot_mapping.tolist()
         for (request, pos), slot in zip(positions, slots, strict=True):
             view[slot // bs, :, slot % bs] = pattern_value(request.all_token_ids[pos], i)
+
+
+def damage(path: Path, point: FaultPoint) -> None:
+    """Provoke store fault ``point`` on one stored file."""
+    if point is FaultPoint.STORE_FILE_DELETED:
+        path.unlink()
+    elif point is FaultPoint.STORE_FILE_TRUNCATED:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif point is FaultPoint.STORE_GARBAGE_HEADER:
+        data = path.read_bytes()
+        path.write_bytes(b"\xff" * 16 + data[16:])
+    elif point is FaultPoint.STORE_REPLACED_BY_DIR:
+        path.unlink()
+        path.mkdir()
+    elif point is FaultPoint.STORE_DATA_OVERWRITTEN:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(path))
+        save_file({k: v + 1.0 for k, v in tensors.items()}, str(path))
+    else:
+        raise ValueError(f"no store fault {point.value}")
 
 
 def wrong_positions(engine: Engine, request_id: str, upto: int) -> list[str]:
@@ -239,25 +262,7 @@ class ExampleDriver(Driver["_StoreHandle"]):
         block_index: int | None = None,
     ) -> None:
         """Damage the first layer's file of ``request_id`` (D has not stepped yet)."""
-        path = self._files[request_id][0]
-        if point is FaultPoint.STORE_FILE_DELETED:
-            path.unlink()
-        elif point is FaultPoint.STORE_FILE_TRUNCATED:
-            data = path.read_bytes()
-            path.write_bytes(data[: len(data) // 2])
-        elif point is FaultPoint.STORE_GARBAGE_HEADER:
-            data = path.read_bytes()
-            path.write_bytes(b"\xff" * 16 + data[16:])
-        elif point is FaultPoint.STORE_REPLACED_BY_DIR:
-            path.unlink()
-            path.mkdir()
-        elif point is FaultPoint.STORE_DATA_OVERWRITTEN:
-            from safetensors.torch import load_file, save_file
-
-            tensors = load_file(str(path))
-            save_file({k: v + 1.0 for k, v in tensors.items()}, str(path))
-        else:
-            raise ValueError(f"ExampleDriver cannot provoke {point.value}")
+        damage(self._files[request_id][0], point)
 
     def observe(self, engine: Engine) -> None:
         """After each step: every running request's computed positions hold the pattern

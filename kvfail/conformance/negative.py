@@ -68,6 +68,7 @@ from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 from kvfail.compat import KVConnectorTransferResults, base_method
 from kvfail.harness.toy import ToyConnector
@@ -535,7 +536,45 @@ class SkipsStoreLoad(ExampleConnector):
 
 __all__ += ["EXPECTED_FLAGS_STORE", "SkipsStoreLoad"]
 
+
+class LoadsFromLastChild(MultiConnector):
+    """MultiConnector that routes a request's load to the LAST child that matches it,
+    not the first: with every child holding P's bytes nothing shows, but a bystander
+    child holding other bytes (``store_bystander_damaged``) is what D then runs on."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        # vLLM turns the hybrid KV-cache manager off for a MultiConnector by its registry
+        # name only (factory.supports_hma_config), so under another name its children's
+        # refusal of HMA fails MultiConnector's own assertion. The harness builds one
+        # full-attention group, where both managers behave the same: off, as for the
+        # reference.
+        vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        chosen: tuple[int | None, bool] = (0, False)
+        for i, child in enumerate(self._connectors):
+            tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if tokens is None:
+                return None, False
+            if tokens > 0:
+                self._requests_to_connector[request.request_id] = i
+                chosen = (tokens, load_async)
+        return chosen
+
+
+__all__ += ["STORE_REFERENCES", "LoadsFromLastChild"]
+
 #: Store-connector controls (``scenarios/test_store_faults.py``): class -> its flag.
 EXPECTED_FLAGS_STORE: dict[str, Flag] = {
     "SkipsStoreLoad": Flag("test_store_load_ok", "C1 wrong KV"),
+    "LoadsFromLastChild": Flag("test_store_bystander_damaged", "C1 wrong KV"),
+}
+#: Each store control's unbroken reference (a ``--connector`` value): the reference must
+#: pass the scenario that flags the control, or the flag is no evidence.
+STORE_REFERENCES: dict[str, str] = {
+    "SkipsStoreLoad": "vllm:ExampleConnector",
+    "LoadsFromLastChild": "vllm:MultiConnector",
 }

@@ -66,6 +66,11 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
     nixl = nixl_bases()
     if nixl is not None and issubclass(cls, nixl[0]):
         return NixlDriver.for_class(name, cls, registry_name)
+    from kvfail.conformance.multi_driver import MultiDriver, multi_base
+
+    multi = multi_base()
+    if multi is not None and issubclass(cls, multi) and cls is not multi:
+        return MultiDriver(name, connector_cls=cls)  # a subclass: a negative control
     from kvfail.conformance.example_driver import ExampleDriver, example_base
 
     example = example_base()

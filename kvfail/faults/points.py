@@ -131,6 +131,8 @@ class FaultPoint(enum.StrEnum):
     STORE_GARBAGE_HEADER = "store_garbage_header"
     STORE_REPLACED_BY_DIR = "store_replaced_by_dir"
     STORE_DATA_OVERWRITTEN = "store_data_overwritten"
+    STORE_BYSTANDER_DAMAGED = "store_bystander_damaged"
+    STORE_ALL_CHILDREN_DAMAGED = "store_all_children_damaged"
 
     @property
     def spec(self) -> FaultSpec:
@@ -318,6 +320,19 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _A,
             Injection.STORE,
             "C1",
+        ),
+        FaultPoint.STORE_BYSTANDER_DAMAGED: _spec(
+            "a composite connector's child that does not load the request holds other bytes "
+            "for it: only a load routed to the wrong child reads them",
+            _A,
+            Injection.STORE,
+            "C1 C8",
+        ),
+        FaultPoint.STORE_ALL_CHILDREN_DAMAGED: _spec(
+            "every child of a composite connector has a file of the entry it matches deleted",
+            _A,
+            Injection.STORE,
+            "C1 C4 C13",
         ),
     }
 )

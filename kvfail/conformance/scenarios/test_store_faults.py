@@ -69,3 +69,28 @@ def test_store_data_overwritten(kvfail: Any) -> None:
     kvfail.driver.provoke(engine, rid, FaultPoint.STORE_DATA_OVERWRITTEN)
     kvfail.run(engine)
     kvfail.check(engine, [rid], failed=None)
+
+
+@pytest.mark.clauses("C1", "C8")
+@pytest.mark.guards("MultiConnector")
+def test_store_bystander_damaged(kvfail: Any) -> None:
+    """A composite connector loads from the child that matched first; another child (a
+    bystander) holds other bytes for the same prompt. The load must succeed on P's
+    bytes: a bystander is never read, and never makes the load fail."""
+    kvfail.require_fault(FaultPoint.STORE_BYSTANDER_DAMAGED)
+    engine, rid = _add(kvfail, "store-bystander")
+    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_BYSTANDER_DAMAGED)
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=False)
+
+
+@pytest.mark.clauses("C1", "C4", "C13")
+@pytest.mark.guards("MultiConnector")
+def test_store_all_children_damaged(kvfail: Any) -> None:
+    """Every child of a composite connector lost the entry its lookup matched: the load
+    is reported failed (C1, C4), never raised out of a child into the worker (C13)."""
+    kvfail.require_fault(FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
+    engine, rid = _add(kvfail, "store-all-children")
+    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=True)

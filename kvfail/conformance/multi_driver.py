@@ -1,0 +1,187 @@
+"""The conformance driver for vLLM's ``MultiConnector`` (``--connector vllm:MultiConnector``).
+
+MultiConnector composes child connectors: it loads a request from the first child that
+matches it and saves to every child, and merges the children's reports into its own. What
+a driver of its own can test that a child's driver cannot: whether a failure in the child
+that loads reaches the scheduler through the parent, whether a child that does not load
+(a bystander) can disturb a load it takes no part in, and what happens when both fail.
+
+The children are two vLLM ExampleConnectors, each with its own directory on disk (child 0
+and child 1). P is a harness engine running a MultiConnector over the same two children,
+so the real save path writes every prompt into both directories; D's MultiConnector finds
+the prompt in child 0 first, so child 0 loads and child 1 is the bystander. Both forwards
+write the pattern of :mod:`kvfail.conformance.example_driver`, so the integrity oracle
+tells which bytes D ran on.
+
+Fault points (all on disk, before D steps):
+
+* the store faults of :data:`~kvfail.conformance.example_driver.STORE_FAULTS`, on the
+  loading child's entry (child 0);
+* ``store_bystander_damaged``: child 1's entry keeps its format but holds other bytes:
+  a parent that loads only from the child it chose runs on P's bytes;
+* ``store_all_children_damaged``: both children's entries are deleted after the lookup.
+
+TP 1, one KV-cache group.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Declared
+from kvfail.conformance.example_driver import BLOCK_SIZE, STORE_FAULTS, ExampleDriver, damage
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine
+
+__all__ = ["MULTI_FAULTS", "MultiDriver", "make_driver", "multi_base"]
+
+MULTI_FAULTS = STORE_FAULTS | {
+    FaultPoint.STORE_BYSTANDER_DAMAGED,
+    FaultPoint.STORE_ALL_CHILDREN_DAMAGED,
+}
+
+
+def multi_base() -> type | None:
+    """vLLM's ``MultiConnector`` class, None where it cannot be imported."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiConnector,
+        )
+    except Exception:
+        return None
+    return MultiConnector
+
+
+class MultiDriver(ExampleDriver):
+    """vLLM's MultiConnector over two ExampleConnectors (see the module docstring).
+
+    ``connector_cls``: a MultiConnector subclass to run on D (a negative control); P
+    always runs the registered MultiConnector."""
+
+    CHILD = "ExampleConnector"
+
+    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        super().__init__(name)
+        self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
+            "MultiConnector"
+        )
+        self._d = (
+            ("MultiConnector", None)
+            if connector_cls is None
+            else (connector_cls.__name__, connector_cls.__module__)
+        )
+        self._bystander_root: Path | None = None
+        #: request id -> the bystander child's files for its prompt.
+        self._bystander_files: dict[str, list[Path]] = {}
+
+    @property
+    def bystander_root(self) -> Path:
+        if self._bystander_root is None:
+            self._bystander_root = Path(tempfile.mkdtemp(prefix="kvfail-multi-child1-"))
+        return self._bystander_root
+
+    def start(self) -> None:
+        super().start()
+        self.bystander_root  # noqa: B018 - both children's directories exist before any engine
+
+    def stop(self) -> None:
+        super().stop()
+        if self._bystander_root is not None:
+            shutil.rmtree(self._bystander_root, ignore_errors=True)
+            self._bystander_root = None
+        self._bystander_files.clear()
+
+    @property
+    def faults(self) -> frozenset[FaultPoint]:
+        return MULTI_FAULTS
+
+    def declared(self) -> Declared:
+        return {
+            **super().declared(),
+            "remote_prefill": (
+                True,
+                "P, a harness engine with a MultiConnector, saves real files into both children",
+            ),
+            "real_transport": (True, "two ExampleConnector children, files on local disk"),
+        }
+
+    def _spec(
+        self,
+        policy: Policy,
+        role: str,
+        connector: str = "MultiConnector",
+        module: str | None = None,
+    ) -> EngineSpec:
+        from kvfail.harness.config import EngineSpec
+
+        kv_role = "kv_consumer" if role == "consumer" else "kv_producer"
+        children = [
+            {
+                "kv_connector": self.CHILD,
+                "kv_role": kv_role,
+                "kv_connector_extra_config": {"shared_storage_path": str(root)},
+            }
+            for root in (self.root, self.bystander_root)
+        ]
+        return EngineSpec(
+            connector=connector,
+            connector_module=module,
+            role=role,  # type: ignore[arg-type]
+            policy=policy,
+            block_size=BLOCK_SIZE,
+            layer_forward_context=True,
+            extra_config={"connectors": children},
+        )
+
+    def _producer(self) -> Engine:
+        if self._p is None:
+            from kvfail.conformance.example_driver import write_pattern
+            from kvfail.harness.engine import Engine
+
+            self._p = Engine(self._spec("fail", "producer"), forward=write_pattern)
+        return self._p
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """P saves the prompt into both children; D gets the same prompt."""
+        before = set(self.bystander_root.rglob("*.safetensors"))
+        super().add_remote_request(
+            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+        )
+        files = sorted(set(self.bystander_root.rglob("*.safetensors")) - before)
+        if not files:
+            raise RuntimeError(f"MultiDriver: P wrote no file for {request_id} in child 1")
+        self._bystander_files[request_id] = files
+        return request_id
+
+    def provoke(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Any = None,
+        block_index: int | None = None,
+    ) -> None:
+        """A store fault on the loading child (0), the bystander (1), or both."""
+        if point is FaultPoint.STORE_BYSTANDER_DAMAGED:
+            damage(self._bystander_files[request_id][0], FaultPoint.STORE_DATA_OVERWRITTEN)
+        elif point is FaultPoint.STORE_ALL_CHILDREN_DAMAGED:
+            for path in (self._files[request_id][0], self._bystander_files[request_id][0]):
+                damage(path, FaultPoint.STORE_FILE_DELETED)
+        else:
+            super().provoke(engine, request_id, point, ranks=ranks, block_index=block_index)
+
+
+def make_driver(name: str) -> MultiDriver:
+    """Entry point ``kvfail.drivers`` ``vllm:MultiConnector``."""
+    return MultiDriver(name)
