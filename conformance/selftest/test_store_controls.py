@@ -4,7 +4,8 @@
 load skipped: the scheduler counts the stored prefix as loaded and D runs on blocks that
 never got P's bytes, and nothing is reported. ``LoadsFromLastChild`` is vLLM's
 MultiConnector routing a load to the last matching child, which reads a bystander's
-bytes. Only the drivers' integrity oracle can see either; the unbroken connector
+bytes; ``DropsStoreLoadErrors`` is vLLM's MooncakeStoreConnector reporting a failed get as
+a finished load. Only the drivers' oracles can see them; the unbroken connector
 (``STORE_REFERENCES``) must pass the same scenario (a flag is evidence only where the
 reference passes). Run in one inner session, like the other controls
 (``test_negative_controls.py``).
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 import kvfail.conformance.example_driver
+import kvfail.conformance.mooncake_store_driver
 import kvfail.conformance.multi_driver  # noqa: F401 - loaded before the inner session
 import kvfail.conformance.negative as negative
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
@@ -30,7 +32,9 @@ STORE = SCENARIOS / "test_store_faults.py"
 @pytest.fixture(scope="module")
 def store_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("kvfail-store-report")
-    scenarios = sorted({f.scenario for f in negative.EXPECTED_FLAGS_STORE.values()})
+    scenarios = sorted(
+        {negative.STORE_SELECT.get(c, f.scenario) for c, f in negative.EXPECTED_FLAGS_STORE.items()}
+    )
     args = [str(STORE), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
     args += ["--layout", "tp1", "-k", " or ".join(scenarios)]
     for reference in sorted(set(negative.STORE_REFERENCES.values())):

@@ -37,8 +37,6 @@ DRIVEN_CLASSES: dict[str, str] = {
 }
 #: Registry connectors that run here and have no driver yet, and why they are not blocked.
 DRIVERS_PENDING: dict[str, str] = {
-    "MooncakeStoreConnector": "runs over mooncake_master and the TransferEngine, both "
-    "installed; a store driver is not built yet",
     "NixlPushConnector": "the nixl-push-upstream driver runs it under its own name; the "
     "registry name has no driver yet",
 }

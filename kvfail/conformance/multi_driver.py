@@ -154,9 +154,7 @@ class MultiDriver(ExampleDriver):
     ) -> str:
         """P saves the prompt into both children; D gets the same prompt."""
         before = set(self.bystander_root.rglob("*.safetensors"))
-        super().add_remote_request(
-            engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
-        )
+        super().add_remote_request(engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens)
         files = sorted(set(self.bystander_root.rglob("*.safetensors")) - before)
         if not files:
             raise RuntimeError(f"MultiDriver: P wrote no file for {request_id} in child 1")

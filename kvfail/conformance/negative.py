@@ -565,16 +565,55 @@ class LoadsFromLastChild(MultiConnector):
         return chosen
 
 
-__all__ += ["STORE_REFERENCES", "LoadsFromLastChild"]
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+        MooncakeStoreConnector as _MooncakeStore,
+    )
+except Exception:  # the store's module is importable wherever vLLM is; be safe anyway
+    _MooncakeStore = None
+
+if _MooncakeStore is not None:
+
+    class DropsStoreLoadErrors(_MooncakeStore):  # type: ignore[misc,valid-type]
+        """MooncakeStoreConnector that drops what its receive threads found: a get that
+        failed is reported as a finished load, with no failed block and no failed
+        request, so D runs on blocks the store never filled."""
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            super().get_block_ids_with_load_errors()
+            return set()
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            results = super().get_transfer_results(finished_req_ids)
+            return KVConnectorTransferResults(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+            )
+
+    __all__ += ["DropsStoreLoadErrors"]
+
+__all__ += ["STORE_REFERENCES", "STORE_SELECT", "LoadsFromLastChild"]
 
 #: Store-connector controls (``scenarios/test_store_faults.py``): class -> its flag.
 EXPECTED_FLAGS_STORE: dict[str, Flag] = {
     "SkipsStoreLoad": Flag("test_store_load_ok", "C1 wrong KV"),
     "LoadsFromLastChild": Flag("test_store_bystander_damaged", "C1 wrong KV"),
+    **(
+        {"DropsStoreLoadErrors": Flag("test_store_lost_after_lookup", "C1 unreported")}
+        if _MooncakeStore is not None
+        else {}
+    ),
 }
 #: Each store control's unbroken reference (a ``--connector`` value): the reference must
 #: pass the scenario that flags the control, or the flag is no evidence.
 STORE_REFERENCES: dict[str, str] = {
     "SkipsStoreLoad": "vllm:ExampleConnector",
     "LoadsFromLastChild": "vllm:MultiConnector",
+    "DropsStoreLoadErrors": "vllm:MooncakeStoreConnector",
 }
+#: A narrower selection (``-k``) than the whole flagging scenario, where one of its
+#: parametrizations is evidence enough and each costs a fresh store.
+STORE_SELECT: dict[str, str] = {
+    "DropsStoreLoadErrors": "(test_store_lost_after_lookup and store_key_removed)",
+}
+

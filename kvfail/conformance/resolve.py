@@ -66,6 +66,11 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
     nixl = nixl_bases()
     if nixl is not None and issubclass(cls, nixl[0]):
         return NixlDriver.for_class(name, cls, registry_name)
+    from kvfail.conformance.mooncake_store_driver import MooncakeStoreDriver, store_base
+
+    store = store_base()
+    if store is not None and issubclass(cls, store) and cls is not store:
+        return MooncakeStoreDriver(name, connector_cls=cls)  # a subclass: a negative control
     from kvfail.conformance.multi_driver import MultiDriver, multi_base
 
     multi = multi_base()

@@ -133,6 +133,11 @@ class FaultPoint(enum.StrEnum):
     STORE_DATA_OVERWRITTEN = "store_data_overwritten"
     STORE_BYSTANDER_DAMAGED = "store_bystander_damaged"
     STORE_ALL_CHILDREN_DAMAGED = "store_all_children_damaged"
+    STORE_MASTER_KILLED = "store_master_killed"
+    STORE_MASTER_FROZEN = "store_master_frozen"
+    STORE_MASTER_RESTARTED = "store_master_restarted"
+    STORE_KEY_REMOVED = "store_key_removed"
+    STORE_SEGMENT_OWNER_KILLED = "store_segment_owner_killed"
 
     @property
     def spec(self) -> FaultSpec:
@@ -333,6 +338,38 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _A,
             Injection.STORE,
             "C1 C4 C13",
+        ),
+        FaultPoint.STORE_MASTER_KILLED: _spec(
+            "the store's master is SIGKILLed after D's lookup matched, before D's load",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C10 C13",
+        ),
+        FaultPoint.STORE_MASTER_FROZEN: _spec(
+            "the store's master is SIGSTOPped after D's lookup matched: its sockets accept, "
+            "nothing answers, so only D's own deadline can end the load",
+            _S,
+            Injection.PROCESS,
+            "C1 C2 C10",
+        ),
+        FaultPoint.STORE_MASTER_RESTARTED: _spec(
+            "the store's master is killed after D's lookup matched and started again, empty",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C10",
+        ),
+        FaultPoint.STORE_KEY_REMOVED: _spec(
+            "the keys D's lookup matched are removed from the store before D's load",
+            _A,
+            Injection.STORE,
+            "C1 C2",
+        ),
+        FaultPoint.STORE_SEGMENT_OWNER_KILLED: _spec(
+            "the process whose memory segment holds the matched blocks is SIGKILLed after "
+            "D's lookup, before D's load",
+            _A,
+            Injection.PROCESS,
+            "C1 C2 C10 C13",
         ),
     }
 )

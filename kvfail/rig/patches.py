@@ -92,6 +92,21 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 "machine with an accelerator the shim does nothing",
                 site="kvfail.rig.cpu_shim",
             ),
+            RigPatch(
+                name="cpu_cuda_event",
+                target="torch.cuda.Event",
+                change="a no-op event (record, synchronize, query, wait do nothing) while a "
+                "MooncakeStore P engine in the test process is built or steps, only on a "
+                "machine without CUDA",
+                why="MooncakeStoreConnector's save path records a torch.cuda.Event before "
+                "handing blocks to its sending thread, which CPU-only torch cannot build; on "
+                "CPU the KV tensors are written before the step returns, so there is nothing "
+                "to wait for",
+                touches_connector=False,
+                without="none on CPU-only torch: P cannot save; D, a consumer, never records "
+                "an event and never runs under the patch; with CUDA the patch does nothing",
+                site="kvfail.conformance.mooncake_store_driver",
+            ),
         )
     }
 )

@@ -1,11 +1,12 @@
-"""Store-connector scenarios: the files a store advertised are damaged before D loads them.
+"""Store-connector scenarios: what a store advertised is gone or damaged when D loads it.
 
 A store connector (one that finds KV by key on disk or in a store and loads it itself)
 has faults a P/D pair has not: the entry it matched can be gone, cut short, corrupt, a
-directory, or hold someone else's bytes by the time it is read. Each scenario damages one
-file through the driver's fault point and ends with every harness oracle plus the
-integrity oracle. Requirements are capabilities (a synchronous, remote-prefill driver
-advertising the fault), never connector names.
+directory, or hold someone else's bytes by the time it is read; a store served by
+processes (a master, the owner of the memory the blocks live in) can lose them between
+D's lookup and D's load. Each scenario provokes one fault point of the driver and ends
+with every harness oracle plus the integrity oracle. Requirements are capabilities (a
+remote-prefill driver advertising the fault), never connector names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
+from kvfail.conformance.suite import deadline_findings
 from kvfail.faults.points import FaultPoint
 
 pytestmark = pytest.mark.vllm
@@ -40,8 +42,8 @@ def _add(kvfail: Any, stem: str) -> tuple[Any, str]:
 @pytest.mark.clauses("C1", "C4")
 @pytest.mark.guards("ExampleConnector store")
 def test_store_load_ok(kvfail: Any) -> None:
-    """The baseline: the files P saved load into D, byte for byte, and all is freed."""
-    engine, rid = _add(kvfail, "store-ok")
+    """The baseline: what P stored loads into D, byte for byte, and all is freed."""
+    engine, rid = _add_any(kvfail, "store-ok")
     kvfail.run(engine)
     kvfail.check(engine, [rid], failed=False)
 
@@ -94,3 +96,58 @@ def test_store_all_children_damaged(kvfail: Any) -> None:
     kvfail.driver.provoke(engine, rid, FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
     kvfail.run(engine)
     kvfail.check(engine, [rid], failed=True)
+
+
+#: Faults on a store's processes or keys between D's lookup and D's load that the
+#: connector sees at once (an error from the store): reported failed, promptly.
+STORE_LOST = (
+    FaultPoint.STORE_MASTER_KILLED,
+    FaultPoint.STORE_MASTER_RESTARTED,
+    FaultPoint.STORE_KEY_REMOVED,
+    FaultPoint.STORE_SEGMENT_OWNER_KILLED,
+)
+
+
+def _add_any(kvfail: Any, stem: str, **engine: Any) -> tuple[Any, str]:
+    """A D and a request whose prefix the store holds, for a sync or an async loader."""
+    kvfail.require("remote_prefill")
+    kvfail.require_any("sync_load", "async_load")
+    d = kvfail.engine(**engine)
+    rid = kvfail.rid(stem)
+    kvfail.driver.add_remote_request(d, rid)
+    return d, rid
+
+
+@pytest.mark.clauses("C1", "C2", "C10", "C13")
+@pytest.mark.guards("MooncakeStore", "#50719")
+@pytest.mark.parametrize("point", STORE_LOST, ids=[p.value for p in STORE_LOST])
+def test_store_lost_after_lookup(kvfail: Any, point: FaultPoint) -> None:
+    """The store matched the prefix, then lost it (its master killed or restarted empty,
+    the keys removed, the memory's owner killed) before D read it: the load is reported
+    failed, never raised, never run on as if loaded."""
+    kvfail.require_fault(point)
+    engine, rid = _add_any(kvfail, f"store-{point.value}")
+    kvfail.driver.provoke(engine, rid, point)
+    kvfail.run(engine)
+    kvfail.check(engine, [rid], failed=True)
+
+
+@pytest.mark.clauses("C1", "C2", "C10")
+@pytest.mark.guards("MooncakeStore", "#35943")
+def test_store_master_frozen(kvfail: Any) -> None:
+    """The store's master stops answering (SIGSTOP) after D's lookup matched: its sockets
+    accept, nothing answers. Only a deadline of D's connector can end the load (C10);
+    the suite waits its bounded wait for the one it declares."""
+    kvfail.require_fault(FaultPoint.STORE_MASTER_FROZEN)
+    engine, rid = _add_any(kvfail, "store-master-frozen", deadline=True)
+    deadline = kvfail.declared_deadline_s(engine)
+    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_MASTER_FROZEN)
+    budget = kvfail.deadline_budget(deadline)
+    kvfail.wait_floor(budget if deadline is None else deadline)
+    kvfail.run(engine, timeout_s=budget)
+    stranded = [rid] if rid in engine.waiting_for_remote() else []
+    # The master resumes before the oracles: what they judge is what was seen above, and
+    # D's teardown must not wait on a stopped master.
+    kvfail.driver.end_faults(engine)
+    extra = deadline_findings([rid], stranded, [], deadline, budget)
+    kvfail.check(engine, [rid], failed=True, extra=extra)

@@ -1,0 +1,447 @@
+"""The conformance driver for vLLM's ``MooncakeStoreConnector``
+(``--connector vllm:MooncakeStoreConnector``).
+
+MooncakeStoreConnector does not pull from a P: P puts each block of a prompt into a
+Mooncake distributed store under a key derived from the block hash, and a D with the same
+prompt looks the keys up through the store's master and gets the blocks into its own KV
+tensors, asynchronously, in receive threads. Why a driver of its own: the processes a load
+depends on are the store's (its master, the owner of the memory segment the blocks live
+in), and their faults are not a P's.
+
+What runs, all on 127.0.0.1:
+
+* ``mooncake_master`` (the installed non-CUDA wheel's), a real process with its HTTP
+  metadata server, started by :meth:`MooncakeStoreDriver.start`;
+* the segment owner: a real process (``python -m kvfail.peers.store_segment``) that mounts
+  the memory segment P's puts go to (P names it as its preferred segment), so killing it
+  takes the stored blocks away from D;
+* P: a harness engine in this process running the same connector as producer (the real
+  save path: ``wait_for_save`` hands the blocks to its sending thread, which puts them);
+* D: a fresh harness engine per scenario, consumer, with ``lookup_async`` on (a setting of
+  the connector): the lookup answers in one step and the load starts in the next, so a
+  fault can come between them, as it does when a store fails under a running D.
+
+Both forwards write the per-token pattern of :mod:`kvfail.conformance.example_driver`, so
+the integrity oracle tells whether D ran on P's bytes. One save call records a
+``torch.cuda.Event``, which CPU torch cannot build: P's steps run with a no-op event (rig
+patch ``cpu_cuda_event``; D, a consumer, never saves).
+
+Fault points (provoked after D's lookup answered, before D's load starts):
+``store_master_killed``, ``store_master_frozen`` (SIGSTOP: only a deadline of D's can end
+the load), ``store_master_restarted`` (killed and started again, empty),
+``store_key_removed`` (every stored key removed through the master),
+``store_segment_owner_killed``. TP 1, one KV-cache group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvfail.conformance.driver import Declared
+from kvfail.conformance.example_driver import BLOCK_SIZE, ExampleDriver, write_pattern
+from kvfail.faults.points import FaultPoint
+
+if TYPE_CHECKING:
+    from kvfail.faults.process import PeerProcess
+    from kvfail.harness.config import EngineSpec, Policy
+    from kvfail.harness.engine import Engine
+
+__all__ = [
+    "STORE_PROCESS_FAULTS",
+    "MooncakeStoreDriver",
+    "cpu_cuda_event",
+    "make_driver",
+    "store_base",
+]
+
+STORE_PROCESS_FAULTS = frozenset(
+    {
+        FaultPoint.STORE_MASTER_KILLED,
+        FaultPoint.STORE_MASTER_FROZEN,
+        FaultPoint.STORE_MASTER_RESTARTED,
+        FaultPoint.STORE_KEY_REMOVED,
+        FaultPoint.STORE_SEGMENT_OWNER_KILLED,
+    }
+)
+#: Bounds: a process coming up, P's puts landing, D's lookup answering.
+READY_TIMEOUT_S = 60.0
+SAVE_TIMEOUT_S = 20.0
+LOOKUP_STEPS = 50
+#: Per-process sizes: small, so several stores fit in a small machine's memory.
+SEGMENT_SIZE = "32MB"
+#: Each D engine's lookup channel (an IPC path named by this number) is its own.
+_LOOKUP_PORTS = itertools.count(40_000 + os.getpid() % 10_000 * 2)
+
+
+class _NoCudaEvent:
+    """What the save path's ``torch.cuda.Event`` does on CPU: nothing to wait for."""
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def cpu_cuda_event() -> Iterator[None]:
+    """``torch.cuda.Event`` is a no-op event inside the block, on CPU-only torch only."""
+    import torch
+
+    from kvfail import rig_patches
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.Event
+    torch.cuda.Event = _NoCudaEvent  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.Event = saved  # type: ignore[misc]
+        rig_patches.record("cpu_cuda_event", "P's save steps")
+
+
+def store_base() -> type | None:
+    """vLLM's ``MooncakeStoreConnector`` class, None where it cannot be imported."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+            MooncakeStoreConnector,
+        )
+    except Exception:
+        return None
+    return MooncakeStoreConnector
+
+
+class MooncakeStoreDriver(ExampleDriver):
+    """vLLM's MooncakeStoreConnector over a real master and segment owner (see the module
+    docstring). The P-in-this-process and integrity oracle are the ExampleDriver's.
+
+    ``connector_cls``: a subclass to run on D instead (a negative control); P always runs
+    the registered connector."""
+
+    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        super().__init__(name)
+        self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
+            "MooncakeStoreConnector"
+        )
+        self._d = (
+            ("MooncakeStoreConnector", None)
+            if connector_cls is None
+            else (connector_cls.__name__, connector_cls.__module__)
+        )
+        self.poll_s = 0.01
+        self._master: PeerProcess | None = None
+        self._owner: PeerProcess | None = None
+        self._owner_segment = ""
+        self._ports: tuple[int, int, int] | None = None
+        #: What the connector and the segment owner read their store from.
+        self._env: dict[str, str] = {}
+        #: A fault that changed the store: the next scenario gets a fresh one.
+        self._dirty = False
+        #: D engines of the running scenario (their lookup channels are closed after it).
+        self._engines: list[Engine] = []
+
+    # ------------------------------------------------------------ processes
+
+    def _start_master(self) -> None:
+        from kvfail.faults.process import PeerProcess, wait_for_port
+
+        assert self._ports is not None
+        rpc, http, metrics = self._ports
+        binary = Path(sys.executable).with_name("mooncake_master")
+        self._master = PeerProcess(
+            [
+                str(binary),
+                f"--rpc_port={rpc}",
+                "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={http}",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+                "--metrics_host=127.0.0.1",
+            ],
+            name="mooncake_master",
+        )
+        wait_for_port(rpc, READY_TIMEOUT_S, peer=self._master)
+        wait_for_port(http, READY_TIMEOUT_S, peer=self._master)
+
+    def _start_owner(self) -> None:
+        from kvfail.faults.process import PeerProcess
+
+        self._owner = PeerProcess(
+            [sys.executable, "-m", "kvfail.peers.store_segment", "--size", SEGMENT_SIZE],
+            name="store_segment",
+            env=self._env,
+        )
+        line = self._owner.wait_ready(READY_TIMEOUT_S, line="segment ")
+        assert line is not None
+        self._owner_segment = line.split("segment ", 1)[1].strip()
+
+    def start(self) -> None:
+        from kvfail.faults.process import free_ports
+
+        super().start()
+        if self._master is not None:
+            return
+        self._ports = tuple(free_ports(3))  # type: ignore[assignment]
+        rpc, http, _metrics = self._ports  # type: ignore[misc]
+        config = {
+            "metadata_server": f"http://127.0.0.1:{http}/metadata",
+            "master_server_address": f"127.0.0.1:{rpc}",
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": SEGMENT_SIZE,
+            "local_buffer_size": SEGMENT_SIZE,
+        }
+        path = self.root / "mooncake-store.json"
+        path.write_text(json.dumps(config))
+        self._env = {"MOONCAKE_CONFIG_PATH": str(path), "VLLM_HOST_IP": "127.0.0.1"}
+        self._start_master()
+        self._start_owner()
+
+    @contextlib.contextmanager
+    def _environment(self) -> Iterator[None]:
+        """This driver's store in the environment, while an engine is built: the
+        connector's worker reads its store configuration from the environment in its
+        constructor only, and several drivers (a reference and its control) may each
+        run a store in one session."""
+        saved = {key: os.environ.get(key) for key in self._env}
+        os.environ.update(self._env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def build_engine(
+        self,
+        policy: Policy,
+        *,
+        num_kv_cache_groups: int = 1,
+        tp_size: int = 1,
+        deadline: bool = False,
+    ) -> Engine:
+        self.start()
+        with self._environment():
+            engine = super().build_engine(
+                policy, num_kv_cache_groups=num_kv_cache_groups, tp_size=tp_size, deadline=deadline
+            )
+        self._engines.append(engine)
+        return engine
+
+    @staticmethod
+    def _close(engine: Engine) -> None:
+        """Close ``engine`` and the lookup client its connector leaves open.
+
+        Why: the connector's shutdown closes the store, not the ZMQ REQ socket its
+        scheduler side sends lookups on. Left to the garbage collector, the socket's
+        context is destroyed with the socket open (a lookup may still be unanswered), and
+        ``zmq.Context.term`` blocks the process for good. (Rank 0's REP side is held by
+        its serving thread, so it is never collected.)"""
+        engine.close()
+        sched = getattr(engine.scheduler.connector, "connector_scheduler", None)
+        client = getattr(sched, "client", None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def stop(self) -> None:
+        try:
+            for engine in self._engines:
+                self._close(engine)
+            self._engines.clear()
+            if self._p is not None:
+                self._close(self._p)
+                self._p = None
+            for proc in (self._owner, self._master):
+                if proc is not None:
+                    with contextlib.suppress(Exception):
+                        proc.thaw()
+                    proc.close()
+            self._owner = self._master = None
+        finally:
+            super().stop()
+
+    def end_faults(self, engine: Engine) -> None:
+        """A frozen master resumes (a killed one stays dead)."""
+        if self._master is not None and self._master.alive and self._master.frozen:
+            self._master.thaw()
+
+    def after_scenario(self) -> None:
+        """The scenario's D engines are closed: release their lookup channels. After a
+        fault on the store's processes, the next scenario gets a fresh store: a new
+        master and segment owner, and a P that registers with them."""
+        super().after_scenario()
+        for engine in self._engines:
+            self._close(engine)
+        self._engines.clear()
+        if not self._dirty:
+            return
+        self._dirty = False
+        if self._p is not None:
+            with contextlib.suppress(Exception):
+                self._close(self._p)
+            self._p = None
+        for proc in (self._owner, self._master):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.thaw()
+                proc.close()
+        self._start_master()
+        self._start_owner()
+
+    # ------------------------------------------------------------ capabilities
+
+    @property
+    def faults(self) -> frozenset[FaultPoint]:
+        return STORE_PROCESS_FAULTS
+
+    def declared(self) -> Declared:
+        return {
+            "async_load": (True, "receive threads get the blocks; D reports them finished later"),
+            "sync_load": (False, "the connector loads asynchronously (load_async)"),
+            "remote_prefill": (
+                True,
+                "P, a harness engine, puts real blocks into a real Mooncake store",
+            ),
+            "two_groups": (False, "the driver builds one KV-cache group"),
+            "real_transport": (
+                True,
+                "mooncake_master and a segment-owner process, TransferEngine over TCP",
+            ),
+            "tp2": (False, "the driver runs TP 1 only"),
+            "byte_verification": (True, "both forwards write a per-token pattern"),
+            "malformed_params": (False, "a store connector takes no kv_transfer_params"),
+        }
+
+    # ------------------------------------------------------------ engines
+
+    def _spec(
+        self,
+        policy: Policy,
+        role: str,
+        connector: str = "MooncakeStoreConnector",
+        module: str | None = None,
+    ) -> EngineSpec:
+        from kvfail.harness.config import EngineSpec
+
+        extra: dict[str, Any] = {"lookup_rpc_port": next(_LOOKUP_PORTS)}
+        if role == "consumer":
+            extra["lookup_async"] = True
+        else:
+            extra["preferred_segment"] = self._owner_segment
+        return EngineSpec(
+            connector=connector,
+            connector_module=module,
+            role=role,  # type: ignore[arg-type]
+            policy=policy,
+            block_size=BLOCK_SIZE,
+            layer_forward_context=True,
+            extra_config=extra,
+        )
+
+    def _producer(self) -> Engine:
+        if self._p is None:
+            from kvfail.harness.engine import Engine
+
+            self.start()
+            with cpu_cuda_event(), self._environment():
+                self._p = Engine(self._spec("fail", "producer"), forward=write_pattern)
+        return self._p
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """P prefills the prompt and its blocks are put into the store; then D gets the
+        same prompt (its lookup finds them)."""
+        p = self._producer()
+        p.add_request(f"P-{request_id}", prompt_len=prompt_len, prompt_seed=request_id)
+        with cpu_cuda_event():
+            p.run_until_idle(max_steps=20)
+        if p.crashed is not None:
+            raise RuntimeError(f"MooncakeStoreDriver: P crashed saving {request_id}: {p.crashed}")
+        sender = p.workers[0].connector.connector_worker.kv_send_thread
+        deadline = time.monotonic() + SAVE_TIMEOUT_S
+        while sender is not None and sender.request_queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"MooncakeStoreDriver: P's puts for {request_id} never ended")
+            time.sleep(0.01)
+        engine.add_request(
+            request_id, prompt_len=prompt_len, prompt_seed=request_id, max_tokens=max_tokens
+        )
+        self._await_lookup(engine, request_id)
+        return request_id
+
+    def _await_lookup(self, engine: Engine, request_id: str) -> None:
+        """Step D until its asynchronous lookup of ``request_id`` has answered, and no
+        further: the load starts in D's next step, so a fault provoked now comes between
+        the lookup and the load. Why here and not in the suite's steps: the lookup runs
+        in real time (an IPC round trip and a master RPC), which a few fast steps do not
+        give it."""
+        client = engine.scheduler.connector.connector_scheduler.client
+        deadline = time.monotonic() + SAVE_TIMEOUT_S
+        for _ in range(LOOKUP_STEPS):
+            future = client.futures.get(request_id)
+            if future is not None:
+                with contextlib.suppress(Exception):
+                    future.result(timeout=max(deadline - time.monotonic(), 0.0))
+                return
+            if request_id in engine.waiting_for_remote() or engine.crashed is not None:
+                return
+            engine.step()
+        raise RuntimeError(f"MooncakeStoreDriver: D's lookup of {request_id} never started")
+
+    def provoke(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Iterable[int] | None = None,
+        block_index: int | None = None,
+    ) -> None:
+        """Break the store between D's lookup (answered in :meth:`add_remote_request`)
+        and D's load (D's next step)."""
+        if point not in STORE_PROCESS_FAULTS:
+            raise ValueError(f"MooncakeStoreDriver cannot provoke {point.value}")
+        self._dirty = True
+        assert self._master is not None and self._owner is not None
+        if point is FaultPoint.STORE_MASTER_KILLED:
+            self._master.kill()
+        elif point is FaultPoint.STORE_MASTER_FROZEN:
+            self._master.freeze()
+        elif point is FaultPoint.STORE_MASTER_RESTARTED:
+            self._master.kill()
+            self._master.close()
+            self._start_master()
+        elif point is FaultPoint.STORE_KEY_REMOVED:
+            store = self._producer().workers[0].connector.connector_worker.store
+            if store.remove_all(force=True) < 0:
+                raise RuntimeError("MooncakeStoreDriver: the master refused to remove the keys")
+        elif point is FaultPoint.STORE_SEGMENT_OWNER_KILLED:
+            self._owner.kill()
+
+
+def make_driver(name: str) -> MooncakeStoreDriver:
+    """Entry point ``kvfail.drivers`` ``vllm:MooncakeStoreConnector``."""
+    return MooncakeStoreDriver(name)
