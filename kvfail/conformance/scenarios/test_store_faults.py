@@ -108,9 +108,14 @@ STORE_LOST = (
 )
 
 
+#: Every store fault point: a driver advertising one of them serves a store connector.
+STORE_POINTS = tuple(p for p in FaultPoint if p.value.startswith("store_"))
+
+
 def _add_any(kvfail: Any, stem: str, **engine: Any) -> tuple[Any, str]:
     """A D and a request whose prefix the store holds, for a sync or an async loader."""
     kvfail.require("remote_prefill")
+    kvfail.require_fault(*STORE_POINTS)
     kvfail.require_any("sync_load", "async_load")
     d = kvfail.engine(**engine)
     rid = kvfail.rid(stem)
