@@ -36,10 +36,7 @@ DRIVEN_CLASSES: dict[str, str] = {
     "vllm:NixlConnector": "vllm.distributed.kv_transfer.kv_connector.v1.nixl:NixlConnector",
 }
 #: Registry connectors that run here and have no driver yet, and why they are not blocked.
-DRIVERS_PENDING: dict[str, str] = {
-    "NixlPushConnector": "the nixl-push-upstream driver runs it under its own name; the "
-    "registry name has no driver yet",
-}
+DRIVERS_PENDING: dict[str, str] = {}
 ENTRY_POINT_GROUP = "kvfail.drivers"
 
 

@@ -617,3 +617,47 @@ STORE_SELECT: dict[str, str] = {
     "DropsStoreLoadErrors": "(test_store_lost_after_lookup and store_key_removed)",
 }
 
+
+# ------------------------------------------------------------------ NIXL push
+#
+# Upstream's NixlPushConnector on D, driven by the push driver (P WRITEs into D's blocks).
+# Its control drops every failure its worker found, so a push that never came is reported
+# as a finished load; flagged where upstream's push D passes
+# (``conformance/selftest/test_push_controls.py``).
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlPushConnector as _NixlPush,
+    )
+except Exception:  # NIXL's module imports the nixl package, which may be missing
+    _NixlPush = None
+
+if _NixlPush is not None:
+
+    class DropsPushLoadErrors(_NixlPush):  # type: ignore[misc,valid-type]
+        """NixlPushConnector that reports every load its worker failed as finished: no
+        failed block, no failed request."""
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            super().get_block_ids_with_load_errors()
+            return set()
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            results = super().get_transfer_results(finished_req_ids)
+            return KVConnectorTransferResults(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+            )
+
+    __all__ += ["DropsPushLoadErrors"]
+
+__all__ += ["EXPECTED_FLAGS_PUSH", "PUSH_REFERENCE"]
+
+#: The unbroken reference of the push controls.
+PUSH_REFERENCE = "vllm:NixlPushConnector"
+#: Push controls: class -> its flag (empty where NIXL cannot be imported).
+EXPECTED_FLAGS_PUSH: dict[str, Flag] = (
+    {"DropsPushLoadErrors": Flag("test_failed_load_one_group", "C1 unreported")}
+    if _NixlPush is not None
+    else {}
+)

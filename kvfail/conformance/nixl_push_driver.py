@@ -40,7 +40,18 @@ from kvfail.conformance.nixl_driver import NixlDriver, _KillOnProvoke, _LateRead
 from kvfail.conformance.pair_driver import register_producer, shared_producer
 from kvfail.faults.points import FaultPoint
 
-__all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver"]
+__all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver", "push_base"]
+
+
+def push_base() -> type | None:
+    """Upstream's ``NixlPushConnector`` class, None without NIXL/vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+            NixlPushConnector,
+        )
+    except Exception:
+        return None
+    return NixlPushConnector
 
 
 class _LateWrite(_LateRead):

@@ -61,6 +61,11 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
             p_connector=p_cls.__name__,
             p_connector_module=None if p_cls is upstream else p_cls.__module__,
         )
+    from kvfail.conformance.nixl_push_driver import NixlPushDriver, push_base
+
+    push = push_base()
+    if push is not None and issubclass(cls, push):
+        return NixlPushDriver.for_class(name, cls, registry_name)
     from kvfail.conformance.nixl_driver import NixlDriver, nixl_bases
 
     nixl = nixl_bases()
