@@ -206,6 +206,15 @@ class ExampleDriver(Driver["_StoreHandle"]):
         connector: str = "ExampleConnector",
         module: str | None = None,
     ) -> EngineSpec:
+        return self._store_spec(
+            policy, role, connector, module, {"shared_storage_path": str(self.root)}
+        )
+
+    @staticmethod
+    def _store_spec(
+        policy: Policy, role: str, connector: str, module: str | None, extra: dict[str, Any]
+    ) -> EngineSpec:
+        """An engine of a store driver: the layer forward context, this block size."""
         from kvfail.harness.config import EngineSpec
 
         return EngineSpec(
@@ -215,7 +224,7 @@ class ExampleDriver(Driver["_StoreHandle"]):
             policy=policy,
             block_size=BLOCK_SIZE,
             layer_forward_context=True,
-            extra_config={"shared_storage_path": str(self.root)},
+            extra_config=extra,
         )
 
     def forward(self) -> Any:

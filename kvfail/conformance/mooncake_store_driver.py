@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Declared
-from kvfail.conformance.example_driver import BLOCK_SIZE, ExampleDriver, write_pattern
+from kvfail.conformance.example_driver import ExampleDriver, write_pattern
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -273,12 +273,7 @@ class MooncakeStoreDriver(ExampleDriver):
             if self._p is not None:
                 self._close(self._p)
                 self._p = None
-            for proc in (self._owner, self._master):
-                if proc is not None:
-                    with contextlib.suppress(Exception):
-                        proc.thaw()
-                    proc.close()
-            self._owner = self._master = None
+            self._stop_processes()
         finally:
             super().stop()
 
@@ -302,13 +297,18 @@ class MooncakeStoreDriver(ExampleDriver):
             with contextlib.suppress(Exception):
                 self._close(self._p)
             self._p = None
+        self._stop_processes()
+        self._start_master()
+        self._start_owner()
+
+    def _stop_processes(self) -> None:
+        """Stop the segment owner and the master (a frozen one is thawed first)."""
         for proc in (self._owner, self._master):
             if proc is not None:
                 with contextlib.suppress(Exception):
                     proc.thaw()
                 proc.close()
-        self._start_master()
-        self._start_owner()
+        self._owner = self._master = None
 
     # ------------------------------------------------------------ capabilities
 
@@ -343,22 +343,12 @@ class MooncakeStoreDriver(ExampleDriver):
         connector: str = "MooncakeStoreConnector",
         module: str | None = None,
     ) -> EngineSpec:
-        from kvfail.harness.config import EngineSpec
-
         extra: dict[str, Any] = {"lookup_rpc_port": next(_LOOKUP_PORTS)}
         if role == "consumer":
             extra["lookup_async"] = True
         else:
             extra["preferred_segment"] = self._owner_segment
-        return EngineSpec(
-            connector=connector,
-            connector_module=module,
-            role=role,  # type: ignore[arg-type]
-            policy=policy,
-            block_size=BLOCK_SIZE,
-            layer_forward_context=True,
-            extra_config=extra,
-        )
+        return self._store_spec(policy, role, connector, module, extra)
 
     def _producer(self) -> Engine:
         if self._p is None:

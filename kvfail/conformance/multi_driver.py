@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Declared
-from kvfail.conformance.example_driver import BLOCK_SIZE, STORE_FAULTS, ExampleDriver, damage
+from kvfail.conformance.example_driver import STORE_FAULTS, ExampleDriver, damage
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -120,8 +120,6 @@ class MultiDriver(ExampleDriver):
         connector: str = "MultiConnector",
         module: str | None = None,
     ) -> EngineSpec:
-        from kvfail.harness.config import EngineSpec
-
         kv_role = "kv_consumer" if role == "consumer" else "kv_producer"
         children = [
             {
@@ -131,15 +129,7 @@ class MultiDriver(ExampleDriver):
             }
             for root in (self.root, self.bystander_root)
         ]
-        return EngineSpec(
-            connector=connector,
-            connector_module=module,
-            role=role,  # type: ignore[arg-type]
-            policy=policy,
-            block_size=BLOCK_SIZE,
-            layer_forward_context=True,
-            extra_config={"connectors": children},
-        )
+        return self._store_spec(policy, role, connector, module, {"connectors": children})
 
     def _producer(self) -> Engine:
         if self._p is None:

@@ -565,6 +565,22 @@ class LoadsFromLastChild(MultiConnector):
         return chosen
 
 
+class _DropsLoadErrors:
+    """Mixed in front of a real connector: every failure its worker found is dropped, so
+    a failed load goes out as a finished one (no failed block, no failed request)."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        super().get_block_ids_with_load_errors()  # type: ignore[misc]
+        return set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)  # type: ignore[misc]
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+        )
+
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
         MooncakeStoreConnector as _MooncakeStore,
@@ -574,21 +590,10 @@ except Exception:  # the store's module is importable wherever vLLM is; be safe 
 
 if _MooncakeStore is not None:
 
-    class DropsStoreLoadErrors(_MooncakeStore):  # type: ignore[misc,valid-type]
+    class DropsStoreLoadErrors(_DropsLoadErrors, _MooncakeStore):  # type: ignore[misc,valid-type]
         """MooncakeStoreConnector that drops what its receive threads found: a get that
         failed is reported as a finished load, with no failed block and no failed
         request, so D runs on blocks the store never filled."""
-
-        def get_block_ids_with_load_errors(self) -> set[int]:
-            super().get_block_ids_with_load_errors()
-            return set()
-
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            results = super().get_transfer_results(finished_req_ids)
-            return KVConnectorTransferResults(
-                finished_sending=results.finished_sending,
-                finished_recving=results.finished_recving,
-            )
 
     __all__ += ["DropsStoreLoadErrors"]
 
@@ -634,20 +639,9 @@ except Exception:  # NIXL's module imports the nixl package, which may be missin
 
 if _NixlPush is not None:
 
-    class DropsPushLoadErrors(_NixlPush):  # type: ignore[misc,valid-type]
+    class DropsPushLoadErrors(_DropsLoadErrors, _NixlPush):  # type: ignore[misc,valid-type]
         """NixlPushConnector that reports every load its worker failed as finished: no
         failed block, no failed request."""
-
-        def get_block_ids_with_load_errors(self) -> set[int]:
-            super().get_block_ids_with_load_errors()
-            return set()
-
-        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            results = super().get_transfer_results(finished_req_ids)
-            return KVConnectorTransferResults(
-                finished_sending=results.finished_sending,
-                finished_recving=results.finished_recving,
-            )
 
     __all__ += ["DropsPushLoadErrors"]
 
