@@ -9,7 +9,9 @@ features, never version strings, so backports and forks are judged by what they 
   loads only by block (``get_block_ids_with_load_errors``);
 * ``KVConnectorOutput.failed_recving``, the field that carries the request-level channel
   from the workers to the scheduler (arrived with it);
-* the block-pool binding (``bind_kv_cache_manager``) the quarantine needs.
+* the block-pool binding the quarantine needs: ``bind_kv_cache_manager`` (the manager,
+  hence each request's blocks) where it exists, else ``bind_gpu_block_pool`` (the pool
+  alone: :mod:`kvfail.vllm_quarantine` then records a load's blocks itself).
 
 Code that must run on every release imports :data:`KVConnectorTransferResults` from here:
 vLLM's class where it exists, otherwise :class:`LegacyTransferResults` (same fields), which
@@ -37,7 +39,8 @@ FEATURES: dict[str, str] = {
     "request_level_channel": "KVConnectorBase_V1.get_transfer_results / "
     "KVConnectorTransferResults.failed_recving",
     "output_failed_recving": "KVConnectorOutput.failed_recving",
-    "block_pool_binding": "KVConnectorBase_V1.bind_kv_cache_manager",
+    "block_pool_binding": "KVConnectorBase_V1.bind_kv_cache_manager or bind_gpu_block_pool",
+    "kv_cache_manager_binding": "KVConnectorBase_V1.bind_kv_cache_manager",
     "get_finished": "KVConnectorBase_V1.get_finished (the pre-0.30 completion poll)",
     "nixl_failed_set": "the NIXL worker's failed-request set (_recv_failures)",
 }
@@ -111,11 +114,19 @@ def output_has_failed_recving() -> bool:
 
 
 @functools.cache
-def block_pool_binding_available() -> bool:
-    """Whether vLLM hands the connector its block pool (``bind_kv_cache_manager``): what
-    :mod:`kvfail.quarantine` needs to hold a failed load's blocks. Without it a load that
-    may still be written is held back until fenced, as before quarantine."""
+def kv_cache_manager_binding_available() -> bool:
+    """Whether vLLM hands the connector its ``KVCacheManager`` (``bind_kv_cache_manager``),
+    from which the quarantine reads a request's blocks."""
     return hasattr(_base_class(), "bind_kv_cache_manager")
+
+
+@functools.cache
+def block_pool_binding_available() -> bool:
+    """Whether vLLM hands the connector its block pool, through the manager or alone
+    (``bind_gpu_block_pool``): what :mod:`kvfail.quarantine` needs to hold a failed load's
+    blocks. Without it a load that may still be written is held back until fenced, as
+    before quarantine."""
+    return kv_cache_manager_binding_available() or hasattr(_base_class(), "bind_gpu_block_pool")
 
 
 @functools.cache
@@ -153,6 +164,7 @@ def features() -> dict[str, bool]:
         "request_level_channel": request_level_channel_available(),
         "output_failed_recving": output_has_failed_recving(),
         "block_pool_binding": block_pool_binding_available(),
+        "kv_cache_manager_binding": kv_cache_manager_binding_available(),
         "get_finished": hasattr(_base_class(), "get_finished"),
         "nixl_failed_set": nixl_failed_set_available(),
     }

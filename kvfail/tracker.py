@@ -460,8 +460,13 @@ class LoadTracker:
             failures.append((load.req_id, failure))
             if load.unfenced and self.quarantine:
                 # Request-level, so the scheduler drops everything the load computed and
-                # recomputes into fresh blocks, never into the held ones (C11).
-                failed.add(load.req_id)
+                # recomputes into fresh blocks, never into the held ones (C11). Without
+                # that channel every block of the load is named, and the scheduler half
+                # turns it into the same (kvfail.vllm_quarantine._RecordedLoads).
+                if self.request_level_available:
+                    failed.add(load.req_id)
+                else:
+                    invalid.update(load.flat)
                 self._quarantined[load.req_id] = load
                 self._notice_held.add(load.req_id)
                 self._stats.event("loads_quarantined")

@@ -8,7 +8,8 @@ This module imports vLLM; ``import kvfail`` does not. A connector puts
 * worker role: ``build_connector_worker_meta`` carries this step's holds and releases
   next to whatever upstream's worker metadata is (vLLM aggregates TP ranks with
   ``aggregate``);
-* scheduler role: ``bind_kv_cache_manager`` gives the block pool,
+* scheduler role: ``bind_kv_cache_manager`` gives the block pool (on a vLLM that binds
+  the pool alone, ``bind_gpu_block_pool``; see :class:`_RecordedLoads`),
   ``update_connector_output`` applies the notices before vLLM frees the request's blocks,
   ``get_num_new_matched_tokens`` takes no remote load once the cap is reached,
   ``has_pending_push_work`` keeps the engine stepping while blocks are held (the release
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvfail import compat
 from kvfail.quarantine import BlockQuarantine, QuarantineNotice
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -82,10 +86,64 @@ def _cap_from(connector: Any, num_blocks: int) -> int:
     return cap
 
 
+class _RecordedLoads:
+    """A request's blocks for a vLLM that binds the block pool but not the cache manager
+    (no ``bind_kv_cache_manager``), which cannot be asked for a request's blocks.
+
+    An async load's blocks are recorded at allocation (``update_state_after_alloc``): they
+    are all the request holds while it waits, and vLLM keeps them until the load's
+    ``finished_recving`` (even for a request finished meanwhile), so the record is
+    dropped with that report, after the step's holds were taken.
+
+    Such a vLLM also lacks the request-level channel, so a held load reaches it as
+    invalid blocks (every block of the load, see :class:`kvfail.tracker.LoadTracker`).
+    Under ``recompute`` vLLM would then keep the request's blocks past its valid prefix
+    and recompute into them, the very blocks P may still write: :meth:`drop_computed`
+    sets the request back to no computed token, as a request-level failure does, so
+    vLLM frees every block (the held ones stay out of the pool) and the request
+    recomputes into fresh ones.
+    """
+
+    def __init__(self) -> None:
+        #: Requests whose last ``get_num_new_matched_tokens`` promised an async load.
+        self.async_pending: set[str] = set()
+        self.loads: dict[str, tuple[Request, list[Any]]] = {}
+
+    def matched(self, req_id: str, num_tokens: int | None, load_async: bool) -> None:
+        if load_async and num_tokens:
+            self.async_pending.add(req_id)
+        else:
+            self.async_pending.discard(req_id)
+
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        req_id = request.request_id
+        if req_id in self.async_pending and num_external > 0:
+            self.loads[req_id] = (request, [b for group in blocks.blocks for b in group])
+        self.async_pending.discard(req_id)
+
+    def blocks_of(self, req_id: str) -> list[Any] | None:
+        entry = self.loads.get(req_id)
+        if entry is None or not entry[1]:
+            return None
+        return entry[1]
+
+    def drop_computed(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            entry = self.loads.get(req_id)
+            if entry is not None and not entry[0].is_finished():
+                entry[0].num_computed_tokens = 0
+
+    def reported(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.loads.pop(req_id, None)
+
+
 class QuarantineConnector:
     """Mix in front of an upstream connector class (see the module docstring)."""
 
     _kvfail_quarantine: BlockQuarantine | None = None
+    #: Set where vLLM binds the block pool alone (see :class:`_RecordedLoads`).
+    _kvfail_recorded: _RecordedLoads | None = None
     #: Remote loads turned away since the last stats interval.
     _kvfail_refused_loads: int = 0
     #: The levels last put in the stats: a level is sent only when it changes.
@@ -119,6 +177,25 @@ class QuarantineConnector:
             pool, blocks_of, max_blocks=_cap_from(self, pool.num_gpu_blocks)
         )
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)  # type: ignore[misc]
+        if compat.kv_cache_manager_binding_available():
+            return  # bind_kv_cache_manager (which calls this one) builds the quarantine
+        recorded = _RecordedLoads()
+        self._kvfail_recorded = recorded
+        self._kvfail_quarantine = BlockQuarantine(
+            gpu_block_pool,
+            recorded.blocks_of,
+            max_blocks=_cap_from(self, gpu_block_pool.num_gpu_blocks),
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
+        if self._kvfail_recorded is not None:
+            self._kvfail_recorded.allocated(request, blocks, num_external_tokens)
+
     @property
     def quarantine(self) -> BlockQuarantine | None:
         """The scheduler side's quarantine (None in a worker, or before vLLM binds it)."""
@@ -126,9 +203,12 @@ class QuarantineConnector:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
+        recorded = self._kvfail_recorded
         if isinstance(meta, KvfailWorkerMeta):
             if self._kvfail_quarantine is not None:
                 self._kvfail_quarantine.apply(meta.notice)
+                if recorded is not None:
+                    recorded.drop_computed(req_id for req_id, _ in meta.notice.held)
             elif meta.notice.held:
                 log.error(
                     "kvfail: %d loads to quarantine, but vLLM never bound the block pool",
@@ -137,6 +217,8 @@ class QuarantineConnector:
             connector_output = dataclasses.replace(
                 connector_output, kv_connector_worker_meta=meta.inner
             )
+        if recorded is not None:
+            recorded.reported(connector_output.finished_recving or ())
         super().update_connector_output(connector_output)  # type: ignore[misc]
 
     def has_pending_push_work(self) -> bool:
@@ -166,6 +248,8 @@ class QuarantineConnector:
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens
         )
+        if self._kvfail_recorded is not None:
+            self._kvfail_recorded.matched(request.request_id, *result)
         return result
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

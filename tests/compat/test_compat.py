@@ -26,6 +26,7 @@ def _clear() -> None:
         compat.transfer_results_class,
         compat.output_has_failed_recving,
         compat.block_pool_binding_available,
+        compat.kv_cache_manager_binding_available,
         compat.get_finished_polled,
         compat.nixl_failed_set_available,
     ):
@@ -54,6 +55,9 @@ class _Output030(_Output029):
 class _Base029:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    def bind_gpu_block_pool(self, pool: object) -> None:
+        pass
 
 
 class _Base030(_Base029):
@@ -91,7 +95,8 @@ def test_features_follow_what_the_modules_offer_not_a_version(
     assert compat.features() == {
         "request_level_channel": request_level,
         "output_failed_recving": request_level,
-        "block_pool_binding": request_level,
+        "block_pool_binding": True,  # the pool alone (0.29) or through the manager
+        "kv_cache_manager_binding": request_level,
         "get_finished": True,
         "nixl_failed_set": False,  # no NIXL module faked
     }
@@ -259,8 +264,10 @@ def test_detection_matches_the_installed_vllm() -> None:
     assert compat.request_level_channel_available() is has_results
     fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
     assert compat.output_has_failed_recving() is ("failed_recving" in fields)
-    assert compat.block_pool_binding_available() is hasattr(
-        base.KVConnectorBase_V1, "bind_kv_cache_manager"
+    manager = hasattr(base.KVConnectorBase_V1, "bind_kv_cache_manager")
+    assert compat.kv_cache_manager_binding_available() is manager
+    assert compat.block_pool_binding_available() is (
+        manager or hasattr(base.KVConnectorBase_V1, "bind_gpu_block_pool")
     )
     if has_results:
         assert compat.KVConnectorTransferResults is base.KVConnectorTransferResults

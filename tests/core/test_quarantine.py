@@ -128,3 +128,18 @@ def test_the_mixin_names_its_rank_in_each_notice() -> None:
     assert notice.held == {("r1", 1)} and not notice.released
     w.load_fenced("r1")
     assert w.take_quarantine_notice().released == {("r1", 1)}
+
+
+def test_without_the_request_channel_a_held_load_names_every_block() -> None:
+    """A vLLM without ``failed_recving`` (0.29) is told by block: every block of the
+    load, so the scheduler half can turn it into a request-level failure."""
+    clock = ManualClock()
+    t = make(clock=clock, default_deadline_s=1.0, fence=lambda r: False)
+    t.request_level_available = False
+    t.track("r1", [4, 5, 6])
+    clock.advance(2.0)
+    report = t.drain()
+    assert report.finished_recving == {"r1"} and not report.failed_recving
+    assert report.invalid_block_ids == {4, 5, 6}
+    assert t.take_quarantine_notice() == ({"r1"}, frozenset())
+    assert t.is_quarantined("r1") and t.quarantined_blocks == 3
