@@ -136,7 +136,11 @@ class Cell:
             return "-"
         bad, ran, not_run = self.dynamic
         if not ran:
-            return f"? {not_run} not run" if not_run else "-"
+            # Every scenario an error (kvfail's NIXL refusing a vLLM without the failed
+            # set): say so, not "-", which reads as "no driver".
+            parts = [f"+{self.dynamic_errors} error"] if self.dynamic_errors else []
+            parts += [f"? {not_run} not run"] if not_run else []
+            return " ".join(parts) or "-"
         text = f"FAIL {bad}/{ran}" if bad else f"ok {ran}/{ran}"
         if self.dynamic_errors:
             text += f" +{self.dynamic_errors} error"

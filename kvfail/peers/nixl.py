@@ -63,6 +63,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvfail import compat
 from kvfail.faults import free_port
 from kvfail.peers.base import (
     DecodeRecord,
@@ -376,7 +377,8 @@ def _load_state(view: RankView, req_id: str) -> str:
         parts.append(f"P agents {len(w._remote_agents.get(remote, {}))}")
         parts.append(f"handshake pending {remote in w._handshake_futures}")
     parts.append(f"ready queue {w._ready_requests.qsize()}")
-    parts.append(f"failed {req_id in w._recv_failures}")
+    if compat.nixl_failed_set_available():  # a vLLM without it has nothing to show
+        parts.append(f"failed {req_id in w._recv_failures}")
     tracked = tracker_state(w, req_id)
     return ", ".join(parts if tracked is None else [*parts, tracked])
 

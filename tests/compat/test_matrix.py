@@ -169,3 +169,12 @@ def test_a_scenario_the_tool_could_not_judge_is_an_error_not_a_failure(status: s
     cell = m.cells_from_audit(report)["C"]
     assert cell.dynamic == (0, 1, 0) and cell.dynamic_errors == 1
     assert cell.dynamic_text == "ok 1/1 +1 error"
+
+
+def test_a_connector_with_every_scenario_an_error_says_so_not_no_driver() -> None:
+    cell = m.Cell(present=True, dynamic=(0, 0, 0), dynamic_errors=22)
+    assert cell.dynamic_text == "+22 error"
+    assert m.Cell(present=True, dynamic=(0, 0, 3), dynamic_errors=1).dynamic_text == (
+        "+1 error ? 3 not run"
+    )
+    assert m.Cell(present=True, dynamic=(0, 0, 0)).dynamic_text == "-"
