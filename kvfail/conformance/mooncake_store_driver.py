@@ -102,7 +102,7 @@ def cpu_cuda_event() -> Iterator[None]:
     """``torch.cuda.Event`` is a no-op event inside the block, on CPU-only torch only."""
     import torch
 
-    from kvfail import rig_patches
+    from kvfail.rig import patches as rig_patches
 
     if torch.cuda.is_available():
         yield
