@@ -156,11 +156,15 @@ class _ExitGuard:
             if self.installed:
                 return
             self.installed = True
-        if config is None:
-            config = _running_pytest_config()
-        if config is not None:
+        # Every live session, not only the newest: when the first D is built inside a
+        # nested session (a self-test's inner ``pytest.main``), that session ends first,
+        # and the process's status is the outermost one's, which ends last.
+        configs = _running_pytest_configs()
+        if config is not None and all(c is not config for c in configs):
+            configs.append(config)
+        for each in configs:
             with contextlib.suppress(Exception):
-                config.pluginmanager.register(self, "kvfail-nixl-exit-guard")
+                each.pluginmanager.register(self, "kvfail-nixl-exit-guard")
         previous_hook = sys.excepthook
 
         def excepthook(*args: Any) -> None:
@@ -200,16 +204,15 @@ def _code_of(code: Any) -> int:
     return 1  # sys.exit("message") prints it and exits 1
 
 
-def _running_pytest_config() -> Any:
-    """The live ``pytest.Config`` when pytest runs this process, else None (found once)."""
+def _running_pytest_configs() -> list[Any]:
+    """The live ``pytest.Config`` objects when pytest runs this process (found once)."""
     if "_pytest.config" not in sys.modules:
-        return None
+        return []
     from _pytest.config import Config
 
     # ``type(o) is``, not isinstance: isinstance reads ``__class__``, which some lazy
     # objects (torch, vLLM) turn into imports and deprecation warnings.
-    live = [o for o in gc.get_objects() if type(o) is Config]
-    return live[-1] if live else None
+    return [o for o in gc.get_objects() if type(o) is Config]
 
 
 _GUARD = _ExitGuard()
