@@ -781,19 +781,25 @@ def _close_session(config: pytest.Config) -> None:
         state.started.clear()
     finally:
         close_shared_producers()  # the P's drivers handed off when they stopped
-        _sweep_shared_memory()
+        # Only the outermost session in this process waits for exiting users: a nested one
+        # (the self-test's) would wait on P's the outer session still runs.
+        _sweep_shared_memory(wait_s=ORPHAN_WAIT_S if config.stash.get(_OWN_IPC_DIR, None) else 0.0)
 
 
 #: /dev/shm ``psm_*`` names that existed when the session started (see the sweep).
 _SHM_BEFORE: set[str] = set()
+#: How long the outermost session's sweep keeps looking at segments still in use.
+ORPHAN_WAIT_S = 10.0
 
 
-def _sweep_shared_memory() -> None:
+def _sweep_shared_memory(wait_s: float = 0.0) -> None:
     """Remove the TP worlds' shared memory this session left (killed peers' ranks), the
     ``psm_*`` message-queue segments of killed vLLM processes created since the session
-    began that no live process uses (the IPC directory goes in ``pytest_unconfigure``)."""
+    began that no live process uses (the IPC directory goes in ``pytest_unconfigure``).
+    ``wait_s``: how long to keep looking at segments whose last users are still exiting
+    (a closed P's rank processes unmap its queues only as they go)."""
     from kvfail.rig import shm
 
     if shm.owns_session_prefix():
-        shm.release_orphans(_SHM_BEFORE)
+        shm.release_orphans(_SHM_BEFORE, wait_s=wait_s)
         shm.release_shared_memory(shm.session_prefix())
