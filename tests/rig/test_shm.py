@@ -3,10 +3,12 @@ live process still maps and what existed before stay."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -67,20 +69,32 @@ _SEMAPHORE = (
 )
 
 
-def test_a_killed_processs_named_semaphore_goes_and_a_held_one_stays() -> None:
-    """multiprocessing's named semaphores (``sem.mp-*``) outlive a SIGKILLed server too;
-    one that a live process still has mapped is left alone."""
-    tag = f"mp-kvfailtest{os.getpid()}"
-    prefix = f"sem.{tag}"
-    before = shm.segment_names(prefix)
+@contextlib.contextmanager
+def _holding_semaphore(tag: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A live process that keeps the named semaphore ``/<tag>held`` mapped; afterwards it
+    is killed and every ``sem.<tag>*`` is removed, whatever the test left."""
     holder = subprocess.Popen(
         [sys.executable, "-c", _SEMAPHORE, f"/{tag}held", "hold"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
     try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == b"up"
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"up"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        for path in Path("/dev/shm").glob(f"sem.{tag}*"):
+            path.unlink()
+
+
+def test_a_killed_processs_named_semaphore_goes_and_a_held_one_stays() -> None:
+    """multiprocessing's named semaphores (``sem.mp-*``) outlive a SIGKILLed server too;
+    one that a live process still has mapped is left alone."""
+    tag = f"mp-kvfailtest{os.getpid()}"
+    prefix = f"sem.{tag}"
+    before = shm.segment_names(prefix)
+    with _holding_semaphore(tag):
         gone = subprocess.run(
             [sys.executable, "-c", _SEMAPHORE, f"/{tag}orphan", "exit"],
             capture_output=True,
@@ -91,11 +105,6 @@ def test_a_killed_processs_named_semaphore_goes_and_a_held_one_stays() -> None:
         assert shm.segment_names(prefix) - before == {f"{prefix}held", f"{prefix}orphan"}
         assert shm.release_orphans(before, prefix=prefix) == 1
         assert shm.segment_names(prefix) - before == {f"{prefix}held"}
-    finally:
-        holder.kill()
-        holder.wait(timeout=10)
-        for path in Path("/dev/shm").glob(f"{prefix}*"):
-            path.unlink()
 
 
 def test_the_sweep_waits_for_a_segment_whose_last_user_is_still_exiting() -> None:
@@ -104,22 +113,11 @@ def test_the_sweep_waits_for_a_segment_whose_last_user_is_still_exiting() -> Non
     tag = f"mp-kvfailwait{os.getpid()}"
     prefix = f"sem.{tag}"
     before = shm.segment_names(prefix)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _SEMAPHORE, f"/{tag}late", "hold"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == b"up"
+    with _holding_semaphore(tag) as holder:
         assert shm.release_orphans(before, prefix=prefix) == 0  # still mapped: kept
         threading.Timer(0.5, holder.kill).start()  # the last user exits while we wait
         assert shm.release_orphans(before, prefix=prefix, wait_s=30.0) == 1
         assert shm.segment_names(prefix) == before
-    finally:
-        holder.kill()
-        holder.wait(timeout=10)
-        for path in Path("/dev/shm").glob(f"{prefix}*"):
-            path.unlink()
 
 
 def test_the_ipc_directory_is_the_sessions_own_and_goes_at_the_end(
