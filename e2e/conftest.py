@@ -22,9 +22,6 @@ from kvfail.rig import shm
 
 #: Filled by the tests with what the client saw, timings and metrics; printed at the end.
 SUMMARY: dict[str, Any] = {}
-#: How long the end-of-session sweep keeps looking at segments a killed server's children
-#: still map: they unmap theirs only as they exit, after the server itself is gone.
-ORPHAN_WAIT_S = 10.0
 
 
 #: The quick subset (marker ``e2e_ci``; CI's subset while the tier took 11 min): one
@@ -105,7 +102,7 @@ def _no_leftover_peers() -> Iterator[None]:
     left = live_peers()
     for peer in left:
         peer.close()
-    shm.release_orphans(before, wait_s=ORPHAN_WAIT_S)
+    shm.release_orphans(before, wait_s=shm.EXIT_WAIT_S)
     assert not left, f"servers left running: {left}"
 
 

@@ -686,8 +686,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     def _mc_expire_holds(self) -> None:
         """Past ``kvfail_max_hold_s``, release loads held by :meth:`_mc_fail_unreported`."""
         bound = self._mc_max_hold_s
-        if bound is None:
-            return
+        assert bound is not None
         now = time.monotonic()
         with self._mc_lock:
             due = [r for r, since in self._mc_held.items() if now - since >= bound]
@@ -702,7 +701,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         """The step's results from the mixin; finished sends from upstream's sender."""
-        if self._mc_held:
+        if self._mc_held and self._mc_max_hold_s is not None:
             self._mc_expire_holds()
         return self.transfer_results(finished_sending=self._mc_take_finished_sending())
 

@@ -13,7 +13,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["ALL_LAYOUTS", "DEFAULT_LAYOUT", "Layout", "parse_layout_policies", "parse_layouts"]
+__all__ = [
+    "ALL_LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "POLICIES",
+    "Layout",
+    "parse_layout_policies",
+    "parse_layouts",
+]
 
 _PATTERN = re.compile(r"^tp(?P<tp>[12])(?:-g(?P<groups>[12]))?$")
 
@@ -50,8 +57,8 @@ DEFAULT_LAYOUT = Layout()
 ALL_LAYOUTS = (Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(2, 2))
 
 
-#: The ``kv_load_failure_policy`` values a layout may be limited to.
-_POLICIES = ("fail", "recompute")
+#: The ``kv_load_failure_policy`` values the suite runs under (a layout may be limited to some).
+POLICIES = ("fail", "recompute")
 
 
 def parse_layouts(values: list[str]) -> list[Layout]:
@@ -76,11 +83,11 @@ def parse_layout_policies(values: list[str]) -> tuple[list[Layout], dict[Layout,
             out += [layout for layout in chosen if layout not in out]
             if limit:
                 policies = frozenset(limit.split("+"))
-                unknown = sorted(policies - set(_POLICIES))
+                unknown = sorted(policies - set(POLICIES))
                 if unknown:
                     raise ValueError(
                         f"unknown policy {unknown[0]!r} in {part.strip()!r}: use "
-                        f"{' or '.join(_POLICIES)}, joined by +"
+                        f"{' or '.join(POLICIES)}, joined by +"
                     )
                 for layout in chosen:
                     only[layout] = only.get(layout, frozenset()) | policies

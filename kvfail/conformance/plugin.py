@@ -32,7 +32,7 @@ import pytest
 from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
 from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of
 from kvfail.conformance.capabilities import SKIP_PREFIXES, Capabilities
-from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout, parse_layout_policies
+from kvfail.conformance.layout import DEFAULT_LAYOUT, POLICIES, Layout, parse_layout_policies
 from kvfail.conformance.report import (
     RECORDS_FILE,
     Outcome,
@@ -47,7 +47,6 @@ from kvfail.rig import patches as rig_patches
 
 __all__ = ["POLICIES"]
 
-POLICIES = ("fail", "recompute")
 DEFAULT_CONNECTOR = "toy"
 
 
@@ -783,23 +782,21 @@ def _close_session(config: pytest.Config) -> None:
         close_shared_producers()  # the P's drivers handed off when they stopped
         # Only the outermost session in this process waits for exiting users: a nested one
         # (the self-test's) would wait on P's the outer session still runs.
-        _sweep_shared_memory(wait_s=ORPHAN_WAIT_S if config.stash.get(_OWN_IPC_DIR, None) else 0.0)
+        _sweep_shared_memory(outermost=bool(config.stash.get(_OWN_IPC_DIR, None)))
 
 
 #: /dev/shm ``psm_*`` names that existed when the session started (see the sweep).
 _SHM_BEFORE: set[str] = set()
-#: How long the outermost session's sweep keeps looking at segments still in use.
-ORPHAN_WAIT_S = 10.0
 
 
-def _sweep_shared_memory(wait_s: float = 0.0) -> None:
+def _sweep_shared_memory(*, outermost: bool) -> None:
     """Remove the TP worlds' shared memory this session left (killed peers' ranks), the
     ``psm_*`` message-queue segments of killed vLLM processes created since the session
     began that no live process uses (the IPC directory goes in ``pytest_unconfigure``).
-    ``wait_s``: how long to keep looking at segments whose last users are still exiting
-    (a closed P's rank processes unmap its queues only as they go)."""
+    The ``outermost`` session keeps looking, bounded, at segments whose last users are
+    still exiting (a closed P's rank processes unmap its queues only as they go)."""
     from kvfail.rig import shm
 
     if shm.owns_session_prefix():
-        shm.release_orphans(_SHM_BEFORE, wait_s=wait_s)
+        shm.release_orphans(_SHM_BEFORE, wait_s=shm.EXIT_WAIT_S if outermost else 0.0)
         shm.release_shared_memory(shm.session_prefix())

@@ -95,6 +95,10 @@ def release_shared_memory(ident: str) -> int:
 #: random names we cannot predict.
 ANON_PREFIX: tuple[str, ...] = ("psm_", "sem.mp-")
 
+#: How long an end-of-session sweep keeps looking at segments still mapped: a killed
+#: server's (or a closed P's) child processes unmap theirs only as they exit.
+EXIT_WAIT_S = 10.0
+
 
 def segment_names(prefix: str | tuple[str, ...] = ANON_PREFIX) -> set[str]:
     """The /dev/shm names that start with ``prefix`` now."""
