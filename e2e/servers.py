@@ -12,9 +12,11 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,6 +116,8 @@ class VllmServer:
     side_port: int
     proc: PeerProcess
     log_path: Path
+    #: The server's own TMPDIR (see :func:`start_server`), removed by :meth:`close`.
+    tmp_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -210,6 +214,8 @@ class VllmServer:
 
     def close(self) -> None:
         self.proc.close(grace_s=3.0, timeout_s=15.0)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 #: How faulthandler's dump lines begin.
@@ -304,6 +310,11 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
     else:
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(side_port)
         env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = "30"
+    # vLLM leaves its rendezvous file (``vllm_dist_*``) and IPC sockets in TMPDIR; a
+    # killed server never removes them. A short directory of its own (socket paths have a
+    # length limit) goes away with the server.
+    tmp_dir = Path(tempfile.mkdtemp(prefix="kvf-srv-"))
+    env["TMPDIR"] = str(tmp_dir)
     env.update(spec.extra_env)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}-{port}.log"
@@ -333,8 +344,12 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
     # PeerProcess pipes stdout; redirect it into the log file through a tiny shell-free trick:
     # run the launcher with its own stdout bound to the file.
     wrapper = [sys.executable, "-c", _TEE, str(log_path), *argv]
-    proc = PeerProcess(wrapper, name=spec.name, env=env, cwd=REPO, max_lines=10)
-    return VllmServer(spec, model, port, side_port, proc, log_path)
+    try:
+        proc = PeerProcess(wrapper, name=spec.name, env=env, cwd=REPO, max_lines=10)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return VllmServer(spec, model, port, side_port, proc, log_path, tmp_dir)
 
 
 #: exec the real command with stdout/stderr on the log file (same pid, same group).

@@ -415,6 +415,11 @@ class LoadTracker:
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._loads
 
+    def was_delivered(self, req_id: str) -> bool:
+        """Whether ``req_id`` was reported recently (evidence for a stuck request)."""
+        with self._lock:
+            return req_id in self._recent or req_id in self._recent_old
+
     def failure_of(self, req_id: str) -> Failure | None:
         load = self._loads.get(req_id)
         return None if load is None else load.failure

@@ -352,7 +352,9 @@ class ScenarioContext:
         stuck = oracles.check_liveness(engine)
         if stuck and engine.crashed is None:
             try:
-                state = self.driver.stuck_state(engine, sorted(engine.waiting_for_remote()))
+                # Every request still in the scheduler is stuck, a finished one whose
+                # blocks are held as much as one still waiting for remote KV.
+                state = self.driver.stuck_state(engine, sorted(engine.scheduler.requests))
             except Exception as exc:  # evidence only: never hide the finding itself
                 state = [f"(the driver's stuck_state raised {exc!r})"]
             stuck += [f"C2/C10 state: {line}" for line in state]

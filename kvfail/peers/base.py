@@ -116,7 +116,10 @@ def tracker_state(worker: Any, req_id: str) -> str | None:
     tracker = getattr(worker, "_kvfail_tracker", None)
     if tracker is None:
         return None
-    return f"kvfail tracked {tracker.is_tracked(req_id)} failure {tracker.failure_of(req_id)}"
+    return (
+        f"kvfail tracked {tracker.is_tracked(req_id)} failure {tracker.failure_of(req_id)} "
+        f"delivered {tracker.was_delivered(req_id)}"
+    )
 
 
 class ProducerHandleBase:
