@@ -40,8 +40,11 @@ __all__ = [
     "ExampleDriver",
     "damage",
     "example_base",
+    "kvfail_example",
     "make_driver",
+    "make_kvfail_driver",
     "pattern_value",
+    "producer_of",
     "write_pattern",
 ]
 
@@ -136,11 +139,31 @@ def example_base() -> type | None:
     return ExampleConnector
 
 
+def kvfail_example() -> type | None:
+    """kvfail's ``KvfailExampleConnector``, None where it cannot be imported."""
+    try:
+        from connectors.example import KvfailExampleConnector
+    except Exception:
+        return None
+    return KvfailExampleConnector
+
+
+def producer_of(cls: type | None) -> tuple[str, str | None]:
+    """P's (connector, module) for D class ``cls``: the unbroken connector nearest above
+    it, so a D-side negative control tests D only, and a D that checks what its own save
+    path wrote beside each file finds it there. This picks the store's writer, never a
+    verdict: every scenario judges D by what it did."""
+    ours = kvfail_example()
+    if cls is not None and ours is not None and issubclass(cls, ours):
+        return (ours.__name__, ours.__module__)
+    return ("ExampleConnector", None)
+
+
 class ExampleDriver(Driver["_StoreHandle"]):
     """vLLM's ExampleConnector over real files on disk (see the module docstring).
 
-    ``connector_cls``: a subclass to run on D instead (a negative control); P always runs
-    the registered ExampleConnector, so a D-side break tests D only."""
+    ``connector_cls``: a subclass to run on D instead (kvfail's connector, or a negative
+    control); P runs the unbroken connector nearest above it (:func:`producer_of`)."""
 
     def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -155,6 +178,8 @@ class ExampleDriver(Driver["_StoreHandle"]):
             if connector_cls is None
             else (connector_cls.__name__, connector_cls.__module__)
         )
+        #: P's (connector, module).
+        self._p_connector = producer_of(connector_cls)
         self._root: Path | None = None
         self._p: Engine | None = None
         #: request id -> the files P wrote for its prompt (one per layer).
@@ -234,7 +259,9 @@ class ExampleDriver(Driver["_StoreHandle"]):
         if self._p is None:
             from kvfail.harness.engine import Engine
 
-            self._p = Engine(self._spec("fail", "producer"), forward=write_pattern)
+            self._p = Engine(
+                self._spec("fail", "producer", *self._p_connector), forward=write_pattern
+            )
         return self._p
 
     def add_remote_request(
@@ -309,3 +336,14 @@ class _StoreHandle(EngineHandle):
 def make_driver(name: str) -> ExampleDriver:
     """Entry point ``kvfail.drivers`` ``vllm:ExampleConnector``."""
     return ExampleDriver(name)
+
+
+def make_kvfail_driver(name: str) -> ExampleDriver:
+    """Entry point ``kvfail.drivers`` ``example``: kvfail's ``KvfailExampleConnector``
+    (``connectors.example``) on D, and on P."""
+    cls = kvfail_example()
+    if cls is None:
+        from kvfail.conformance.driver import DriverUnavailable
+
+        raise DriverUnavailable("connectors.example cannot be imported")
+    return ExampleDriver(name, connector_cls=cls)

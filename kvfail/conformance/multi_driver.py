@@ -21,6 +21,10 @@ Fault points (all on disk, before D steps):
   a parent that loads only from the child it chose runs on P's bytes;
 * ``store_all_children_damaged``: both children's entries are deleted after the lookup.
 
+With ``child`` set to kvfail's ``KvfailExampleConnector`` (entry point ``multi-example``)
+the children report their failures through kvfail's mixin, so the same faults show
+whether the parent merges a child's report into its own.
+
 TP 1, one KV-cache group.
 """
 
@@ -39,7 +43,13 @@ if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
 
-__all__ = ["MULTI_FAULTS", "MultiDriver", "make_driver", "multi_base"]
+__all__ = [
+    "MULTI_FAULTS",
+    "MultiDriver",
+    "make_driver",
+    "make_kvfail_children_driver",
+    "multi_base",
+]
 
 MULTI_FAULTS = STORE_FAULTS | {
     FaultPoint.STORE_BYSTANDER_DAMAGED,
@@ -64,12 +74,18 @@ class MultiDriver(ExampleDriver):
     ``connector_cls``: a MultiConnector subclass to run on D (a negative control); P
     always runs the registered MultiConnector."""
 
-    CHILD = "ExampleConnector"
-
-    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        connector_cls: type | None = None,
+        child: tuple[str, str | None] = ("ExampleConnector", None),
+    ) -> None:
+        """``child``: both children's (connector, module path), on P and on D."""
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         super().__init__(name)
+        self.child = child
         self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
             "MultiConnector"
         )
@@ -110,7 +126,7 @@ class MultiDriver(ExampleDriver):
                 True,
                 "P, a harness engine with a MultiConnector, saves real files into both children",
             ),
-            "real_transport": (True, "two ExampleConnector children, files on local disk"),
+            "real_transport": (True, f"two {self.child[0]} children, files on local disk"),
         }
 
     def _spec(
@@ -121,9 +137,12 @@ class MultiDriver(ExampleDriver):
         module: str | None = None,
     ) -> EngineSpec:
         kv_role = "kv_consumer" if role == "consumer" else "kv_producer"
+        connector, module = self.child
+        where = {} if module is None else {"kv_connector_module_path": module}
         children = [
             {
-                "kv_connector": self.CHILD,
+                "kv_connector": connector,
+                **where,
                 "kv_role": kv_role,
                 "kv_connector_extra_config": {"shared_storage_path": str(root)},
             }
@@ -173,3 +192,17 @@ class MultiDriver(ExampleDriver):
 def make_driver(name: str) -> MultiDriver:
     """Entry point ``kvfail.drivers`` ``vllm:MultiConnector``."""
     return MultiDriver(name)
+
+
+def make_kvfail_children_driver(name: str) -> MultiDriver:
+    """Entry point ``kvfail.drivers`` ``multi-example``: vLLM's MultiConnector over two
+    of kvfail's ``KvfailExampleConnector`` children, so a child's reported failure has
+    to reach the parent's own report (``get_block_ids_with_load_errors``)."""
+    from kvfail.conformance.example_driver import kvfail_example
+
+    cls = kvfail_example()
+    if cls is None:
+        from kvfail.conformance.driver import DriverUnavailable
+
+        raise DriverUnavailable("connectors.example cannot be imported")
+    return MultiDriver(name, child=(cls.__name__, cls.__module__))
