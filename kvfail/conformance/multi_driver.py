@@ -137,11 +137,11 @@ class MultiDriver(ExampleDriver):
         module: str | None = None,
     ) -> EngineSpec:
         kv_role = "kv_consumer" if role == "consumer" else "kv_producer"
-        connector, module = self.child
-        where = {} if module is None else {"kv_connector_module_path": module}
+        child, child_module = self.child
+        where = {} if child_module is None else {"kv_connector_module_path": child_module}
         children = [
             {
-                "kv_connector": connector,
+                "kv_connector": child,
                 **where,
                 "kv_role": kv_role,
                 "kv_connector_extra_config": {"shared_storage_path": str(root)},
