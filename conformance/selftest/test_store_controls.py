@@ -5,7 +5,10 @@ load skipped: the scheduler counts the stored prefix as loaded and D runs on blo
 never got P's bytes, and nothing is reported. ``LoadsFromLastChild`` is vLLM's
 MultiConnector routing a load to the last matching child, which reads a bystander's
 bytes; ``DropsStoreLoadErrors`` is vLLM's MooncakeStoreConnector reporting a failed get as
-a finished load. Only the drivers' oracles can see them; the unbroken connector
+a finished load. On kvfail's own Example connector (``connectors/example``):
+``SkipsDigestCheck`` loads each file without checking its digest, and ``DropsChildErrors``
+is vLLM's MultiConnector over two of them dropping what its children report. Only the
+drivers' oracles can see them; the unbroken connector
 (``STORE_REFERENCES``) must pass the same scenario (a flag is evidence only where the
 reference passes). Run in one inner session, like the other controls
 (``test_negative_controls.py``).

@@ -197,7 +197,7 @@ class KvfailExampleConnector(FailureReporterMixin, ExampleConnector):
             if name not in attn:
                 raise StoreError(f"{name}: no attention metadata for this layer")
             path = Path(self._generate_filename_debug(name, load.token_ids, load.mm_hashes))
-            src = read_verified(path)
+            src = self._read_layer(path)
             latent = isinstance(attn[name], MLACommonMetadata)
             # [blocks, heads, block_size, head_dim]: a token is (heads, head_dim); MLA
             # keeps one latent row per slot.
@@ -210,6 +210,10 @@ class KvfailExampleConnector(FailureReporterMixin, ExampleConnector):
             staged.append((dst, src, latent))
         for dst, src, latent in staged:
             self._write(dst, src, load.slot_mapping, latent)
+
+    def _read_layer(self, path: Path) -> torch.Tensor:
+        """One stored layer, verified (:func:`read_verified`)."""
+        return read_verified(path)
 
     def _write(
         self, dst: torch.Tensor, src: torch.Tensor, slots: torch.Tensor, latent: bool

@@ -35,6 +35,7 @@ ENTRY_POINT_GROUP = "kvfail.connectors"
 KVFAIL_CONNECTORS = (
     "connectors.mooncake:KvfailMooncakeConnector",
     "connectors.nixl:KvfailNixlConnector",
+    "connectors.example:KvfailExampleConnector",
 )
 #: vLLM's connector interfaces: a class with one of them among its bases is a KV connector.
 CONNECTOR_BASES = frozenset({"KVConnectorBase_V1", "KVConnectorBase"})

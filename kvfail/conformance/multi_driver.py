@@ -85,7 +85,9 @@ class MultiDriver(ExampleDriver):
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         super().__init__(name)
-        self.child = child
+        #: A D class may name the children it is built to compose (``CONFORMANCE_CHILD``,
+        #: a negative control of kvfail's children): set-up, never a verdict.
+        self.child = getattr(connector_cls, "CONFORMANCE_CHILD", None) or child
         self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
             "MultiConnector"
         )

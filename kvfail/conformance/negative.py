@@ -47,7 +47,13 @@ class                      what is broken                               clause  
 One store control, on vLLM's ExampleConnector (real files on disk, ``ExampleDriver``):
 ``SkipsStoreLoad`` matches the stored prefix but never loads it, and reports nothing; the
 integrity oracle flags it in ``test_store_load_ok`` (C1 wrong KV), where the unbroken
-ExampleConnector passes (``conformance/selftest/test_store_controls.py``).
+ExampleConnector passes (``conformance/selftest/test_store_controls.py``). Another, on
+kvfail's own Example connector (``connectors/example``): ``SkipsDigestCheck`` loads each
+file without checking the digest its save path wrote; ``test_store_data_overwritten``
+flags it (C1 wrong KV), where ``KvfailExampleConnector`` passes. ``DropsChildErrors`` is
+vLLM's MultiConnector over two of them that drops its children's reports;
+``test_store_all_children_damaged`` flags it, where the ``multi-example`` driver's
+MultiConnector passes.
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
 (``kvfail/conformance/scenarios/test_concurrency.py``), and by its soak
@@ -597,6 +603,38 @@ if _MooncakeStore is not None:
 
     __all__ += ["DropsStoreLoadErrors"]
 
+try:
+    from connectors.example import KvfailExampleConnector as _KvfailExample
+except Exception:  # connectors/ is kvfail's own package; be safe anyway
+    _KvfailExample = None
+
+if _KvfailExample is not None:
+
+    class SkipsDigestCheck(_KvfailExample):  # type: ignore[misc,valid-type]
+        """kvfail's Example connector trusting whatever parses: each layer's file is
+        read without checking it against the digest its save path wrote, so a file
+        overwritten since (same format, other bytes) loads as a success."""
+
+        def _read_layer(self, path: Any) -> Any:
+            from safetensors.torch import load_file
+
+            return load_file(str(path))["kv_cache"]
+
+    class DropsChildErrors(_DropsLoadErrors, MultiConnector):
+        """MultiConnector over kvfail's Example children that drops what they report:
+        a child's failed load goes out of the parent as a finished one, so D runs on
+        blocks no file filled."""
+
+        #: The children the Multi driver builds for it (on P and on D).
+        CONFORMANCE_CHILD = (_KvfailExample.__name__, _KvfailExample.__module__)
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            # As LoadsFromLastChild: the hybrid manager is off only under Multi's name.
+            vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+            super().__init__(vllm_config, role, kv_cache_config)
+
+    __all__ += ["DropsChildErrors", "SkipsDigestCheck"]
+
 __all__ += ["STORE_REFERENCES", "STORE_SELECT", "LoadsFromLastChild"]
 
 #: Store-connector controls (``scenarios/test_store_faults.py``): class -> its flag.
@@ -608,6 +646,14 @@ EXPECTED_FLAGS_STORE: dict[str, Flag] = {
         if _MooncakeStore is not None
         else {}
     ),
+    **(
+        {
+            "SkipsDigestCheck": Flag("test_store_data_overwritten", "C1 wrong KV"),
+            "DropsChildErrors": Flag("test_store_all_children_damaged", "C1 unreported"),
+        }
+        if _KvfailExample is not None
+        else {}
+    ),
 }
 #: Each store control's unbroken reference (a ``--connector`` value): the reference must
 #: pass the scenario that flags the control, or the flag is no evidence.
@@ -615,6 +661,8 @@ STORE_REFERENCES: dict[str, str] = {
     "SkipsStoreLoad": "vllm:ExampleConnector",
     "LoadsFromLastChild": "vllm:MultiConnector",
     "DropsStoreLoadErrors": "vllm:MooncakeStoreConnector",
+    "SkipsDigestCheck": "example",
+    "DropsChildErrors": "multi-example",
 }
 #: A narrower selection (``-k``) than the whole flagging scenario, where one of its
 #: parametrizations is evidence enough and each costs a fresh store.

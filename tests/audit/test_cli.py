@@ -56,7 +56,7 @@ def test_quick_json_over_installed_vllm() -> None:
     assert "C13:MUST" in rows["OffloadingConnector"]["violations"]
 
     # kvfail's own connectors pass every static check.
-    for ours in ("KvfailMooncakeConnector", "KvfailNixlConnector"):
+    for ours in ("KvfailMooncakeConnector", "KvfailNixlConnector", "KvfailExampleConnector"):
         assert rows[ours]["origin"] == "kvfail"
         assert rows[ours]["violations"] == [], rows[ours]["violations"]
 
