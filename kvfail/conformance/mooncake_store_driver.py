@@ -30,6 +30,8 @@ Fault points (provoked after D's lookup answered, before D's load starts):
 ``store_master_killed``, ``store_master_frozen`` (SIGSTOP: only a deadline of D's can end
 the load), ``store_master_restarted`` (killed and started again, empty),
 ``store_key_removed`` (every stored key removed through the master),
+``store_key_evicted`` (only the key of the prefix's last stored block removed, as an
+eviction would: the other blocks still load),
 ``store_segment_owner_killed``. TP 1, one KV-cache group.
 """
 
@@ -68,6 +70,7 @@ STORE_PROCESS_FAULTS = frozenset(
         FaultPoint.STORE_MASTER_FROZEN,
         FaultPoint.STORE_MASTER_RESTARTED,
         FaultPoint.STORE_KEY_REMOVED,
+        FaultPoint.STORE_KEY_EVICTED,
         FaultPoint.STORE_SEGMENT_OWNER_KILLED,
     }
 )
@@ -433,8 +436,23 @@ class MooncakeStoreDriver(ExampleDriver):
             store = self._producer().workers[0].connector.connector_worker.store
             if store.remove_all(force=True) < 0:
                 raise RuntimeError("MooncakeStoreDriver: the master refused to remove the keys")
+        elif point is FaultPoint.STORE_KEY_EVICTED:
+            self._evict_last_block(engine, request_id)
         elif point is FaultPoint.STORE_SEGMENT_OWNER_KILLED:
             self._owner.kill()
+
+    def _evict_last_block(self, engine: Engine, request_id: str) -> None:
+        """Remove, through the master, the keys of the last block of ``request_id``'s
+        prompt the store holds (every key ends in ``@<block hash>``); the others stay."""
+        import re
+
+        store = self._producer().workers[0].connector.connector_worker.store
+        hashes = engine.scheduler.requests[request_id].block_hashes
+        for block_hash in reversed(hashes):
+            pattern = f".*@{re.escape(bytes(block_hash).hex())}$"
+            if store.remove_by_regex(pattern, force=True) > 0:
+                return
+        raise RuntimeError(f"MooncakeStoreDriver: no stored key of {request_id} to evict")
 
 
 def make_driver(name: str) -> MooncakeStoreDriver:

@@ -137,6 +137,7 @@ class FaultPoint(enum.StrEnum):
     STORE_MASTER_FROZEN = "store_master_frozen"
     STORE_MASTER_RESTARTED = "store_master_restarted"
     STORE_KEY_REMOVED = "store_key_removed"
+    STORE_KEY_EVICTED = "store_key_evicted"
     STORE_SEGMENT_OWNER_KILLED = "store_segment_owner_killed"
 
     @property
@@ -360,6 +361,13 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
         ),
         FaultPoint.STORE_KEY_REMOVED: _spec(
             "the keys D's lookup matched are removed from the store before D's load",
+            _A,
+            Injection.STORE,
+            "C1 C2",
+        ),
+        FaultPoint.STORE_KEY_EVICTED: _spec(
+            "one key D's lookup matched (the prefix's last stored block) is evicted from the "
+            "store before D's load, the others kept: the load is partly there",
             _A,
             Injection.STORE,
             "C1 C2",

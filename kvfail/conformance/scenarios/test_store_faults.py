@@ -104,6 +104,7 @@ STORE_LOST = (
     FaultPoint.STORE_MASTER_KILLED,
     FaultPoint.STORE_MASTER_RESTARTED,
     FaultPoint.STORE_KEY_REMOVED,
+    FaultPoint.STORE_KEY_EVICTED,
     FaultPoint.STORE_SEGMENT_OWNER_KILLED,
 )
 
@@ -128,8 +129,8 @@ def _add_any(kvfail: Any, stem: str, **engine: Any) -> tuple[Any, str]:
 @pytest.mark.parametrize("point", STORE_LOST, ids=[p.value for p in STORE_LOST])
 def test_store_lost_after_lookup(kvfail: Any, point: FaultPoint) -> None:
     """The store matched the prefix, then lost it (its master killed or restarted empty,
-    the keys removed, the memory's owner killed) before D read it: the load is reported
-    failed, never raised, never run on as if loaded."""
+    the keys removed or one of them evicted, the memory's owner killed) before D read it:
+    the load is reported failed, never raised, never run on as if loaded."""
     kvfail.require_fault(point)
     engine, rid = _add_any(kvfail, f"store-{point.value}")
     kvfail.driver.provoke(engine, rid, point)
