@@ -163,11 +163,12 @@ class KvfailExampleConnector(FailureReporterMixin, ExampleConnector):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load every layer of every load, each load tracked and settled exactly once."""
-        attn_metadata = forward_context.attn_metadata
+        attn_metadata = getattr(forward_context, "attn_metadata", None)
+        found = getattr(forward_context, "no_compile_layers", None) or {}
         layers = {
-            name: layer.kv_cache
-            for name, layer in forward_context.no_compile_layers.items()
-            if getattr(layer, "kv_cache", None) is not None
+            name: kv
+            for name, layer in found.items()
+            if (kv := getattr(layer, "kv_cache", None)) is not None
         }
         for req_id, load in self._loads():
             blocks = load_blocks(load, self._block_size)
