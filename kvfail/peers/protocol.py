@@ -23,6 +23,12 @@ __all__ = ["Channel", "dispatch", "read_commands", "serve"]
 
 #: A command handler: the command in, the reply out.
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+#: How long P's engine gets to close on ``quit`` before P exits anyway. Why a bound:
+#: upstream Mooncake's shutdown terminates its ZMQ context while the sender loop still
+#: holds a socket, and that ``term`` then never returns; the caller would wait out its
+#: own timeout and kill P. What a close left running goes with P's process group, which
+#: the caller kills after P exits (``PeerProcess.close``).
+ENGINE_CLOSE_WAIT_S = 2.0
 
 
 class Channel:
@@ -121,8 +127,7 @@ def serve(
             if "id" in cmd:
                 reply["id"] = cmd["id"]
             channel.send(reply)
-        producer.engine.close()
-        channel.send({"event": "bye"})
+        channel.send({"event": "bye", "closed": _close_bounded(producer.engine)})
     except BaseException as exc:
         rc = 1
         import traceback
@@ -131,3 +136,28 @@ def serve(
         channel.send({"event": "error", "error": f"{type(exc).__name__}: {exc}"})
     sys.stderr.flush()
     os._exit(rc)
+
+
+def _close_bounded(engine: Any) -> bool:
+    """Close ``engine`` in a daemon thread, waiting at most :data:`ENGINE_CLOSE_WAIT_S`;
+    whether it finished. What the close raised is raised here, as if it ran inline."""
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            engine.close()
+        except BaseException as exc:
+            raised.append(exc)
+
+    closer = threading.Thread(target=close, name="p-engine-close", daemon=True)
+    closer.start()
+    closer.join(ENGINE_CLOSE_WAIT_S)
+    if raised:
+        raise raised[0]
+    if closer.is_alive():
+        print(
+            f"P's engine did not close in {ENGINE_CLOSE_WAIT_S:g} s; exiting without it",
+            file=sys.stderr,
+        )
+        return False
+    return True
