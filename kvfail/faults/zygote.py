@@ -462,6 +462,11 @@ def main() -> None:
     parser.add_argument("--preload", default="")
     args = parser.parse_args()
     serve(args.fd, [m for m in args.preload.split(",") if m])
+    # Nothing here needs finalising (the children are on their own), and tearing down an
+    # interpreter that imported vLLM and torch takes seconds the caller's exit waits for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
