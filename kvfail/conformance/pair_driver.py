@@ -27,6 +27,7 @@ __all__ = [
     "PairDriver",
     "PairHandle",
     "close_shared_producers",
+    "prestart_for",
     "register_producer",
     "shared_producer",
 ]
@@ -68,6 +69,31 @@ def close_shared_producers(handed_off_by: type | None = None) -> None:
             _SHARED_P[key].close()
         _SHARED_P.pop(key, None)
         _HANDED_OFF.pop(key, None)
+
+
+#: Modules of the drivers whose P is a real process forked from the P zygote
+#: (:func:`kvfail.peers.base.p_zygote`).
+P_DRIVER_MODULES = frozenset(
+    {
+        "kvfail.conformance.mooncake_driver",
+        "kvfail.conformance.nixl_driver",
+        "kvfail.conformance.nixl_push_driver",
+    }
+)
+
+
+def prestart_for(specs: Iterable[str]) -> bool:
+    """Start the P zygote's import now when a ``--connector`` value is a registered
+    driver of :data:`P_DRIVER_MODULES` (read from its entry point, nothing imported);
+    whether it was started. A ``module:Class`` or ``vllm:`` value is known only once
+    resolved (a vLLM import): its P starts when first wanted, as before."""
+    from kvfail.conformance.resolve import entry_point_modules
+    from kvfail.peers.base import prestart_p_zygote
+
+    modules = entry_point_modules()
+    if not any(modules.get(spec) in P_DRIVER_MODULES for spec in specs):
+        return False
+    return prestart_p_zygote()
 
 
 @dataclass(eq=False)

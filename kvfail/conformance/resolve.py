@@ -16,11 +16,16 @@ from typing import Any
 
 from kvfail.conformance.driver import ENTRY_POINT_GROUP, Driver, DriverUnavailable
 
-__all__ = ["registered", "resolve", "spec_problem"]
+__all__ = ["entry_point_modules", "registered", "resolve", "spec_problem"]
 
 
 def _entry_point_drivers() -> dict[str, Any]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def entry_point_modules() -> dict[str, str]:
+    """Registered ``--connector`` name -> the module of its driver factory (not imported)."""
+    return {name: ep.module for name, ep in _entry_point_drivers().items()}
 
 
 def registered() -> list[str]:

@@ -40,6 +40,7 @@ __all__ = [
     "ProducerHandleBase",
     "closed_port",
     "p_zygote",
+    "prestart_p_zygote",
     "producer_engine_id",
     "repo_pythonpath",
     "with_param",
@@ -105,6 +106,21 @@ def p_zygote() -> Zygote | None:
     except ZygoteError as exc:
         _log.warning("no P zygote (%s); P starts as a fresh interpreter", exc)
         return None
+
+
+def prestart_p_zygote() -> bool:
+    """Start the P zygote's import in a background thread, and return at once (False:
+    ``KVFAIL_P_ZYGOTE=0``, no zygote wanted).
+
+    Why: the zygote's vLLM import and this process's own (a suite's collection) each take
+    tens of CPU seconds; begun here, they run side by side instead of one after the other.
+    The first :func:`p_zygote` call waits for this start (the registry's lock) rather than
+    starting a second zygote; a start that fails there is retried by that call.
+    """
+    if os.environ.get("KVFAIL_P_ZYGOTE", "1") == "0":
+        return False
+    threading.Thread(target=p_zygote, name="p-zygote-prestart", daemon=True).start()
+    return True
 
 
 # --------------------------------------------------------------------------- P handle
