@@ -19,6 +19,7 @@ globally does not change any other test run.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import time
@@ -48,6 +49,8 @@ from kvfail.rig import patches as rig_patches
 __all__ = ["POLICIES"]
 
 DEFAULT_CONNECTOR = "toy"
+#: ``KVFAIL_P_PRESTART=0`` leaves the P zygote to start when a driver first wants P.
+_PRESTART_ENV = "KVFAIL_P_PRESTART"
 
 
 @dataclass
@@ -123,6 +126,10 @@ class _State:
         except Exception as exc:
             self.broken[spec] = f"{spec}: driver failed to start ({type(exc).__name__}: {exc})"
             return None
+        # A started driver has imported what its engines need (vLLM imports much of itself
+        # lazily, at the first engine) and holds peers for the session: freeze them with
+        # the rest (see pytest_collection_finish).
+        gc.freeze()
         return driver
 
 
@@ -332,6 +339,12 @@ def pytest_configure(config: pytest.Config) -> None:
     report_dir = config.stash[_STATE].report_dir
     if report_dir:  # records.jsonl is appended to as scenarios end: this run's only
         (Path(report_dir) / RECORDS_FILE).unlink(missing_ok=True)
+    if os.environ.get(_PRESTART_ENV, "1") != "0":
+        from kvfail.conformance.pair_driver import prestart_for
+
+        # After the environment above is set (the zygote inherits it): P's import now
+        # overlaps this process's own, which collection is about to do.
+        prestart_for(connectors)
 
 
 def _layouts(config: pytest.Config) -> list[str]:
@@ -440,6 +453,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if _is_suite_item(item) and hasattr(item, "callspec"):
             state.last_index[str(item.callspec.params["kvfail_connector"])] = index
     state.item_index = {item.nodeid: i for i, item in enumerate(session.items)}
+    # Collection imported vLLM and torch: hundreds of thousands of long-lived objects that
+    # every full collection would walk again (about a second each here; pytest runs five
+    # at exit to surface unraisable exceptions). Frozen, they are skipped; what the
+    # scenarios allocate from now on is collected as before.
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -782,7 +800,14 @@ def _close_session(config: pytest.Config) -> None:
         close_shared_producers()  # the P's drivers handed off when they stopped
         # Only the outermost session in this process waits for exiting users: a nested one
         # (the self-test's) would wait on P's the outer session still runs.
-        _sweep_shared_memory(outermost=bool(config.stash.get(_OWN_IPC_DIR, None)))
+        outermost = bool(config.stash.get(_OWN_IPC_DIR, None))
+        _sweep_shared_memory(outermost=outermost)
+        if outermost:
+            # One full collection now (an exception in a finaliser is still reported, the
+            # session's hooks are in place), then freeze what survives: pytest's own five
+            # collections at exit then walk almost nothing (see pytest_collection_finish).
+            gc.collect()
+            gc.freeze()
 
 
 #: /dev/shm ``psm_*`` names that existed when the session started (see the sweep).
