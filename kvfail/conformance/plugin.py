@@ -80,6 +80,9 @@ class _State:
     #: Position of each connector's last scenario, and of every item, in the run's order.
     last_index: dict[str, int] = field(default_factory=dict)
     item_index: dict[str, int] = field(default_factory=dict)
+    #: Whether this run froze the collector's heap (a run with scenarios; see
+    #: ``pytest_collection_finish``).
+    froze: bool = False
 
     def resolve(self, spec: str) -> Any:
         """The driver for ``spec``, resolved once (not started). Raises
@@ -339,12 +342,15 @@ def pytest_configure(config: pytest.Config) -> None:
     report_dir = config.stash[_STATE].report_dir
     if report_dir:  # records.jsonl is appended to as scenarios end: this run's only
         (Path(report_dir) / RECORDS_FILE).unlink(missing_ok=True)
-    if os.environ.get(_PRESTART_ENV, "1") != "0":
+    given = list(config.getoption("--connector", default=[]) or [])
+    if given and os.environ.get(_PRESTART_ENV, "1") != "0":
         from kvfail.conformance.pair_driver import prestart_for
 
         # After the environment above is set (the zygote inherits it): P's import now
-        # overlaps this process's own, which collection is about to do.
-        prestart_for(connectors)
+        # overlaps this process's own, which collection is about to do. Only for a
+        # connector named on the command line: the ini's default list is there for every
+        # run of the checkout, most of which start no P.
+        prestart_for(given)
 
 
 def _layouts(config: pytest.Config) -> list[str]:
@@ -453,6 +459,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if _is_suite_item(item) and hasattr(item, "callspec"):
             state.last_index[str(item.callspec.params["kvfail_connector"])] = index
     state.item_index = {item.nodeid: i for i, item in enumerate(session.items)}
+    if not state.last_index:
+        return  # no scenario in this run: leave the collector alone
+    state.froze = True
     # Collection imported vLLM and torch: hundreds of thousands of long-lived objects that
     # every full collection would walk again (about a second each here; pytest runs five
     # at exit to surface unraisable exceptions). Frozen, they are skipped; what the
@@ -802,7 +811,7 @@ def _close_session(config: pytest.Config) -> None:
         # (the self-test's) would wait on P's the outer session still runs.
         outermost = bool(config.stash.get(_OWN_IPC_DIR, None))
         _sweep_shared_memory(outermost=outermost)
-        if outermost:
+        if outermost and state.froze:
             # One full collection now (an exception in a finaliser is still reported, the
             # session's hooks are in place), then freeze what survives: pytest's own five
             # collections at exit then walk almost nothing (see pytest_collection_finish).
