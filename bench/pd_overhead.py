@@ -13,8 +13,9 @@ Workload: ``--requests`` (64) seeded requests with mixed prompt lengths (130-400
 and output lengths (16-48 tokens, ``ignore_eos``), all sent at once through the proxy,
 streamed, so the client sees each request's time to first token (TTFT: from sending to
 the first token, P's prefill and D's KV pull included). Each D first gets one unmeasured
-round; then ``--rounds`` measured rounds per arm, alternating (upstream, kvfail, upstream,
-...), so drift on the shared machine hits both arms. A round counts only if every request
+round; then ``--rounds`` measured rounds per arm, in pairs of adjacent rounds whose order
+flips from pair to pair (upstream, kvfail, kvfail, upstream, ...), so drift on the shared
+machine hits both arms alike. A round counts only if every request
 ended with all its tokens and D's ``external_kv_transfer`` prompt-token counter grew by at
 least one block per request (the KV really came from P); otherwise the bench stops.
 
@@ -218,8 +219,13 @@ def paired_ratios(
 
 
 def schedule(rounds_per_arm: int) -> list[str]:
-    """The measured rounds' order: the arms alternate, upstream first."""
-    return [arm for _ in range(rounds_per_arm) for arm in ARMS]
+    """The measured rounds' order: pairs of adjacent rounds, one per arm, whose order
+    flips from pair to pair (upstream first, then kvfail first, ...). Why: with one order
+    for every pair, a load that rises or falls through the run favours one arm."""
+    order: list[str] = []
+    for i in range(rounds_per_arm):
+        order += ARMS if i % 2 == 0 else ARMS[::-1]
+    return order
 
 
 def last_line(values: dict[str, float]) -> str:
@@ -424,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"workload: {n} requests at once, seed {args.seed}, prompts "
         f"{min(len(r.prompt) for r in reqs)}-{max(len(r.prompt) for r in reqs)} tokens, "
         f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)} tokens; "
-        f"{rounds} measured rounds per arm, alternating; P runs {args.p}'s connector"
+        f"{rounds} measured rounds per arm, in pairs of flipping order; P runs {args.p}'s connector"
     )
     work = Path(tempfile.mkdtemp(prefix="kvfail-pd-overhead-"))
     segments = shm.segment_names()

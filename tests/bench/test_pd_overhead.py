@@ -64,8 +64,9 @@ def test_percentile_refuses_bad_input(bad: float) -> None:
         percentile([], 50)
 
 
-def test_rounds_alternate_upstream_first() -> None:
-    assert schedule(3) == ["upstream", "kvfail"] * 3
+def test_each_pair_of_rounds_flips_its_order() -> None:
+    # Pairs of adjacent rounds, the order flipping from pair to pair.
+    assert schedule(3) == ["upstream", "kvfail", "kvfail", "upstream", "upstream", "kvfail"]
 
 
 def _round(arm: str, wall: float, tokens: list[int], ttfts: list[float], cpu: float) -> Round:
