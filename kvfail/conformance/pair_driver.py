@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,15 +82,14 @@ P_DRIVER_MODULES = frozenset(
 )
 
 
-def prestart_for(specs: Iterable[str]) -> bool:
+def prestart_for(specs: Iterable[str], modules: Mapping[str, str]) -> bool:
     """Start the P zygote's import now when a ``--connector`` value is a registered
-    driver of :data:`P_DRIVER_MODULES` (read from its entry point, nothing imported);
-    whether it was started. A ``module:Class`` or ``vllm:`` value is known only once
-    resolved (a vLLM import): its P starts when first wanted, as before."""
-    from kvfail.conformance.resolve import entry_point_modules
+    driver of :data:`P_DRIVER_MODULES` (``modules``: each registered name's driver module,
+    read from its entry point, nothing imported); whether it was started. A
+    ``module:Class`` or ``vllm:`` value is known only once resolved (a vLLM import): its
+    P starts when first wanted, as before."""
     from kvfail.peers.base import prestart_p_zygote
 
-    modules = entry_point_modules()
     if not any(modules.get(spec) in P_DRIVER_MODULES for spec in specs):
         return False
     return prestart_p_zygote()

@@ -345,12 +345,13 @@ def pytest_configure(config: pytest.Config) -> None:
     given = list(config.getoption("--connector", default=[]) or [])
     if given and os.environ.get(_PRESTART_ENV, "1") != "0":
         from kvfail.conformance.pair_driver import prestart_for
+        from kvfail.conformance.resolve import entry_point_modules
 
         # After the environment above is set (the zygote inherits it): P's import now
         # overlaps this process's own, which collection is about to do. Only for a
         # connector named on the command line: the ini's default list is there for every
         # run of the checkout, most of which start no P.
-        prestart_for(given)
+        prestart_for(given, entry_point_modules())
 
 
 def _layouts(config: pytest.Config) -> list[str]:
