@@ -301,7 +301,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # process (the selftest) is a session too, and shares the directory with its host.
     if not os.environ.get(shm.IPC_ENV):
         config.stash[_OWN_IPC_DIR] = shm.session_ipc_dir()
-    _SHM_BEFORE.update(shm.segment_names())
+    global _SHM_BEFORE_TAKEN
+    if not _SHM_BEFORE_TAKEN:
+        _SHM_BEFORE.update(shm.segment_names())
+        _SHM_BEFORE_TAKEN = True
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
     policy = config.getoption("--policy", default="both")
@@ -820,8 +823,12 @@ def _close_session(config: pytest.Config) -> None:
             gc.freeze()
 
 
-#: /dev/shm ``psm_*`` names that existed when the session started (see the sweep).
+#: /dev/shm ``psm_*`` names that existed when this process's first session started (see
+#: the sweep). Taken once: a session nested in it (the self-test's ``pytest.main``) must
+#: not add the segments its host's live P's hold by then, or the host's sweep would never
+#: look at them again once those P's are killed.
 _SHM_BEFORE: set[str] = set()
+_SHM_BEFORE_TAKEN = False
 
 
 def _sweep_shared_memory(*, outermost: bool) -> None:
