@@ -418,7 +418,10 @@ class LoadTracker:
     def was_delivered(self, req_id: str) -> bool:
         """Whether ``req_id`` was reported recently (evidence for a stuck request)."""
         with self._lock:
-            return req_id in self._recent or req_id in self._recent_old
+            return self._delivered_locked(req_id)
+
+    def _delivered_locked(self, req_id: str) -> bool:
+        return req_id in self._recent or req_id in self._recent_old
 
     def failure_of(self, req_id: str) -> Failure | None:
         load = self._loads.get(req_id)
@@ -676,9 +679,7 @@ class LoadTracker:
 
     def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
         # Still held but settled (expect_peers after the last peer), or recently delivered.
-        late = isinstance(req_id, str) and (
-            req_id in self._loads or req_id in self._recent or req_id in self._recent_old
-        )
+        late = isinstance(req_id, str) and (req_id in self._loads or self._delivered_locked(req_id))
         self._stats.event("late_reports" if late else "unknown_reports")
         log.add(
             logging.WARNING,

@@ -45,6 +45,7 @@ __all__ = [
     "make_kvfail_driver",
     "pattern_value",
     "producer_of",
+    "require_kvfail_example",
     "write_pattern",
 ]
 
@@ -146,6 +147,16 @@ def kvfail_example() -> type | None:
     except Exception:
         return None
     return KvfailExampleConnector
+
+
+def require_kvfail_example() -> type:
+    """kvfail's ``KvfailExampleConnector``; the driver is unavailable without it."""
+    cls = kvfail_example()
+    if cls is None:
+        from kvfail.conformance.driver import DriverUnavailable
+
+        raise DriverUnavailable("connectors.example cannot be imported")
+    return cls
 
 
 def producer_of(cls: type | None) -> tuple[str, str | None]:
@@ -341,9 +352,4 @@ def make_driver(name: str) -> ExampleDriver:
 def make_kvfail_driver(name: str) -> ExampleDriver:
     """Entry point ``kvfail.drivers`` ``example``: kvfail's ``KvfailExampleConnector``
     (``connectors.example``) on D, and on P."""
-    cls = kvfail_example()
-    if cls is None:
-        from kvfail.conformance.driver import DriverUnavailable
-
-        raise DriverUnavailable("connectors.example cannot be imported")
-    return ExampleDriver(name, connector_cls=cls)
+    return ExampleDriver(name, connector_cls=require_kvfail_example())

@@ -200,11 +200,7 @@ def make_kvfail_children_driver(name: str) -> MultiDriver:
     """Entry point ``kvfail.drivers`` ``multi-example``: vLLM's MultiConnector over two
     of kvfail's ``KvfailExampleConnector`` children, so a child's reported failure has
     to reach the parent's own report (``get_block_ids_with_load_errors``)."""
-    from kvfail.conformance.example_driver import kvfail_example
+    from kvfail.conformance.example_driver import require_kvfail_example
 
-    cls = kvfail_example()
-    if cls is None:
-        from kvfail.conformance.driver import DriverUnavailable
-
-        raise DriverUnavailable("connectors.example cannot be imported")
+    cls = require_kvfail_example()
     return MultiDriver(name, child=(cls.__name__, cls.__module__))

@@ -618,7 +618,9 @@ if _KvfailExample is not None:
         def _read_layer(self, path: Any) -> Any:
             from safetensors.torch import load_file
 
-            return load_file(str(path))["kv_cache"]
+            from connectors.example.connector import TENSOR_KEY
+
+            return load_file(str(path))[TENSOR_KEY]
 
     class DropsChildErrors(_DropsLoadErrors, MultiConnector):
         """MultiConnector over kvfail's Example children that drops what they report:
