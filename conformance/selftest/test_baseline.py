@@ -79,7 +79,9 @@ def test_pass(kvfail):
 
 
 def test_c1(kvfail):
-    raise ConformanceViolation("test_c1", ["C1 unreported: r's load failed"])
+    # The peer's output is evidence, never a finding: its C7 must not count.
+    evidence = ["[P pid 1] C7: ERROR a line the peer printed"]
+    raise ConformanceViolation("test_c1", ["C1 unreported: r's load failed"], evidence)
 
 
 def test_c1_and_c7(kvfail):
@@ -131,6 +133,11 @@ def test_without_a_baseline_every_violation_fails(pytester: pytest.Pytester) -> 
         "test_c1_and_c7": "failed",
         "test_error": "failed",
     }
+    reports = result.getreports("pytest_runtest_logreport")
+    (c1,) = [str(r.longrepr) for r in reports if r.failed and "test_c1[" in r.nodeid]
+    # A failing scenario shows what its peers printed, under its findings.
+    assert "what the peers printed during the scenario (evidence)" in c1
+    assert "[P pid 1] C7: ERROR a line the peer printed" in c1
 
 
 def test_an_entry_absorbs_only_its_clauses_never_an_error(pytester: pytest.Pytester) -> None:
@@ -141,7 +148,7 @@ def test_an_entry_absorbs_only_its_clauses_never_an_error(pytester: pytest.Pytes
     result = _run(pytester, "--kvfail-baseline", str(baseline))
     assert _outcomes(result) == {
         "test_pass": "passed",
-        "test_c1": "xfailed",  # every finding cites C1, the entry's clause
+        "test_c1": "xfailed",  # every finding cites C1 (the peer's C7 line is evidence)
         "test_c1_and_c7": "failed",  # C7 is another clause's failure
         "test_error": "failed",  # an error is never a known violation
     }

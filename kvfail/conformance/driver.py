@@ -326,5 +326,11 @@ class Driver(ABC, Generic[H]):
         """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
         raise NotImplementedError(f"driver {self.name!r} cannot build malformed params")
 
+    def peer_output(self) -> list[str]:
+        """What the driver's peer processes printed during this scenario that looks like
+        a problem (errors, warnings, tracebacks): attached to a failing scenario's
+        message as evidence, never judged. Default: no peer processes."""
+        return []
+
     def after_scenario(self) -> None:
         """Called after every scenario's engines are closed: repair shared peers."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
+    from kvfail.faults.process import PeerProcess
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
     from kvfail.peers.base import PeerPair
@@ -70,6 +72,12 @@ def close_shared_producers(handed_off_by: type | None = None) -> None:
         _SHARED_P.pop(key, None)
         _HANDED_OFF.pop(key, None)
 
+
+#: A failing scenario shows at most this many of each P's error-looking lines.
+PEER_OUTPUT_LINES = 15
+#: What an error-looking line of a P's output is: vLLM's, UCX's and glog's error and
+#: warning marks, and Python's tracebacks.
+_NOTABLE_OUTPUT = re.compile(r"error|fail|traceback|exception|warn|^[EWF]\d{4} ", re.IGNORECASE)
 
 #: Modules of the drivers whose P is a real process forked from the P zygote
 #: (:func:`kvfail.peers.base.p_zygote`).
@@ -340,6 +348,28 @@ class PairDriver(Driver[PairHandle]):
     def after_scenario(self) -> None:
         self.forget_engines()
         self._repair_peers()
+        # What the P's print from here on belongs to the next scenario.
+        self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
+
+    def _producers(self) -> list[PeerProcess]:
+        """Every live P process of every pair (first and second P)."""
+        return [
+            producer.process
+            for pair in self._pairs()
+            for producer in (pair.p, pair.p2)
+            if producer is not None
+        ]
+
+    def peer_output(self) -> list[str]:
+        """The P's error-looking lines since the last scenario ended (a P started since:
+        all of its lines), the last :data:`PEER_OUTPUT_LINES` of each."""
+        marks = getattr(self, "_output_marks", {})
+        out: list[str] = []
+        for proc in self._producers():
+            lines = proc.output_since(marks.get(proc.pid, (0, 0)))
+            notable = [ln for ln in lines if _NOTABLE_OUTPUT.search(ln)]
+            out += [f"[{proc.name} pid {proc.pid}] {ln}" for ln in notable[-PEER_OUTPUT_LINES:]]
+        return out
 
     def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
         return list(self._pair_of(engine).stuck_state(engine, list(request_ids)))
@@ -388,7 +418,15 @@ class PairDriver(Driver[PairHandle]):
         rec = self._pair_of(engine).records.get(request_id)
         if rec is None or rec.verified is None:
             return f"{request_id} never ran after its load: no bytes were checked"
-        return None if rec.verified else f"mismatched token positions {rec.mismatches}"
+        if rec.verified:
+            return None
+        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        if wrong:
+            return f"mismatched token positions {wrong}"
+        # Only ``rank<r>`` entries: D computed the request itself (its load was reported
+        # failed and the policy recomputed it), so no byte of P's was used, right or wrong.
+        ranks = sorted(int(k.removeprefix("rank")) for k in rec.mismatches)
+        return f"{request_id} was computed locally on rank(s) {ranks}: nothing was loaded"
 
     def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
         rec = self._pair_of(engine).records.get(request_id)

@@ -63,9 +63,16 @@ _RIDS = itertools.count(1)
 class ConformanceViolation(AssertionError):
     """A scenario's oracles found violations; the message lists them, clause first."""
 
-    def __init__(self, scenario: str, violations: list[str]) -> None:
+    def __init__(self, scenario: str, violations: list[str], evidence: Iterable[str] = ()) -> None:
         self.violations = list(violations)
-        super().__init__(f"{scenario}: " + "; ".join(violations))
+        #: What the peers printed meanwhile: shown with the findings, never one of them
+        #: (a baseline matches findings only).
+        self.evidence = list(evidence)
+        message = f"{scenario}: " + "; ".join(violations)
+        if self.evidence:
+            message += "\nwhat the peers printed during the scenario (evidence):\n  "
+            message += "\n  ".join(self.evidence)
+        super().__init__(message)
 
 
 def check_not_late(engine: Engine, request_id: str, blocks: Iterable[int]) -> list[str]:
@@ -279,9 +286,7 @@ class ScenarioContext:
                 return
             if engine.crashed is not None:  # no retry on a dead engine
                 break
-        raise ConformanceViolation(
-            self.scenario, [f"warm-up load ({tries} tries): {v}" for v in found]
-        )
+        raise self.violation([f"warm-up load ({tries} tries): {v}" for v in found])
 
     def rid(self, stem: str) -> str:
         """A request id unique in this session: a real P must never see an id twice."""
@@ -307,9 +312,8 @@ class ScenarioContext:
 
         result = engine.run_until(waiting, max_steps=10, timeout_s=10.0)
         if not result.ok:
-            raise ConformanceViolation(
-                self.scenario,
-                [f"C12 setup: {request_id} never entered WAITING_FOR_REMOTE_KVS ({result})"],
+            raise self.violation(
+                [f"C12 setup: {request_id} never entered WAITING_FOR_REMOTE_KVS ({result})"]
             )
         groups = engine.scheduler.kv_cache_manager.get_block_ids(request_id)
         return [b for g in groups for b in g]
@@ -412,7 +416,15 @@ class ScenarioContext:
     def assert_clean(self, violations: Iterable[str]) -> None:
         out = list(violations)
         if out:
-            raise ConformanceViolation(self.scenario, _dedupe(out))
+            raise self.violation(_dedupe(out))
+
+    def violation(self, violations: list[str]) -> ConformanceViolation:
+        """This scenario's findings, with what its peers printed while it ran."""
+        try:
+            evidence = self.driver.peer_output()
+        except Exception as exc:  # evidence only: never hide the findings themselves
+            evidence = [f"(the driver's peer_output raised {exc!r})"]
+        return ConformanceViolation(self.scenario, violations, evidence)
 
 
 def _dedupe(items: list[str]) -> list[str]:

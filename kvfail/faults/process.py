@@ -240,6 +240,16 @@ class PeerProcess:
         with self._cond:
             return list(self._err.lines)
 
+    def output_marker(self) -> tuple[int, int]:
+        """Lines produced so far on (stdout, stderr): where :meth:`output_since` starts."""
+        with self._cond:
+            return (self._out.total, self._err.total)
+
+    def output_since(self, marker: tuple[int, int] = (0, 0)) -> list[str]:
+        """Lines produced after ``marker`` (stdout's, then stderr's), as far as kept."""
+        with self._cond:
+            return self._out.since(marker[0]) + self._err.since(marker[1])
+
     def output_tail(self, n: int = 40) -> str:
         """Recent output for assertion messages: why did the peer fail to come up?"""
         with self._cond:

@@ -204,6 +204,24 @@ def test_stdin_commands() -> None:
         assert peer.wait_ready(READY_S, line="PING") == "PING"
 
 
+def test_output_since_a_marker_has_only_the_newer_lines() -> None:
+    """A failing scenario shows what its peer printed while it ran, not before."""
+    code = (
+        "import sys\n"
+        "for line in sys.stdin:\n"
+        "    print('out', line.strip(), flush=True)\n"
+        "    print('err', line.strip(), file=sys.stderr, flush=True)"
+    )
+    with py(code, stdin=True) as peer:
+        peer.write_stdin("1\n")
+        assert wait_until(lambda: "err 1" in peer.output_since())
+        marker = peer.output_marker()
+        peer.write_stdin("2\n")
+        assert wait_until(lambda: len(peer.output_since(marker)) == 2)
+        assert peer.output_since(marker) == ["out 2", "err 2"]
+        assert peer.output_since() == ["out 1", "out 2", "err 1", "err 2"]
+
+
 def test_free_ports_and_wait_for_port() -> None:
     ports = free_ports(3)
     assert len(set(ports)) == 3

@@ -77,7 +77,7 @@ def test_successful_load(kvfail: Any) -> None:
     if kvfail.caps.byte_verification:
         mismatch = kvfail.driver.verify_bytes(engine, rid)
         if mismatch:
-            extra.append(f"C1 wrong bytes reported as success: {mismatch}")
+            extra.append(f"C1 a good load did not deliver P's bytes: {mismatch}")
     kvfail.check(engine, [rid], failed=False, extra=extra)
 
 
