@@ -56,10 +56,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MOONCAKE_ENV",
+    "P_PEER_CACHE_ENV",
     "DecodeRecord",
     "MooncakePair",
     "ProducerHandle",
     "mooncake_available",
+    "p_peer_cache_env",
     "refused_bootstrap",
     "unknown_engine",
 ]
@@ -71,6 +73,20 @@ MOONCAKE_ENV: dict[str, str] = {
     "VLLM_HOST_IP": "127.0.0.1",
     "MC_LOG_LEVEL": "ERROR",
 }
+
+
+#: Mooncake settings of the rig's P processes only (rig patch ``mooncake_p_peer_caches``,
+#: :mod:`kvfail.rig.patches`): P forgets each D's metadata and TCP connections between
+#: writes. A value already in the environment wins, so a user can run without it.
+P_PEER_CACHE_ENV: dict[str, str] = {
+    "MC_DISABLE_METACACHE": "1",
+    "MC_TCP_ENABLE_CONNECTION_POOL": "0",
+}
+
+
+def p_peer_cache_env() -> dict[str, str]:
+    """:data:`P_PEER_CACHE_ENV`, each key's value from the environment where it is set."""
+    return {key: os.environ.get(key, value) for key, value in P_PEER_CACHE_ENV.items()}
 
 
 def mooncake_available() -> str | None:
@@ -107,7 +123,7 @@ class ProducerHandle(ProducerHandleBase):
     default_connector = "MooncakeConnector"
 
     def _base_env(self) -> dict[str, str]:
-        return dict(MOONCAKE_ENV)
+        return {**MOONCAKE_ENV, **p_peer_cache_env()}
 
     @property
     def bootstrap_port(self) -> int:

@@ -217,6 +217,18 @@ def _pattern_forward() -> SplitForward:
 _seeds: dict[str, str] = {}
 
 
+def _record_peer_cache_settings() -> None:
+    """Note the rig's Mooncake cache settings where they took effect (this P's engine)."""
+    from kvfail.peers.mooncake import P_PEER_CACHE_ENV
+    from kvfail.rig import patches as rig_patches
+
+    applied = [
+        f"{k}={os.environ[k]}" for k, v in P_PEER_CACHE_ENV.items() if os.environ.get(k) == v
+    ]
+    if applied:
+        rig_patches.record("mooncake_p_peer_caches", ", ".join(applied))
+
+
 class _Producer:
     def __init__(self, config: dict[str, Any], channel: Channel) -> None:
         from kvfail.harness import Engine, EngineSpec
@@ -241,6 +253,7 @@ class _Producer:
         )
         with cpu_accelerator_index_shim():
             self.engine: Engine = Engine(spec, forward=_pattern_forward())
+        _record_peer_cache_settings()
         self.injected = 0
         self.prefills = 0
         self.failed_prefills = 0

@@ -80,6 +80,23 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
                 site="kvfail.rig.nixl_progress",
             ),
             RigPatch(
+                name="mooncake_p_peer_caches",
+                target="Mooncake TransferEngine configuration of the rig's P processes",
+                change="P's transfer engine keeps no cache of a D's segment metadata "
+                "(MC_DISABLE_METACACHE=1) and no pool of TCP connections to it "
+                "(MC_TCP_ENABLE_CONNECTION_POOL=0): it looks D up again for each write",
+                why="the suite builds a new D engine for every scenario in one process, and "
+                "Mooncake gives each a random port out of about 2,000, so a long-lived P soon "
+                "meets a new D at an address an ended one had; with its caches P then writes "
+                "to the ended D's metadata or connection and fails (-1), which would fail a "
+                "good load and be charged to the D under test",
+                touches_connector=False,
+                without="set MC_DISABLE_METACACHE=0 and MC_TCP_ENABLE_CONNECTION_POOL=1 in "
+                "the environment: the rig's P keeps Mooncake's caches (and a good load may "
+                "then fail once a D address repeats)",
+                site="kvfail.peers.producer",
+            ),
+            RigPatch(
                 name="cpu_accelerator_index",
                 target="torch.accelerator.current_device_index",
                 change="answers 0 instead of raising, only while a connector is being "
