@@ -157,6 +157,8 @@ class PairDriver(Driver[PairHandle]):
         self._module = connector_module
         self._why: str | None = None
         self._pair: PeerPair | None = None
+        #: Each P process's output position when the last scenario ended, by pid.
+        self._output_marks: dict[int, tuple[int, int]] = {}
         #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
         self._layout_pairs: dict[tuple[int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
@@ -344,12 +346,12 @@ class PairDriver(Driver[PairHandle]):
                 pair.kill_p()
             if not proc.alive:
                 self._replace_p(pair)
+        # What the P's print from here on belongs to the next scenario.
+        self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
 
     def after_scenario(self) -> None:
         self.forget_engines()
         self._repair_peers()
-        # What the P's print from here on belongs to the next scenario.
-        self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
 
     def _producers(self) -> list[PeerProcess]:
         """Every live P process of every pair (first and second P)."""
@@ -363,10 +365,9 @@ class PairDriver(Driver[PairHandle]):
     def peer_output(self) -> list[str]:
         """The P's error-looking lines since the last scenario ended (a P started since:
         all of its lines), the last :data:`PEER_OUTPUT_LINES` of each."""
-        marks = getattr(self, "_output_marks", {})
         out: list[str] = []
         for proc in self._producers():
-            lines = proc.output_since(marks.get(proc.pid, (0, 0)))
+            lines = proc.output_since(self._output_marks.get(proc.pid, (0, 0)))
             notable = [ln for ln in lines if _NOTABLE_OUTPUT.search(ln)]
             out += [f"[{proc.name} pid {proc.pid}] {ln}" for ln in notable[-PEER_OUTPUT_LINES:]]
         return out
