@@ -21,11 +21,11 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import PeerExitedError, PeerProcess, free_port
+from kvfail.faults import PeerExitedError, PeerProcess, free_port, proc_state
 from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
@@ -58,6 +58,11 @@ _P_SEQ = itertools.count(1)
 #: Warm-up pulls' ids: unique in the process, as a P shared by several pairs must never
 #: see an id twice.
 _WARM_SEQ = itertools.count(1)
+
+
+#: How long a stuck scenario's evidence waits for P's counters (a P that does not answer
+#: in this time is itself the evidence).
+P_STATS_TIMEOUT_S = 5.0
 
 
 def producer_engine_id(transport: str) -> str:
@@ -311,6 +316,10 @@ class PeerPair:
     :meth:`_stamp` when its detection clock starts somewhere else than at ``add``.
     """
 
+    #: The function each D rank runs for :meth:`stuck_state` (``(view, req_id) -> str``,
+    #: module-level so a rank process can run it); None: no rank state to show.
+    load_state: Callable[[Any, str], str] | None = None
+
     #: Names D engine ids: ``D-<transport>-<name>-<pid>-<n>``.
     transport: str = ""
     #: How long :meth:`kill_p` waits for P's group to be reaped.
@@ -375,8 +384,41 @@ class PeerPair:
         raise NotImplementedError
 
     def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
-        """What D's workers hold for requests that never finished (evidence only)."""
-        return []
+        """What D's ranks hold for requests that never finished, then P's side (evidence
+        only): each rank runs the subclass's :attr:`load_state`."""
+        lines: list[str] = []
+        if self.load_state is not None:
+            lines += [
+                f"{rid} rank {w.rank}: {w.call(self.load_state, rid)}"
+                for rid in req_ids
+                for w in engine.workers
+            ]
+        return lines + self.p_state()
+
+    def p_state(self) -> list[str]:
+        """P's processes (kernel state of P and each of its ranks) and, when it answers
+        within :data:`P_STATS_TIMEOUT_S`, its engine's counters: whether a load waits on
+        a P that is busy, hung or idle."""
+        producer = self.p
+        if producer is None:
+            return ["P: none"]
+        proc = producer.process
+        ready = producer.ready or {}
+        ranks = ", ".join(
+            f"{pid} {proc_state(pid) or 'gone'}" for pid in ready.get("rank_pids", [])
+        )
+        line = f"P {ready.get('engine_id', '(starting)')} pid {proc.pid} {proc.state or 'gone'}"
+        line += f", ranks [{ranks}]"
+        if not proc.alive or proc.frozen or producer.ready is None:
+            return [line]
+        started = time.monotonic()
+        try:
+            stats = producer.stats(timeout_s=P_STATS_TIMEOUT_S)
+        except Exception as exc:  # evidence only: a P that does not answer is the finding
+            return [f"{line}; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"]
+        keys = ("steps", "pending_requests", "free_blocks", "crashed")
+        counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
+        return [f"{line}; stats in {time.monotonic() - started:.2f} s: {counters}"]
 
     def _consumer_spec(
         self,

@@ -203,6 +203,8 @@ class MooncakePair(PeerPair):
     ``with``): it closes every D engine and P's whole process group.
     """
 
+    load_state = staticmethod(_load_state)
+
     transport = "mooncake"
 
     def __init__(
@@ -331,14 +333,6 @@ class MooncakePair(PeerPair):
         """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``), on
         every P rank or only on ``ranks`` (a ``delay`` fault: ``delay_s`` late)."""
         self._producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
-
-    def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
-        """Each D rank's Mooncake state for these requests (see :func:`_load_state`)."""
-        return [
-            f"{rid} rank {w.rank}: {w.call(_load_state, rid)}"
-            for rid in req_ids
-            for w in engine.workers
-        ]
 
     # ------------------------------------------------------------------ requests
 

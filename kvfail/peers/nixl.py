@@ -447,6 +447,7 @@ class NixlPair(PeerPair):
     ``with``): it closes every D engine and P's whole process group.
     """
 
+    load_state = staticmethod(_load_state)
     transport = "nixl"
     #: How long a SIGKILLed P may take to be reaped. The signal is already delivered, so a
     #: longer bound only waits, it hides nothing; tearing down a NIXL/UCX vLLM process can
@@ -585,14 +586,6 @@ class NixlPair(PeerPair):
         if producer is None:
             return False
         return all(w.call(_has_remote_agent, producer.engine_id) for w in engine.workers)
-
-    def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
-        """Each D rank's NIXL state for these requests (see :func:`_load_state`)."""
-        return [
-            f"{rid} rank {w.rank}: {w.call(_load_state, rid)}"
-            for rid in req_ids
-            for w in engine.workers
-        ]
 
     def fault_after_handshake(
         self,

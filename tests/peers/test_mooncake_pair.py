@@ -212,8 +212,10 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     for _ in range(3):  # the load is scheduled; D's bootstrap query hangs at the proxy
         consumer.step()
     # What a stuck load looks like from D's worker (the suite's liveness evidence).
-    (state,) = pair.stuck_state(consumer, ["proxy-blackhole"])
+    state, p_state = pair.stuck_state(consumer, ["proxy-blackhole"])
     assert state.startswith("proxy-blackhole rank 0: finished recving False"), state
+    # P is alive and answers: the load waits on the path to it, not on P.
+    assert "; stats in " in p_state and "crashed None" in p_state, p_state
     # At the default timeout (3 x 30 s) this wait would run out: the lowered one ended it.
     _finish(pair, "cold-proxy-blackhole", "proxy-blackhole", timeout_s=15)
     assert rec.failed and rec.reported_s is not None, rec
