@@ -25,6 +25,8 @@ from kvfail.peers.mooncake import P_PEER_CACHE_ENV
 #: Bound on one engine build or one loopback write (each takes well under a second).
 WAIT_S = 60.0
 FILL = 7
+#: First port of the narrowed range D's engines draw from (``--ports``).
+PORTS_FROM = 20000
 #: Mooncake's own values of the rig's two settings, stated so the environment cannot leak in.
 MOONCAKE_DEFAULTS = {"MC_DISABLE_METACACHE": "0", "MC_TCP_ENABLE_CONNECTION_POOL": "1"}
 
@@ -93,12 +95,18 @@ class Tally:
     failed_reused: int = 0
 
 
-def _one_side(p_env: Mapping[str, str], engines: int, seed: int, tally: Tally) -> None:
-    """One D process, one P: ``engines`` D engines in turn, one write each."""
+def _one_side(
+    p_env: Mapping[str, str], engines: int, ports: range | None, seed: int, tally: Tally
+) -> None:
+    """One D process, one P: ``engines`` D engines in turn, one write each; D's engines
+    take their ports from ``ports`` (None: Mooncake's own range)."""
     quiet = {"MC_LOG_LEVEL": "FATAL"}
+    d_env = dict(quiet)
+    if ports is not None:
+        d_env |= {"MC_MIN_RPC_PORT": str(ports.start), "MC_MAX_RPC_PORT": str(ports.stop - 1)}
     seen: set[str] = set()
     with (
-        PeerProcess([sys.executable, "-c", D_CODE], name="bench-d", env=quiet, stdin=True) as d,
+        PeerProcess([sys.executable, "-c", D_CODE], name="bench-d", env=d_env, stdin=True) as d,
         PeerProcess(
             [sys.executable, "-c", P_CODE, str(FILL)],
             name="bench-p",
@@ -126,12 +134,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--engines", type=int, default=100, help="D engines per side and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--ports",
+        type=int,
+        default=400,
+        help="D's engines draw their ports from this many (from 20000, below the ephemeral "
+        "range), so addresses repeat sooner than over Mooncake's ~2,000; 0: Mooncake's range",
+    )
     args = ap.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "FATAL")
+    ports = range(PORTS_FROM, PORTS_FROM + args.ports) if args.ports else None
     default, rig = Tally(), Tally()
     for r in range(args.rounds):
-        _one_side(MOONCAKE_DEFAULTS, args.engines, r, default)
-        _one_side(P_PEER_CACHE_ENV, args.engines, r, rig)
+        _one_side(MOONCAKE_DEFAULTS, args.engines, ports, r, default)
+        _one_side(P_PEER_CACHE_ENV, args.engines, ports, r, rig)
     print(f"{'P settings':28}{'writes':>8}{'failed':>8}{'to reused':>11}{'failed':>8}")
     for name, t in (("Mooncake defaults", default), ("kvfail rig", rig)):
         print(f"{name:28}{t.writes:>8}{t.failed:>8}{t.reused:>11}{t.failed_reused:>8}")

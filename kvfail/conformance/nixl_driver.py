@@ -258,17 +258,39 @@ class NixlDriver(PairDriver):
         listener, UCX endpoints; seconds on a loaded machine, against a 5 s handshake
         timeout) are not charged to the first scenario that uses it. Once per P process
         (a replacement P is warmed before its first scenario; a P shared with another
-        driver is warm already). A failure here is not fatal: the scenarios report what
-        the pair really does."""
-        producer = pair.producer()
-        if producer in _WARM_P:
-            return
-        _WARM_P.add(producer)
+        driver is warm already).
+
+        A P that does not serve that pull is not fit to judge a D by: it is replaced
+        once and the new one warmed. A second failure is not fatal (the scenarios report
+        what the pair really does); either way the outcome is kept as evidence for the
+        next failing scenario's message."""
+        for attempt in (1, 2):
+            producer = pair.producer()
+            if producer in _WARM_P:
+                return
+            _WARM_P.add(producer)
+            started = time.monotonic()
+            error = self._warm_pull(pair)
+            p_name = (producer.ready or {}).get("engine_id", "P")
+            took = time.monotonic() - started
+            if error is None:
+                self._driver_notes.append(f"warm-up pull from {p_name}: ok in {took:.2f} s")
+                return
+            self._driver_notes.append(f"warm-up pull from {p_name} failed in {took:.1f} s: {error}")
+            if attempt == 1:
+                pair.kill_p()
+                self._replace_p(pair, wait=True)
+                self._driver_notes.append(f"{p_name} replaced after its failed warm-up pull")
+
+    @staticmethod
+    def _warm_pull(pair: Any) -> str | None:
+        """One verified pull from P into a throwaway D; None, or why it failed."""
         engine = pair.consumer("fail", name="driver-warmup")
         try:
             pair.warm(engine)
-        except Exception:
-            pass
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"[:300]
         finally:
             engine.close()
             pair.decoders.pop("driver-warmup", None)

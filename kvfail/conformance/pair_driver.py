@@ -159,6 +159,9 @@ class PairDriver(Driver[PairHandle]):
         self._pair: PeerPair | None = None
         #: Each P process's output position when the last scenario ended, by pid.
         self._output_marks: dict[int, tuple[int, int]] = {}
+        #: What the driver did to its P's since then (a warm-up, a replacement), shown
+        #: with their output as evidence.
+        self._driver_notes: list[str] = []
         #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
         self._layout_pairs: dict[tuple[int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
@@ -348,6 +351,7 @@ class PairDriver(Driver[PairHandle]):
                 self._replace_p(pair)
         # What the P's print from here on belongs to the next scenario.
         self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
+        self._driver_notes = []
 
     def after_scenario(self) -> None:
         self.forget_engines()
@@ -363,9 +367,10 @@ class PairDriver(Driver[PairHandle]):
         ]
 
     def peer_output(self) -> list[str]:
-        """The P's error-looking lines since the last scenario ended (a P started since:
-        all of its lines), the last :data:`PEER_OUTPUT_LINES` of each."""
-        out: list[str] = []
+        """What the driver did to its P's since the last scenario ended, then their
+        error-looking lines since then (a P started since: all of its lines), the last
+        :data:`PEER_OUTPUT_LINES` of each."""
+        out = [f"[driver] {note}" for note in self._driver_notes]
         for proc in self._producers():
             lines = proc.output_since(self._output_marks.get(proc.pid, (0, 0)))
             notable = [ln for ln in lines if _NOTABLE_OUTPUT.search(ln)]
