@@ -1,4 +1,4 @@
-"""Writes a long-lived Mooncake P loses to D engines at reused addresses: Mooncake's
+"""Writes a long-lived Mooncake P loses to D engines built one after another: Mooncake's
 defaults vs the rig's P settings (rig patch ``mooncake_p_peer_caches``).
 
 Why it matters here: the suite builds a D engine for every scenario, all in one process,
@@ -50,7 +50,7 @@ for line in sys.stdin:
         print("sum", int(buf.sum()), flush=True)
     elif cmd == "end":
         engine.batch_unregister_memory([buf.ctypes.data])
-        engine = buf = None
+        engine = None  # buf stays until the next engine's is allocated: a new address
         gc.collect()
         print("ended", flush=True)
 """
@@ -132,14 +132,14 @@ def _one_side(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--engines", type=int, default=100, help="D engines per side and round")
+    ap.add_argument("--engines", type=int, default=150, help="D engines per side and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
         "--ports",
         type=int,
-        default=400,
+        default=0,
         help="D's engines draw their ports from this many (from 20000, below the ephemeral "
-        "range), so addresses repeat sooner than over Mooncake's ~2,000; 0: Mooncake's range",
+        "range) instead of Mooncake's ~2,000 (0, the default)",
     )
     args = ap.parse_args()
     os.environ.setdefault("MC_LOG_LEVEL", "FATAL")
