@@ -372,7 +372,8 @@ class PairDriver(Driver[PairHandle]):
         :data:`PEER_OUTPUT_LINES` of each."""
         out = [f"[driver] {note}" for note in self._driver_notes]
         for proc in self._producers():
-            lines = proc.output_since(self._output_marks.get(proc.pid, (0, 0)))
+            # stderr only: a P's stdout carries its protocol replies, not its logs.
+            lines = proc.output_since(self._output_marks.get(proc.pid, (0, 0)), stdout=False)
             notable = [ln for ln in lines if _NOTABLE_OUTPUT.search(ln)]
             out += [f"[{proc.name} pid {proc.pid}] {ln}" for ln in notable[-PEER_OUTPUT_LINES:]]
         return out

@@ -19,6 +19,7 @@ from kvfail.faults.points import (
 from kvfail.faults.process import (
     PeerExitedError,
     PeerProcess,
+    busy_threads,
     close_all,
     free_port,
     free_ports,
@@ -42,6 +43,7 @@ __all__ = [
     "PeerProcess",
     "ProxyMode",
     "ProxyStats",
+    "busy_threads",
     "close_all",
     "free_port",
     "free_ports",

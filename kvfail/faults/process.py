@@ -78,6 +78,45 @@ def _read_stat(pid: int) -> list[str] | None:
     return raw.rpartition(")")[2].split()
 
 
+def _thread_times(pid: int) -> dict[int, tuple[str, str, int]]:
+    """Each thread of ``pid``: (name, state, CPU clock ticks so far)."""
+    out: dict[int, tuple[str, str, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.find("(") + 1 : raw.rfind(")")]
+        fields = raw.rpartition(")")[2].split()
+        out[int(tid)] = (name, fields[0], int(fields[11]) + int(fields[12]))
+    return out
+
+
+def busy_threads(pid: int, window_s: float = 0.5, most: int = 3) -> str:
+    """The threads of ``pid`` that used the most CPU over ``window_s`` (name, state, share
+    of one core), main thread first: evidence for a process that does not answer.
+    Empty when the process is gone."""
+    before = _thread_times(pid)
+    time.sleep(window_s)
+    after = _thread_times(pid)
+    if not after:
+        return ""
+    ticks = os.sysconf("SC_CLK_TCK") * window_s
+    used = {
+        tid: (name, state, min((cpu - before.get(tid, (name, state, cpu))[2]) / ticks, 1.0))
+        for tid, (name, state, cpu) in after.items()
+    }
+    main = used.pop(pid, None)
+    top = sorted(used.values(), key=lambda t: -t[2])[:most]
+    shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
+    return ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
+
+
 def proc_state(pid: int) -> str | None:
     """The kernel's one-letter state of `pid` ('R', 'S', 'T', 'Z', ...), or None if gone."""
     fields = _read_stat(pid)
@@ -245,10 +284,12 @@ class PeerProcess:
         with self._cond:
             return (self._out.total, self._err.total)
 
-    def output_since(self, marker: tuple[int, int] = (0, 0)) -> list[str]:
-        """Lines produced after ``marker`` (stdout's, then stderr's), as far as kept."""
+    def output_since(self, marker: tuple[int, int] = (0, 0), *, stdout: bool = True) -> list[str]:
+        """Lines produced after ``marker`` (stdout's unless ``stdout=False``, then
+        stderr's), as far as kept."""
         with self._cond:
-            return self._out.since(marker[0]) + self._err.since(marker[1])
+            out = self._out.since(marker[0]) if stdout else []
+            return out + self._err.since(marker[1])
 
     def output_tail(self, n: int = 40) -> str:
         """Recent output for assertion messages: why did the peer fail to come up?"""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import PeerExitedError, PeerProcess, free_port, proc_state
+from kvfail.faults import PeerExitedError, PeerProcess, busy_threads, free_port, proc_state
 from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
@@ -397,16 +397,15 @@ class PeerPair:
 
     def p_state(self) -> list[str]:
         """P's processes (kernel state of P and each of its ranks) and, when it answers
-        within :data:`P_STATS_TIMEOUT_S`, its engine's counters: whether a load waits on
-        a P that is busy, hung or idle."""
+        within :data:`P_STATS_TIMEOUT_S`, its engine's counters, else its processes'
+        busiest threads: whether a load waits on a P that is busy, hung or idle."""
         producer = self.p
         if producer is None:
             return ["P: none"]
         proc = producer.process
         ready = producer.ready or {}
-        ranks = ", ".join(
-            f"{pid} {proc_state(pid) or 'gone'}" for pid in ready.get("rank_pids", [])
-        )
+        pids: list[int] = [pid for pid in ready.get("rank_pids", []) if pid != proc.pid]
+        ranks = ", ".join(f"{pid} {proc_state(pid) or 'gone'}" for pid in pids)
         line = f"P {ready.get('engine_id', '(starting)')} pid {proc.pid} {proc.state or 'gone'}"
         line += f", ranks [{ranks}]"
         if not proc.alive or proc.frozen or producer.ready is None:
@@ -415,7 +414,10 @@ class PeerPair:
         try:
             stats = producer.stats(timeout_s=P_STATS_TIMEOUT_S)
         except Exception as exc:  # evidence only: a P that does not answer is the finding
-            return [f"{line}; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"]
+            line += f"; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"
+            # What is P busy with? Its processes' busiest threads over a short window.
+            threads = [f"{pid}: {busy_threads(pid)}" for pid in [proc.pid, *pids]]
+            return [line, "P threads (name, state, CPU share): " + "; ".join(threads)]
         keys = ("steps", "pending_requests", "free_blocks", "crashed")
         counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
         return [f"{line}; stats in {time.monotonic() - started:.2f} s: {counters}"]

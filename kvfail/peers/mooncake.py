@@ -49,7 +49,7 @@ from kvfail.peers.base import (
     tracker_state,
     with_param,
 )
-from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, PREFIX
+from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, P_PEER_CACHE_ENV, PREFIX
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine, RunResult
@@ -72,15 +72,6 @@ MOONCAKE_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
     "MC_LOG_LEVEL": "ERROR",
-}
-
-
-#: Mooncake settings of the rig's P processes only (rig patch ``mooncake_p_peer_caches``,
-#: :mod:`kvfail.rig.patches`): P forgets each D's metadata and TCP connections between
-#: writes. A value already in the environment wins, so a user can run without it.
-P_PEER_CACHE_ENV: dict[str, str] = {
-    "MC_DISABLE_METACACHE": "1",
-    "MC_TCP_ENABLE_CONNECTION_POOL": "0",
 }
 
 

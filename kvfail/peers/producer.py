@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from kvfail.harness import Engine
     from kvfail.harness.hooks import RankView, SplitForward
 
-__all__ = ["DEFAULT_EXTRA_CONFIG", "INJECTABLE", "PREFIX", "main"]
+__all__ = ["DEFAULT_EXTRA_CONFIG", "INJECTABLE", "PREFIX", "P_PEER_CACHE_ENV", "main"]
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-p "
@@ -217,9 +217,17 @@ def _pattern_forward() -> SplitForward:
 _seeds: dict[str, str] = {}
 
 
+#: Mooncake settings of the rig's P processes only (rig patch ``mooncake_p_peer_caches``,
+#: :mod:`kvfail.rig.patches`): P forgets each D's metadata and TCP connections between
+#: writes. A value already in the environment wins, so a user can run without it.
+P_PEER_CACHE_ENV: dict[str, str] = {
+    "MC_DISABLE_METACACHE": "1",
+    "MC_TCP_ENABLE_CONNECTION_POOL": "0",
+}
+
+
 def _record_peer_cache_settings() -> None:
     """Note the rig's Mooncake cache settings where they took effect (this P's engine)."""
-    from kvfail.peers.mooncake import P_PEER_CACHE_ENV
     from kvfail.rig import patches as rig_patches
 
     applied = [

@@ -21,6 +21,7 @@ import pytest
 from kvfail.faults import (
     PeerExitedError,
     PeerProcess,
+    busy_threads,
     close_all,
     free_port,
     free_ports,
@@ -220,6 +221,15 @@ def test_output_since_a_marker_has_only_the_newer_lines() -> None:
         assert wait_until(lambda: len(peer.output_since(marker)) == 2)
         assert peer.output_since(marker) == ["out 2", "err 2"]
         assert peer.output_since() == ["out 1", "out 2", "err 1", "err 2"]
+        assert peer.output_since(marker, stdout=False) == ["err 2"]
+
+
+def test_busy_threads_names_the_main_thread_first() -> None:
+    """A P that does not answer is shown by its busiest threads (evidence only)."""
+    with py("import time\nwhile True: pass") as peer:
+        shown = busy_threads(peer.pid, window_s=0.2)
+        assert re.fullmatch(r"main \S+ [RSD] \d+%(, \S+ [A-Z] \d+%)*", shown), shown
+    assert busy_threads(peer.pid) == ""  # gone
 
 
 def test_free_ports_and_wait_for_port() -> None:
