@@ -17,14 +17,17 @@ from kvfail.faults.points import (
     points_for,
 )
 from kvfail.faults.process import (
+    STACK_SIGNAL,
     PeerExitedError,
     PeerProcess,
     busy_threads,
     close_all,
     free_port,
     free_ports,
+    install_stack_dump,
     live_peers,
     proc_state,
+    summarize_stacks,
     wait_for_port,
 )
 from kvfail.faults.proxy import FaultProxy, ProxyMode, ProxyStats
@@ -33,6 +36,7 @@ __all__ = [
     "CLAUSE_TITLES",
     "FAULT_SPECS",
     "LOOPBACK",
+    "STACK_SIGNAL",
     "Clause",
     "Detection",
     "FaultPoint",
@@ -47,8 +51,10 @@ __all__ = [
     "close_all",
     "free_port",
     "free_ports",
+    "install_stack_dump",
     "live_peers",
     "points_for",
     "proc_state",
+    "summarize_stacks",
     "wait_for_port",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import logging
 import os
 import random
@@ -23,10 +24,11 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
@@ -115,6 +117,39 @@ def busy_threads(pid: int, window_s: float = 0.5, most: int = 3) -> str:
     top = sorted(used.values(), key=lambda t: -t[2])[:most]
     shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
     return ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
+
+
+#: The signal on which a rig process (a P, a TP rank) writes every thread's Python stack
+#: to its stderr (:func:`install_stack_dump`): evidence for one that does not answer.
+STACK_SIGNAL = signal.SIGUSR1
+
+
+def install_stack_dump() -> None:
+    """Have :data:`STACK_SIGNAL` write all threads' Python stacks to stderr."""
+    faulthandler.register(STACK_SIGNAL, file=sys.__stderr__, all_threads=True, chain=False)
+
+
+def summarize_stacks(lines: Iterable[str], frames: int = 5) -> list[str]:
+    """faulthandler's dump, one line per thread: its innermost ``frames`` frames."""
+    out: list[str] = []
+    current: list[str] = []
+    head = ""
+
+    def flush() -> None:
+        if head:
+            out.append(f"{head}: " + " < ".join(current[:frames]))
+
+    for line in lines:
+        text = line.strip()
+        if text.startswith(("Thread 0x", "Current thread 0x")):
+            flush()
+            head, current = text.split(" (most recent")[0], []
+        elif text.startswith("File ") and head:
+            path, _, rest = text.removeprefix("File ").partition(", line ")
+            lineno, _, func = rest.partition(" in ")
+            current.append(f"{func} ({Path(path.strip(chr(34))).name}:{lineno})")
+    flush()
+    return out
 
 
 def proc_state(pid: int) -> str | None:

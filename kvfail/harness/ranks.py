@@ -42,6 +42,7 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvfail.faults.process import install_stack_dump
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
 from kvfail.rig import nixl_progress
@@ -138,6 +139,7 @@ def _rank_main(
     env: dict[str, str],
 ) -> None:
     os.environ.update(env)
+    install_stack_dump()  # a rank that stops answering can still be asked where it is
     try:
         view = _build_rank(EngineSpec(**spec_dict), rank, init_method)
     except BaseException as exc:

@@ -25,7 +25,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import PeerExitedError, PeerProcess, busy_threads, free_port, proc_state
+from kvfail.faults import (
+    STACK_SIGNAL,
+    PeerExitedError,
+    PeerProcess,
+    busy_threads,
+    free_port,
+    proc_state,
+    summarize_stacks,
+)
 from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
@@ -63,6 +71,10 @@ _WARM_SEQ = itertools.count(1)
 #: How long a stuck scenario's evidence waits for P's counters (a P that does not answer
 #: in this time is itself the evidence).
 P_STATS_TIMEOUT_S = 5.0
+#: How long a P that does not answer gets to write its threads' stacks, and how many
+#: threads' stacks are shown.
+P_STACKS_WAIT_S = 1.0
+P_STACKS_MAX = 40
 
 
 def producer_engine_id(transport: str) -> str:
@@ -415,12 +427,28 @@ class PeerPair:
             stats = producer.stats(timeout_s=P_STATS_TIMEOUT_S)
         except Exception as exc:  # evidence only: a P that does not answer is the finding
             line += f"; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"
-            # What is P busy with? Its processes' busiest threads over a short window.
+            # What is P busy with? Its processes' busiest threads over a short window,
+            # then where each thread of each is (the Python stacks they dump on request).
             threads = [f"{pid}: {busy_threads(pid)}" for pid in [proc.pid, *pids]]
-            return [line, "P threads (name, state, CPU share): " + "; ".join(threads)]
+            return [
+                line,
+                "P threads (name, state, CPU share): " + "; ".join(threads),
+                *(f"P stack: {s}" for s in self._p_stacks(proc, [proc.pid, *pids])),
+            ]
         keys = ("steps", "pending_requests", "free_blocks", "crashed")
         counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
         return [f"{line}; stats in {time.monotonic() - started:.2f} s: {counters}"]
+
+    @staticmethod
+    def _p_stacks(proc: PeerProcess, pids: list[int]) -> list[str]:
+        """Ask P and its ranks for their Python stacks (:data:`STACK_SIGNAL`) and read
+        them from P's stderr, one line per thread; bounded by :data:`P_STACKS_WAIT_S`."""
+        marker = proc.output_marker()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, STACK_SIGNAL)
+        time.sleep(P_STACKS_WAIT_S)
+        return summarize_stacks(proc.output_since(marker, stdout=False))[:P_STACKS_MAX]
 
     def _consumer_spec(
         self,

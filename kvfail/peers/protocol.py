@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any, NoReturn
 
+from kvfail.faults.process import install_stack_dump
+
 __all__ = ["Channel", "dispatch", "read_commands", "serve"]
 
 #: A command handler: the command in, the reply out.
@@ -100,6 +102,7 @@ def serve(
     parser.add_argument("--config", default="{}", help="JSON object (see module docstring)")
     args = parser.parse_args(argv)
     channel = Channel(prefix)
+    install_stack_dump()  # a P that stops answering can still be asked where it is
     rc = 0
     try:
         config = json.loads(args.config)

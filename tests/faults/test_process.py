@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvfail.faults import (
+    STACK_SIGNAL,
     PeerExitedError,
     PeerProcess,
     busy_threads,
@@ -26,6 +27,7 @@ from kvfail.faults import (
     free_port,
     free_ports,
     live_peers,
+    summarize_stacks,
     wait_for_port,
 )
 
@@ -230,6 +232,27 @@ def test_busy_threads_names_the_main_thread_first() -> None:
         shown = busy_threads(peer.pid, window_s=0.2)
         assert re.fullmatch(r"main \S+ [RSD] \d+%(, \S+ [A-Z] \d+%)*", shown), shown
     assert busy_threads(peer.pid) == ""  # gone
+
+
+def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
+    """What a P that does not answer is doing: its threads' Python stacks, on request."""
+    code = (
+        "import threading, time\n"
+        "from kvfail.faults.process import install_stack_dump\n"
+        "install_stack_dump()\n"
+        "def waiter():\n    time.sleep(60)\n"
+        "threading.Thread(target=waiter, daemon=True).start()\n"
+        "print('READY', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with py(code, env={"PYTHONPATH": str(REPO_ROOT)}) as peer:
+        peer.wait_ready(READY_S, line="READY")
+        marker = peer.output_marker()
+        os.kill(peer.pid, STACK_SIGNAL)
+        assert wait_until(lambda: len(summarize_stacks(peer.output_since(marker))) == 2)
+        stacks = summarize_stacks(peer.output_since(marker))
+    assert any(s.startswith("Current thread 0x") and "<module>" in s for s in stacks), stacks
+    assert any(s.startswith("Thread 0x") and "waiter (<string>:5)" in s for s in stacks), stacks
 
 
 def test_free_ports_and_wait_for_port() -> None:
