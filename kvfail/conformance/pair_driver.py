@@ -427,7 +427,7 @@ class PairDriver(Driver[PairHandle]):
             return f"{request_id} never ran after its load: no bytes were checked"
         if rec.verified:
             return None
-        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        wrong = rec.wrong_loaded
         if wrong:
             return f"mismatched token positions {wrong}"
         # Only ``rank<r>`` entries: D computed the request itself (its load was reported
@@ -440,7 +440,7 @@ class PairDriver(Driver[PairHandle]):
         if rec is None:
             return None
         # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
-        wrong = {k: v for k, v in rec.mismatches.items() if ":" in k}
+        wrong = rec.wrong_loaded
         if not wrong:
             return None
         return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"

@@ -67,17 +67,25 @@ class PeerExitedError(RuntimeError):
         self.returncode = returncode
 
 
-def _read_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat from the state on (index 0 = state, 1 = ppid, 2 = pgrp).
+def _stat(path: str) -> tuple[str, list[str]] | None:
+    """A /proc ``stat`` file: the command name, and the fields after it (index 0 = state,
+    1 = ppid, 2 = pgrp, 11 = utime, 12 = stime); None once the process is gone.
 
-    The command name may contain spaces and parentheses, so split after the last ')'.
+    The command name may contain spaces and parentheses, so split at the last ')'.
     """
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        with open(path, encoding="ascii", errors="replace") as f:
             raw = f.read()
     except OSError:
         return None
-    return raw.rpartition(")")[2].split()
+    head, _, rest = raw.rpartition(")")
+    return head.partition("(")[2], rest.split()
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat from the state on (see :func:`_stat`)."""
+    stat = _stat(f"/proc/{pid}/stat")
+    return None if stat is None else stat[1]
 
 
 def _thread_times(pid: int) -> dict[int, tuple[str, str, int]]:
@@ -88,35 +96,31 @@ def _thread_times(pid: int) -> dict[int, tuple[str, str, int]]:
     except OSError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        name = raw[raw.find("(") + 1 : raw.rfind(")")]
-        fields = raw.rpartition(")")[2].split()
-        out[int(tid)] = (name, fields[0], int(fields[11]) + int(fields[12]))
+        stat = _stat(f"/proc/{pid}/task/{tid}/stat")
+        if stat is not None:
+            name, fields = stat
+            out[int(tid)] = (name, fields[0], int(fields[11]) + int(fields[12]))
     return out
 
 
-def busy_threads(pid: int, window_s: float = 0.5, most: int = 3) -> str:
-    """The threads of ``pid`` that used the most CPU over ``window_s`` (name, state, share
-    of one core), main thread first: evidence for a process that does not answer.
-    Empty when the process is gone."""
-    before = _thread_times(pid)
+def busy_threads(pids: Sequence[int], window_s: float = 0.5, most: int = 3) -> dict[int, str]:
+    """For each of ``pids``, the threads that used the most CPU over one common window of
+    ``window_s`` (name, state, share of one core), main thread first: evidence for a
+    process that does not answer. Empty for a process that is gone."""
+    before = {pid: _thread_times(pid) for pid in pids}
     time.sleep(window_s)
-    after = _thread_times(pid)
-    if not after:
-        return ""
     ticks = os.sysconf("SC_CLK_TCK") * window_s
-    used = {
-        tid: (name, state, min((cpu - before.get(tid, (name, state, cpu))[2]) / ticks, 1.0))
-        for tid, (name, state, cpu) in after.items()
-    }
-    main = used.pop(pid, None)
-    top = sorted(used.values(), key=lambda t: -t[2])[:most]
-    shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
-    return ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
+    out: dict[int, str] = {}
+    for pid in pids:
+        used = {
+            tid: (name, state, min((cpu - before[pid].get(tid, ("", "", cpu))[2]) / ticks, 1.0))
+            for tid, (name, state, cpu) in _thread_times(pid).items()
+        }
+        main = used.pop(pid, None)
+        top = sorted(used.values(), key=lambda t: -t[2])[:most]
+        shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
+        out[pid] = ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
+    return out
 
 
 #: The signal on which a rig process (a P, a TP rank) writes every thread's Python stack
@@ -147,7 +151,8 @@ def summarize_stacks(lines: Iterable[str], frames: int = 5) -> list[str]:
         elif text.startswith("File ") and head:
             path, _, rest = text.removeprefix("File ").partition(", line ")
             lineno, _, func = rest.partition(" in ")
-            current.append(f"{func} ({Path(path.strip(chr(34))).name}:{lineno})")
+            where = Path(path.strip('"')).name
+            current.append(f"{func} ({where}:{lineno})")
     flush()
     return out
 

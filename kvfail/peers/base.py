@@ -319,6 +319,12 @@ class DecodeRecord:
     checked_ranks: set[int] = field(default_factory=set)
     steps_at_injection: int = 0
 
+    @property
+    def wrong_loaded(self) -> dict[str, list[int]]:
+        """The ``rank<r>:<layer>`` mismatches: loaded positions that did not hold P's
+        bytes (a bare ``rank<r>`` only says that rank computed the request itself)."""
+        return {k: v for k, v in self.mismatches.items() if ":" in k}
+
 
 class PeerPair:
     """P (subprocess) + D engines (this process): what Mooncake and NIXL pairs share.
@@ -427,13 +433,14 @@ class PeerPair:
             stats = producer.stats(timeout_s=P_STATS_TIMEOUT_S)
         except Exception as exc:  # evidence only: a P that does not answer is the finding
             line += f"; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"
-            # What is P busy with? Its processes' busiest threads over a short window,
+            # What is P busy with? Its processes' busiest threads over one short window,
             # then where each thread of each is (the Python stacks they dump on request).
-            threads = [f"{pid}: {busy_threads(pid)}" for pid in [proc.pid, *pids]]
+            every = [proc.pid, *pids]
+            threads = [f"{pid}: {shown}" for pid, shown in busy_threads(every).items()]
             return [
                 line,
                 "P threads (name, state, CPU share): " + "; ".join(threads),
-                *(f"P stack: {s}" for s in self._p_stacks(proc, [proc.pid, *pids])),
+                *(f"P stack: {s}" for s in self._p_stacks(proc, every)),
             ]
         keys = ("steps", "pending_requests", "free_blocks", "crashed")
         counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)

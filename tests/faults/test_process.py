@@ -229,9 +229,9 @@ def test_output_since_a_marker_has_only_the_newer_lines() -> None:
 def test_busy_threads_names_the_main_thread_first() -> None:
     """A P that does not answer is shown by its busiest threads (evidence only)."""
     with py("import time\nwhile True: pass") as peer:
-        shown = busy_threads(peer.pid, window_s=0.2)
+        shown = busy_threads([peer.pid], window_s=0.2)[peer.pid]
         assert re.fullmatch(r"main \S+ [RSD] \d+%(, \S+ [A-Z] \d+%)*", shown), shown
-    assert busy_threads(peer.pid) == ""  # gone
+    assert busy_threads([peer.pid]) == {peer.pid: ""}  # gone
 
 
 def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
