@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,6 +156,65 @@ def summarize_stacks(lines: Iterable[str], frames: int = 5) -> list[str]:
             current.append(f"{func} ({where}:{lineno})")
     flush()
     return out
+
+
+#: Interpreter frames left out of a native stack: they say "Python called C", which the
+#: Python stack already shows; what matters is the library the thread waits in.
+_INTERPRETER_FRAME = re.compile(
+    r"^(__|_?Py(?!Thread)|cfunction_|method_vectorcall|vectorcall_|slot_tp_|call_function|builtin_|"
+    r"object_vacall|_TAIL_CALL|pymain_|Py_RunMain|main$|__libc_start|_start$|"
+    r"start_thread|clone3?$|thread_run|pythread_wrapper)"
+)
+_GDB_THREAD = re.compile(r'^Thread \d+ \(Thread 0x[0-9a-f]+ \(LWP (\d+)\) "([^"]*)"\)')
+_GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(\S+) \(.*?\)(?: (?:at|from) (\S+))?")
+
+
+def native_stacks(pid: int, timeout_s: float = 30.0, frames: int = 8) -> list[str]:
+    """Every thread's native stack of ``pid`` through gdb (when installed), one line per
+    distinct stack: which library call a process that does not answer waits in (a
+    lock, a socket, a transport's progress), which a Python stack cannot show. Evidence
+    only: empty when gdb is absent, cannot attach, or does not finish in ``timeout_s``."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return []
+    argv = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off"]
+    argv += ["-ex", "thread apply all bt 40"]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"{pid}: no native stacks ({type(exc).__name__})"]
+    return summarize_native(done.stdout.splitlines(), pid, frames)
+
+
+def summarize_native(lines: Iterable[str], pid: int, frames: int = 8) -> list[str]:
+    """gdb's ``thread apply all bt``, one line per distinct stack (threads with the same
+    stack counted together), interpreter and libc-internal (``__``) frames left out."""
+    stacks: dict[str, list[str]] = {}
+    names: list[str] = []
+    current: list[str] | None = None
+    for line in lines:
+        if head := _GDB_THREAD.match(line):
+            current = []
+            names.append(f"{head.group(2)}/{head.group(1)}")
+            stacks.setdefault(names[-1], current)
+        elif current is not None and (frame := _GDB_FRAME.match(line.strip())):
+            func, where = frame.group(1), frame.group(2) or ""
+            if func == "??" or _INTERPRETER_FRAME.match(func):
+                continue
+            lib = Path(where).name.split(".so")[0] if ".so" in where else ""
+            current.append(f"{func}[{lib}]" if lib else func)
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        shown = " < ".join(stacks[name][:frames])
+        grouped.setdefault(shown or "(no native frames)", []).append(name)
+    return [
+        f"{pid} {threads[0]}"
+        + (f" (+{len(threads) - 1} alike)" if len(threads) > 1 else "")
+        + f": {shown}"
+        for shown, threads in grouped.items()
+    ]
 
 
 def proc_state(pid: int) -> str | None:

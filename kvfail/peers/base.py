@@ -31,6 +31,7 @@ from kvfail.faults import (
     PeerProcess,
     busy_threads,
     free_port,
+    native_stacks,
     proc_state,
     summarize_stacks,
 )
@@ -441,6 +442,7 @@ class PeerPair:
                 line,
                 "P threads (name, state, CPU share): " + "; ".join(threads),
                 *(f"P stack: {s}" for s in self._p_stacks(proc, every)),
+                *(f"P native: {s}" for pid in every for s in native_stacks(pid)),
             ]
         keys = ("steps", "pending_requests", "free_blocks", "crashed")
         counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
