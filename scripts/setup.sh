@@ -50,6 +50,14 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     log "WARNING: libibverbs1 missing and apt-get unavailable; Mooncake tests will skip"
   fi
 fi
+# gdb is evidence only: a rig peer that stops answering has its native stacks in the
+# failure message (kvfail.faults.native_stacks). Without it, that line is left out.
+if ! command -v gdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  log "installing gdb (apt-get)"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gdb >/dev/null ||
+    log "WARNING: gdb not installed; stuck-peer evidence will have Python stacks only"
+fi
 
 # 2. The venv.
 if [ ! -x "$VENV/bin/python" ]; then

@@ -166,7 +166,7 @@ _INTERPRETER_FRAME = re.compile(
     r"start_thread|clone3?$|thread_run|pythread_wrapper)"
 )
 _GDB_THREAD = re.compile(r'^Thread \d+ \(Thread 0x[0-9a-f]+ \(LWP (\d+)\) "([^"]*)"\)')
-_GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(\S+) \(.*?\)(?: (?:at|from) (\S+))?")
+_GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(.+?) \(.*?\)(?: (?:at|from) (\S+))?$")
 
 
 def native_stacks(pid: int, timeout_s: float = 30.0, frames: int = 8) -> list[str]:
@@ -200,7 +200,8 @@ def summarize_native(lines: Iterable[str], pid: int, frames: int = 8) -> list[st
             names.append(f"{head.group(2)}/{head.group(1)}")
             stacks.setdefault(names[-1], current)
         elif current is not None and (frame := _GDB_FRAME.match(line.strip())):
-            func, where = frame.group(1), frame.group(2) or ""
+            # A C++ frame carries its signature: the name says enough.
+            func, where = frame.group(1).split("(")[0], frame.group(2) or ""
             if func == "??" or _INTERPRETER_FRAME.match(func):
                 continue
             lib = Path(where).name.split(".so")[0] if ".so" in where else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,9 +28,11 @@ from kvfail.faults import (
     free_port,
     free_ports,
     live_peers,
+    native_stacks,
     summarize_stacks,
     wait_for_port,
 )
+from kvfail.faults.process import summarize_native
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_S = 15.0  # only reached when broken; a cold python start on a loaded box is slow
@@ -253,6 +256,44 @@ def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
         stacks = summarize_stacks(peer.output_since(marker))
     assert any(s.startswith("Current thread 0x") and "<module>" in s for s in stacks), stacks
     assert any(s.startswith("Thread 0x") and "waiter (<string>:5)" in s for s in stacks), stacks
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (evidence only)")
+def test_native_stacks_name_the_wait_one_line_per_distinct_stack() -> None:
+    """Where a P that does not answer waits below Python: two threads blocked on the same
+    lock are one line, the sleeping main thread another."""
+    code = (
+        "import threading, time\n"
+        "lock = threading.Lock(); lock.acquire()\n"
+        "for _ in range(2): threading.Thread(target=lock.acquire, daemon=True).start()\n"
+        "print('READY', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with py(code) as peer:
+        peer.wait_ready(READY_S, line="READY")
+        stacks = native_stacks(peer.pid)
+    lock_waits = [s for s in stacks if "PyThread_acquire_lock" in s]
+    assert len(lock_waits) == 1 and "(+1 alike)" in lock_waits[0], stacks
+    assert any("time_sleep" in s for s in stacks), stacks
+    assert native_stacks(peer.pid) == [] or all("no native" in s for s in native_stacks(peer.pid))
+
+
+def test_summarize_native_keeps_library_frames_and_drops_the_interpreter() -> None:
+    gdb_output = [
+        'Thread 2 (Thread 0x7f00 (LWP 11) "ucx-progress"):',
+        "#0  0x1 in __GI___poll (fds=0x1, nfds=2) at poll.c:29",
+        "#1  0x2 in nixlUcxSharedThread::run() () from /x/libplugin_UCX.so",
+        "#2  0x3 in start_thread (arg=0x0) at pthread_create.c:442",
+        'Thread 1 (Thread 0x7f01 (LWP 10) "python"):',
+        "#0  0x4 in do_futex_wait (sem=0x1) at sem_waitcommon.c:111",
+        "#1  0x5 in PyThread_acquire_lock_timed (lock=0x1) at thread_pthread.h:481",
+        "#2  0x6 in _PyEval_EvalFrameDefault (tstate=0x1) at ceval.c:4769",
+        "#3  0x7 in nixlAgent::getNotifs(std::map<a, b>&, c) const () from /x/libnixl.so.0",
+    ]
+    assert summarize_native(gdb_output, 10) == [
+        "10 ucx-progress/11: nixlUcxSharedThread::run[libplugin_UCX]",
+        "10 python/10: do_futex_wait < PyThread_acquire_lock_timed < nixlAgent::getNotifs[libnixl]",
+    ]
 
 
 def test_free_ports_and_wait_for_port() -> None:
