@@ -76,6 +76,10 @@ P_STATS_TIMEOUT_S = 5.0
 #: threads' stacks are shown.
 P_STACKS_WAIT_S = 1.0
 P_STACKS_MAX = 40
+#: Set to ``1``: a stuck scenario's evidence has every thread's stacks of P's and D's
+#: processes even when P answers (a few seconds per scenario that stalls; off by default
+#: because upstream connectors stall by design in many scenarios).
+STUCK_STACKS_ENV = "KVFAIL_STUCK_STACKS"
 
 
 def producer_engine_id(transport: str) -> str:
@@ -404,7 +408,8 @@ class PeerPair:
 
     def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:
         """What D's ranks hold for requests that never finished, then P's side (evidence
-        only): each rank runs the subclass's :attr:`load_state`."""
+        only): each rank runs the subclass's :attr:`load_state`. With
+        :data:`STUCK_STACKS_ENV` set, every stack of P's and D's processes follows."""
         lines: list[str] = []
         if self.load_state is not None:
             lines += [
@@ -412,12 +417,18 @@ class PeerPair:
                 for rid in req_ids
                 for w in engine.workers
             ]
-        return lines + self.p_state()
+        lines += self.p_state(stacks=os.environ.get(STUCK_STACKS_ENV) == "1")
+        if os.environ.get(STUCK_STACKS_ENV) == "1":
+            # D's rank processes (at TP 1 D is this process: gdb cannot stop itself).
+            d_pids = [w.process.pid for w in engine.workers if w.process and w.process.pid]
+            lines += [f"D native: {s}" for pid in d_pids for s in native_stacks(pid)]
+        return lines
 
-    def p_state(self) -> list[str]:
+    def p_state(self, *, stacks: bool = False) -> list[str]:
         """P's processes (kernel state of P and each of its ranks) and, when it answers
-        within :data:`P_STATS_TIMEOUT_S`, its engine's counters, else its processes'
-        busiest threads: whether a load waits on a P that is busy, hung or idle."""
+        within :data:`P_STATS_TIMEOUT_S`, its engine's counters; when it does not (or
+        ``stacks``), its processes' busiest threads and every thread's Python and native
+        stack: whether a load waits on a P that is busy, hung or idle, and on what."""
         producer = self.p
         if producer is None:
             return ["P: none"]
@@ -434,19 +445,24 @@ class PeerPair:
             stats = producer.stats(timeout_s=P_STATS_TIMEOUT_S)
         except Exception as exc:  # evidence only: a P that does not answer is the finding
             line += f"; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"
-            # What is P busy with? Its processes' busiest threads over one short window,
-            # then where each thread of each is (the Python stacks they dump on request).
-            every = [proc.pid, *pids]
-            threads = [f"{pid}: {shown}" for pid, shown in busy_threads(every).items()]
-            return [
-                line,
-                "P threads (name, state, CPU share): " + "; ".join(threads),
-                *(f"P stack: {s}" for s in self._p_stacks(proc, every)),
-                *(f"P native: {s}" for pid in every for s in native_stacks(pid)),
-            ]
-        keys = ("steps", "pending_requests", "free_blocks", "crashed")
-        counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
-        return [f"{line}; stats in {time.monotonic() - started:.2f} s: {counters}"]
+            stacks = True
+        else:
+            keys = ("steps", "pending_requests", "free_blocks", "crashed")
+            counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
+            line += f"; stats in {time.monotonic() - started:.2f} s: {counters}"
+        if not stacks:
+            return [line]
+        # What is P busy with? Its processes' busiest threads over one short window,
+        # then where each thread of each is: the Python stacks they dump on request, and
+        # the native ones (a wait inside a transport library).
+        every = [proc.pid, *pids]
+        threads = [f"{pid}: {shown}" for pid, shown in busy_threads(every).items()]
+        return [
+            line,
+            "P threads (name, state, CPU share): " + "; ".join(threads),
+            *(f"P stack: {s}" for s in self._p_stacks(proc, every)),
+            *(f"P native: {s}" for pid in every for s in native_stacks(pid)),
+        ]
 
     @staticmethod
     def _p_stacks(proc: PeerProcess, pids: list[int]) -> list[str]:
