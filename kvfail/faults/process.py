@@ -169,7 +169,7 @@ _GDB_THREAD = re.compile(r'^Thread \d+ \(Thread 0x[0-9a-f]+ \(LWP (\d+)\) "([^"]
 _GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(.+?) \(.*?\)(?: (?:at|from) (\S+))?$")
 
 
-def native_stacks(pid: int, timeout_s: float = 30.0, frames: int = 8) -> list[str]:
+def native_stacks(pid: int, timeout_s: float = 20.0, frames: int = 8) -> list[str]:
     """Every thread's native stack of ``pid`` through gdb (when installed), one line per
     distinct stack: which library call a process that does not answer waits in (a
     lock, a socket, a transport's progress), which a Python stack cannot show. Evidence

@@ -212,7 +212,7 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     for _ in range(3):  # the load is scheduled; D's bootstrap query hangs at the proxy
         consumer.step()
     # What a stuck load looks like from D's worker (the suite's liveness evidence).
-    state, p_state = pair.stuck_state(consumer, ["proxy-blackhole"])
+    state, p_state = pair.stuck_state(consumer, ["proxy-blackhole"])[:2]
     assert state.startswith("proxy-blackhole rank 0: finished recving False"), state
     # P is alive and answers: the load waits on the path to it, not on P.
     assert "; stats in " in p_state and "crashed None" in p_state, p_state

@@ -186,13 +186,13 @@ def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -
     assert _status(pair, UP_FAIL, f"frozen-{UP_FAIL}") == "WAITING_FOR_REMOTE_KVS"
     DETECTION["frozen, upstream"] = None
     # What a stuck load looks like from D's workers (the suite's liveness evidence).
-    up_state, p_state = pair.stuck_state(pair.decoders[UP_FAIL], [f"frozen-{UP_FAIL}"])
+    up_state, p_state = pair.stuck_state(pair.decoders[UP_FAIL], [f"frozen-{UP_FAIL}"])[:2]
     assert "handles ['PROC']" in up_state and "handshake pending False" in up_state, up_state
     # ... and from P's side: stopped (kernel state T), so it is not asked for counters.
     assert p_state.startswith("P ") and " T, ranks [" in p_state, p_state
     # kvfail reported its load, but never released the READ still in flight: a released
     # UCX GET can still land its reply, so its handle (and blocks) are held until it ends.
-    kv_state, _ = pair.stuck_state(pair.decoders[KVFAIL], [f"frozen-{KVFAIL}"])
+    kv_state = pair.stuck_state(pair.decoders[KVFAIL], [f"frozen-{KVFAIL}"])[0]
     assert "handles ['PROC']" in kv_state, kv_state
     pair.thaw_p()
     _finish(pair, UP_FAIL, f"frozen-{UP_FAIL}")
