@@ -72,8 +72,8 @@ _WARM_SEQ = itertools.count(1)
 #: How long a stuck scenario's evidence waits for P's counters (a P that does not answer
 #: in this time is itself the evidence).
 P_STATS_TIMEOUT_S = 5.0
-#: How long a P that does not answer gets to write its threads' stacks, and how many
-#: threads' stacks are shown.
+#: How long each of P's processes gets to write its threads' stacks, and how many
+#: threads' stacks are shown in all.
 P_STACKS_WAIT_S = 1.0
 P_STACKS_MAX = 40
 #: Set to ``1``: a stuck scenario's evidence has every thread's stacks of P's and D's
@@ -467,13 +467,29 @@ class PeerPair:
     @staticmethod
     def _p_stacks(proc: PeerProcess, pids: list[int]) -> list[str]:
         """Ask P and its ranks for their Python stacks (:data:`STACK_SIGNAL`) and read
-        them from P's stderr, one line per thread; bounded by :data:`P_STACKS_WAIT_S`."""
-        marker = proc.output_marker()
+        them from P's stderr, one line per thread, led by the process's pid.
+
+        One process at a time: they share P's stderr, and dumps written together
+        interleave line by line. Each gets at most :data:`P_STACKS_WAIT_S`, and is done
+        once its output stops growing."""
+        out: list[str] = []
         for pid in pids:
-            with contextlib.suppress(OSError):
+            marker = proc.output_marker()
+            try:
                 os.kill(pid, STACK_SIGNAL)
-        time.sleep(P_STACKS_WAIT_S)
-        return summarize_stacks(proc.output_since(marker, stdout=False))[:P_STACKS_MAX]
+            except OSError:
+                continue
+            deadline = time.monotonic() + P_STACKS_WAIT_S
+            seen = -1
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                lines = len(proc.output_since(marker, stdout=False))
+                if lines and lines == seen:
+                    break
+                seen = lines
+            dump = summarize_stacks(proc.output_since(marker, stdout=False))
+            out += [f"{pid} {thread}" for thread in dump]
+        return out[:P_STACKS_MAX]
 
     def _consumer_spec(
         self,
