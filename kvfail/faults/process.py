@@ -162,7 +162,7 @@ def summarize_stacks(lines: Iterable[str], frames: int = 5) -> list[str]:
 #: Python stack already shows; what matters is the library the thread waits in.
 _INTERPRETER_FRAME = re.compile(
     r"^(__|_?Py(?!Thread)|cfunction_|method_vectorcall|vectorcall_|slot_tp_|call_function|builtin_|"
-    r"object_vacall|_TAIL_CALL|pymain_|Py_RunMain|main$|__libc_start|_start$|"
+    r"object_vacall|_TAIL_CALL|pymain_|Py_RunMain|main$|_start$|"
     r"start_thread|clone3?$|thread_run|pythread_wrapper)"
 )
 _GDB_THREAD = re.compile(r'^Thread \d+ \(Thread 0x[0-9a-f]+ \(LWP (\d+)\) "([^"]*)"\)')
@@ -191,14 +191,11 @@ def native_stacks(pid: int, timeout_s: float = 20.0, frames: int = 8) -> list[st
 def summarize_native(lines: Iterable[str], pid: int, frames: int = 8) -> list[str]:
     """gdb's ``thread apply all bt``, one line per distinct stack (threads with the same
     stack counted together), interpreter and libc-internal (``__``) frames left out."""
-    stacks: dict[str, list[str]] = {}
-    names: list[str] = []
+    stacks: dict[str, list[str]] = {}  # "name/LWP" -> its frames, in gdb's order
     current: list[str] | None = None
     for line in lines:
         if head := _GDB_THREAD.match(line):
-            current = []
-            names.append(f"{head.group(2)}/{head.group(1)}")
-            stacks.setdefault(names[-1], current)
+            current = stacks[f"{head.group(2)}/{head.group(1)}"] = []
         elif current is not None and (frame := _GDB_FRAME.match(line.strip())):
             # A C++ frame carries its signature: the name says enough.
             func, where = frame.group(1).split("(")[0], frame.group(2) or ""
@@ -207,8 +204,8 @@ def summarize_native(lines: Iterable[str], pid: int, frames: int = 8) -> list[st
             lib = Path(where).name.split(".so")[0] if ".so" in where else ""
             current.append(f"{func}[{lib}]" if lib else func)
     grouped: dict[str, list[str]] = {}
-    for name in names:
-        shown = " < ".join(stacks[name][:frames])
+    for name, frames_of in stacks.items():
+        shown = " < ".join(frames_of[:frames])
         grouped.setdefault(shown or "(no native frames)", []).append(name)
     return [
         f"{pid} {threads[0]}"

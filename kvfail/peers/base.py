@@ -417,8 +417,9 @@ class PeerPair:
                 for rid in req_ids
                 for w in engine.workers
             ]
-        lines += self.p_state(stacks=os.environ.get(STUCK_STACKS_ENV) == "1")
-        if os.environ.get(STUCK_STACKS_ENV) == "1":
+        stacks = os.environ.get(STUCK_STACKS_ENV) == "1"
+        lines += self.p_state(stacks=stacks)
+        if stacks:
             # D's rank processes (at TP 1 D is this process: gdb cannot stop itself).
             d_pids = [w.process.pid for w in engine.workers if w.process and w.process.pid]
             lines += [f"D native: {s}" for pid in d_pids for s in native_stacks(pid)]
