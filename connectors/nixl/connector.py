@@ -22,7 +22,11 @@ routes by group count. Here every D-side failure becomes one
 * a load older than ``kvfail_deadline_s`` is failed by the tracker's watchdog and
   reported at once; :meth:`KvfailNixlWorker.kvfail_fence` lets its blocks go back only
   once every NIXL handle it posted has ended and been released, and until then the
-  blocks are quarantined (C11).
+  blocks are quarantined (C11);
+* a load whose P process is gone (its side channel refuses connections, see
+  :mod:`connectors.nixl.probe`) is failed at ``peer_lost`` and reported at once, its
+  blocks quarantined the same way until its READs have ended. UCX alone learns of a
+  dead P only when its endpoint fails, which can take many seconds.
 
 Upstream's failed set ``_recv_failures`` is still filled, on purpose: it is what makes
 upstream skip KV post-processing for a failed request (vLLM #40364; post-processing a
@@ -30,8 +34,9 @@ request whose handshake failed would look up an unknown engine). It is never rep
 
 Stage map: ``handshake_failed`` -> HANDSHAKE; ``transfer_setup_failed`` -> TRANSFER_SETUP;
 ``transfer_failed`` (state ERR) and ``transfer_exception`` -> TRANSFER; read refused for an
-invalidated peer -> PEER_LOST; other unlogged refusals (expired turn-2 read) ->
-TRANSFER_SETUP; deadline -> WATCHDOG; ``notification_failed`` -> not a load failure.
+invalidated peer, and P's side channel refusing -> PEER_LOST; other unlogged refusals
+(expired turn-2 read) -> TRANSFER_SETUP; deadline -> WATCHDOG; ``notification_failed`` ->
+not a load failure.
 
 Nothing here copies upstream code or patches vLLM. The overridden methods are upstream's
 private ones (tied to vLLM 0.32.0's NIXL internals), and each calls upstream's version.
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -58,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
+from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
@@ -89,6 +96,10 @@ FENCE_RETRY_S: Final = 0.1
 #: Bound on the plain TCP connect to P's side channel before each handshake (see
 #: :meth:`KvfailNixlWorker._nixl_handshake`); on loopback a refusal comes back at once.
 SIDE_CHANNEL_PROBE_S: Final = 0.5
+#: Extra config key: how often the side channel of a P that loads wait on is probed for
+#: P's death (default :data:`~connectors.nixl.probe.PROBE_INTERVAL_S`); null or 0 turns
+#: the probe off, leaving a dead P to UCX and the deadline.
+PROBE_INTERVAL_KEY: Final = "kvfail_probe_interval_s"
 
 #: Upstream ``_log_failure`` types that fail the request, and where they are detected.
 #: ``notification_failed`` is absent on purpose: a notification is not a load. Upstream D
@@ -122,10 +133,13 @@ def _refuses(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def _deadline_from(vllm_config: VllmConfig) -> float | None:
+def _extra(vllm_config: VllmConfig) -> Mapping[str, Any] | None:
     kv_config = vllm_config.kv_transfer_config
-    extra = None if kv_config is None else kv_config.kv_connector_extra_config
-    return seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
+    return None if kv_config is None else kv_config.kv_connector_extra_config
+
+
+def _deadline_from(vllm_config: VllmConfig) -> float | None:
+    return seconds_from(_extra(vllm_config), DEADLINE_KEY, DEFAULT_DEADLINE_S)
 
 
 class LoggedFailureStages:
@@ -178,6 +192,15 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
             quarantine=compat.block_pool_binding_available(),
             rank=self.tp_rank,
         )
+        interval = seconds_from(_extra(vllm_config), PROBE_INTERVAL_KEY, PROBE_INTERVAL_S)
+        self._kvfail_probes = None if interval is None else SideChannelProbes(interval)
+        #: P engine id -> the side channel its handshake used (written by the handshake
+        #: thread, read at drains).
+        self._kvfail_side_channels: dict[str, tuple[str, int]] = {}
+        #: Load -> when D first watched its P: an older refusal may be an earlier P's.
+        self._kvfail_watched: dict[str, float] = {}
+        #: Loads failed because their P is gone, whose READs may not have ended yet.
+        self._kvfail_unfenced: set[str] = set()
 
     # ------------------------------------------------------------------ loads start
 
@@ -218,7 +241,11 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
         """
         if _refuses(host, port, SIDE_CHANNEL_PROBE_S):
             raise ConnectionRefusedError(f"kvfail: P's side channel {host}:{port} refused")
-        return super()._nixl_handshake(host, port, *args, **kwargs)
+        result = super()._nixl_handshake(host, port, *args, **kwargs)
+        engine_id = kwargs.get("expected_engine_id", args[1] if len(args) > 1 else None)
+        if isinstance(engine_id, str):
+            self._kvfail_side_channels[engine_id] = (host, port)
+        return result
 
     def _validate_remote_agent_handshake(
         self,
@@ -314,6 +341,7 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
         # Loads without local blocks (a full local hit the scheduler still awaits) are
         # upstream's to complete and never fail: their KV is already local.
         no_blocks = {r for r, m in self._recving_metadata.items() if not any(m.local_block_ids)}
+        self._kvfail_watch_peers()
         upstream = super().get_transfer_results()
         # Upstream's invalid-block queue is superseded by the tracker; drain it so it
         # does not grow.
@@ -331,6 +359,65 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
         return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
+
+    def shutdown(self) -> None:
+        if self._kvfail_probes is not None:
+            self._kvfail_probes.close()
+        super().shutdown()
+
+    # ------------------------------------------------------------------ P gone?
+
+    def _kvfail_watch_peers(self) -> None:
+        """Fail every load whose P process is gone, and free the blocks of those failed
+        earlier once their READs have ended.
+
+        A gone P writes nothing more, but a READ still in ``PROC`` may hold bytes D's
+        UCX has received and not yet copied, so the load is reported at once and its
+        blocks are held until :meth:`kvfail_fence` holds (as after the deadline).
+        Without quarantine the failure is only recorded: it is delivered when upstream
+        ends the READ, or by the deadline's fence.
+        """
+        tracker = self.failure_reporter
+        for req_id in list(self._kvfail_unfenced):
+            if not (tracker.is_quarantined(req_id) or tracker.is_tracked(req_id)):
+                self._kvfail_unfenced.discard(req_id)  # released by the deadline's fence
+            elif self.kvfail_fence(req_id):
+                self._kvfail_unfenced.discard(req_id)
+                self.load_fenced(req_id)
+        probes = self._kvfail_probes
+        if probes is None:
+            return
+        now = time.monotonic()
+        watched: dict[str, float] = {}
+        # A copy: failing a load whose READs have all ended forgets its metadata.
+        for req_id, meta in list(self._recving_metadata.items()):
+            remote = meta.remote
+            if remote is None or not tracker.is_tracked(req_id):
+                continue
+            if tracker.failure_of(req_id) is not None:
+                continue
+            addr = self._kvfail_side_channels.get(remote.engine_id)
+            if addr is None and remote.host and remote.port:
+                addr = (remote.host, int(remote.port))
+            if addr is None:
+                continue
+            since = watched[req_id] = self._kvfail_watched.get(req_id, now)
+            if probes.gone(addr, since=since, waiter=req_id):
+                self._kvfail_p_gone(req_id, addr)
+        for req_id in self._kvfail_watched.keys() - watched.keys():
+            probes.forget(req_id)
+        self._kvfail_watched = watched
+
+    def _kvfail_p_gone(self, req_id: str, addr: tuple[str, int]) -> None:
+        reason = f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
+        if not self.failure_reporter.quarantine:
+            self.load_failed(req_id, Stage.PEER_LOST, reason, settle=False)
+            return
+        self.load_failed(req_id, Stage.PEER_LOST, reason, fenced=False)
+        if self.kvfail_fence(req_id):
+            self.load_fenced(req_id)
+        else:
+            self._kvfail_unfenced.add(req_id)
 
 
 class KvfailNixlConnector(QuarantineConnector, KvfailMetricsConnector, NixlPullConnector):

@@ -39,10 +39,8 @@ upstream's private ones (vLLM 0.32.0) and each calls upstream's version.
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from connectors.nixl.connector import FENCE_RETRY_S, LoggedFailureStages, _deadline_from
+from connectors.nixl.probe import SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
@@ -78,7 +77,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = [
-    "PROBE_INTERVAL_S",
     "PUSH_FAILURE_STAGES",
     "KvfailNixlPushConnector",
     "KvfailNixlPushWorker",
@@ -90,9 +88,6 @@ logger = logging.getLogger("kvfail.nixl.push")
 #: registration was never sent, so nothing can write. ``push_reg_notif_failed`` is absent:
 #: a failed send does not prove P did not get it, so the load waits for its deadline.
 PUSH_FAILURE_STAGES: Final[dict[str, Stage]] = {"push_reg_handshake_failed": Stage.HANDSHAKE}
-#: How often a held load's P is probed for death (a non-blocking connect to its side
-#: channel; each probe costs one SYN on the engine thread, never a wait).
-PROBE_INTERVAL_S: Final = 0.5
 #: How long a load fenced before its registration went out stays closed to a late send.
 #: A handshake still pending then ends within zmq's receive timeout and re-queues the
 #: registration once; this outlasts that with room to spare, and bounds the memory.
@@ -113,17 +108,6 @@ class _Held:
     #: When the hold began: a refusal seen before it may be about an earlier P on the
     #: same host and port, so it does not count for this load.
     since: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Probe:
-    """A non-blocking connect to one P's side channel, polled at drains."""
-
-    sock: socket.socket | None = None
-    started: float = 0.0
-    #: When a connect was last refused (None: never).
-    refused_at: float | None = None
-    waiters: set[str] = field(default_factory=set)
 
 
 class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker):
@@ -155,7 +139,7 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         self._kvfail_reg_sent: set[str] = set()
         self._kvfail_reg_closed: dict[str, float] = {}
         self._kvfail_held: dict[str, _Held] = {}
-        self._kvfail_probes: dict[tuple[str, int], _Probe] = {}
+        self._kvfail_probes = SideChannelProbes()
         #: Completion notifications for loads D already failed (C7: counted, not passed).
         self.kvfail_late_notifications = 0
 
@@ -245,33 +229,17 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         self._kvfail_held.pop(req_id, None)
         with self._kvfail_reg_lock:
             self._kvfail_reg_sent.discard(req_id)
-        for key, probe in list(self._kvfail_probes.items()):
-            probe.waiters.discard(req_id)
-            if not probe.waiters:
-                _close(probe)
-                del self._kvfail_probes[key]
+        self._kvfail_probes.forget(req_id)
 
     # ------------------------------------------------------------------ P dead?
 
     def _p_dead(self, req_id: str, held: _Held) -> bool:
-        """Whether P's side channel refused a connection (its process is gone).
-
-        Non-blocking: a connect is started and read back at a later drain; a stopped or
-        slow P (the connect is accepted, or pending) counts as alive.
-        """
+        """Whether P's side channel refuses connections since the hold began (P's
+        process is gone; see :mod:`connectors.nixl.probe`). A stopped or slow P counts
+        as alive."""
         if not held.port:
             return False
-        key = (held.host, held.port)
-        probe = self._kvfail_probes.setdefault(key, _Probe())
-        probe.waiters.add(req_id)
-        now = time.monotonic()
-        if probe.sock is None and now - probe.started >= PROBE_INTERVAL_S:
-            probe.started = now
-            if _start_probe(probe, key):
-                probe.refused_at = now
-        elif probe.sock is not None and _read_probe(probe, now):
-            probe.refused_at = now
-        return probe.refused_at is not None and probe.refused_at >= held.since
+        return self._kvfail_probes.gone((held.host, held.port), since=held.since, waiter=req_id)
 
     # ------------------------------------------------------------------ notifications
 
@@ -343,48 +311,8 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
 
     def shutdown(self) -> None:
-        for probe in self._kvfail_probes.values():
-            _close(probe)
-        self._kvfail_probes.clear()
+        self._kvfail_probes.close()
         super().shutdown()
-
-
-def _start_probe(probe: _Probe, addr: tuple[str, int]) -> bool:
-    """Start a non-blocking connect; True if refused at once (P is gone)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    code = sock.connect_ex(addr)
-    if code in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
-        if code == 0:
-            sock.close()  # accepted: P's listener is there
-            return False
-        probe.sock = sock
-        return False
-    sock.close()
-    return code == errno.ECONNREFUSED
-
-
-def _read_probe(probe: _Probe, now: float) -> bool:
-    """Read back a pending connect; a connect still pending after the interval is
-    dropped (unknown is alive) and retried later."""
-    import select
-
-    sock = probe.sock
-    assert sock is not None
-    _, writable, _ = select.select([], [sock], [], 0)
-    if not writable:
-        if now - probe.started >= PROBE_INTERVAL_S:
-            _close(probe)
-        return False
-    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    _close(probe)
-    return code == errno.ECONNREFUSED
-
-
-def _close(probe: _Probe) -> None:
-    if probe.sock is not None:
-        probe.sock.close()
-        probe.sock = None
 
 
 class KvfailNixlPushConnector(QuarantineConnector, KvfailMetricsConnector, NixlPushConnector):

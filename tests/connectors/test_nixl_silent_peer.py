@@ -1,5 +1,10 @@
 """A real silent peer: P is SIGSTOPped after the handshake, D's READ sits in ``PROC``.
 
+The second test makes the side channel the only sign of P's end: D reached P's side
+channel through a proxy, the proxy stops listening while P is stopped (so UCX sees
+nothing), and D's probe must fail the load at ``peer_lost`` with the READ still in
+``PROC``, hold its blocks, and give them back only once killing P has ended the READ.
+
 Why: upstream's D has no deadline for a transfer stuck in ``PROC``; it holds the request
 and its blocks until P really dies. Here D runs
 KvfailNixlConnector with ``kvfail_deadline_s=5``: the watchdog must fail the load, and the
@@ -45,7 +50,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spec(role: str, engine_id: str) -> Any:
+#: The probe test's deadline: far past its waits, so only the probe can fail the load.
+PROBE_TEST_DEADLINE_S = 300.0
+
+
+def _spec(role: str, engine_id: str, deadline_s: float = DEADLINE_S) -> Any:
     import kvfail.harness as h
 
     return h.EngineSpec(
@@ -53,7 +62,7 @@ def _spec(role: str, engine_id: str) -> Any:
         connector="KvfailNixlConnector",
         connector_module="connectors.nixl",
         engine_id=engine_id,
-        extra_config={"kvfail_deadline_s": DEADLINE_S},
+        extra_config={"kvfail_deadline_s": deadline_s},
     )
 
 
@@ -163,6 +172,76 @@ def _d_main(params_json: str) -> None:
     os._exit(0)
 
 
+def _d_probe_main(params_json: str) -> None:
+    """D for the probe test: each phase waits for the test's go-ahead on stdin."""
+    result: dict[str, Any] = {}
+    try:
+        from vllm.v1.request import RequestStatus
+
+        import kvfail.harness as h
+
+        engine = h.Engine(_spec("consumer", "D-probe", PROBE_TEST_DEADLINE_S))
+        worker = engine.workers[0].connector.connector_worker
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        engine.add_request(
+            "D-req", prompt_seed="shared", kv_transfer_params=json.loads(params_json)
+        )
+        engine.step()
+        end = time.monotonic() + 30
+        while P_ENGINE not in worker._remote_agents and time.monotonic() < end:
+            time.sleep(0.01)
+        _emit("HANDSHAKED", P_ENGINE in worker._remote_agents)
+        _wait_line(sys.stdin, 30)  # P is stopped now
+
+        def handles(_: Any = None) -> int:
+            return len(worker._recving_transfers.get("D-req", []))
+
+        run = engine.run_until(lambda e: handles() > 0, max_steps=200, timeout_s=10, poll_s=0.02)
+        _emit("READ", handles())
+        _wait_line(sys.stdin, 30)  # the side channel refuses now
+        at_failure: list[int] = []
+
+        def failed(e: Any) -> bool:
+            reported = any("D-req" in r.failed_requests for r in e.record.scheduler_reports())
+            if reported and not at_failure:
+                at_failure.append(handles())
+            return reported and e.status("D-req") != RequestStatus.WAITING_FOR_REMOTE_KVS
+
+        run = engine.run_until(failed, max_steps=10**6, timeout_s=20, poll_s=0.02)
+        result["failed_run"] = {"ok": run.ok, "reason": run.reason, "steps": run.steps}
+        result["handles_at_failure"] = at_failure[0] if at_failure else None
+        result["held_after_failure"] = worker.failure_reporter.quarantined_blocks
+        result["stats_at_failure"] = worker.failure_stats().as_dict()
+        _emit("FAILED", run.ok)
+        _wait_line(sys.stdin, 30)  # P is killed now
+
+        def released(e: Any) -> bool:
+            return (
+                worker.failure_reporter.quarantined_blocks == 0
+                and pool.get_num_free_blocks() == free_before
+            )
+
+        run = engine.run_until(released, max_steps=10**6, timeout_s=30, poll_s=0.02)
+        result["released_run"] = {"ok": run.ok, "reason": run.reason, "steps": run.steps}
+        result["handles_after"] = handles()
+        result["status"] = str(engine.status("D-req"))
+        reports = engine.record.scheduler_reports()
+        result["finished"] = sum("D-req" in r.finished_recving for r in reports)
+        result["failed"] = sum("D-req" in r.failed_requests for r in reports)
+        result["stats"] = worker.failure_stats().as_dict()
+        result["blocks_untouched"] = all(
+            int(t.abs().sum()) == 0 for t in engine.workers[0].kv_caches.values()
+        )
+        engine.close()
+    except BaseException as exc:
+        import traceback
+
+        result["error"] = repr(exc) + traceback.format_exc()[-3000:]
+    _emit("RESULT", result)
+    os._exit(0)
+
+
 # --------------------------------------------------------------------------- test
 
 
@@ -253,8 +332,58 @@ def test_a_stopped_peer_is_fenced_and_reported_by_the_watchdog() -> None:
         assert result["handles_after_phase1"] == 0, result  # released (cancelled) by the fence
 
 
+def _send(proc: subprocess.Popen[str], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_a_gone_side_channel_fails_the_load_and_holds_its_blocks_until_the_read_ends() -> None:
+    from kvfail.faults.proxy import FaultProxy
+
+    p = _spawn("P")
+    d: subprocess.Popen[str] | None = None
+    proxy: FaultProxy | None = None
+    try:
+        params = _expect(p, "PARAMS", 240)
+        proxy = FaultProxy(int(params["remote_port"]), name="side-channel").start()
+        params["remote_port"] = proxy.port
+        d = _spawn("D-probe", json.dumps(params))
+        assert _expect(d, "HANDSHAKED", 240) is True
+        os.kill(p.pid, signal.SIGSTOP)  # UCX's connection stays open, and silent
+        _send(d, "GO")
+        read_handles = _expect(d, "READ", 30)
+        proxy.refuse()  # nothing listens where P's side channel was
+        _send(d, "REFUSED")
+        _expect(d, "FAILED", 60)
+        p.kill()  # now the READ can end (in error)
+        _send(d, "KILLED")
+        result = _expect(d, "RESULT", 60)
+    finally:
+        if proxy is not None:
+            proxy.close()
+        _kill(p)
+        if d is not None:
+            _kill(d)
+    assert "error" not in result, result["error"]
+    assert read_handles >= 1, result  # a real READ was posted to the stopped P
+    assert result["failed_run"]["ok"], result
+    at_failure = result["stats_at_failure"]
+    assert at_failure.get("stage.peer_lost") == 1, result  # the probe, not UCX or the deadline
+    assert not at_failure.get("stage.watchdog") and not at_failure.get("stage.transfer"), result
+    # Reported while the READ could still write: its blocks were held, not freed.
+    assert result["handles_at_failure"] >= 1 and result["held_after_failure"] > 0, result
+    assert result["released_run"]["ok"], result  # given back once the READ ended
+    assert result["handles_after"] == 0, result
+    assert result["status"] == "FINISHED_ERROR", result
+    assert result["finished"] == 1 and result["failed"] == 1, result
+    assert result["blocks_untouched"], result
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "P":
         _p_main()
+    elif sys.argv[1] == "D-probe":
+        _d_probe_main(sys.argv[2])
     else:
         _d_main(sys.argv[2])

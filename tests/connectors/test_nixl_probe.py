@@ -1,0 +1,116 @@
+"""The side-channel probe both NIXL workers use to learn that a P process is gone.
+
+Real TCP on 127.0.0.1: a listening socket stands for a live P's side channel, a port
+nobody listens on for a gone one. A fake clock steps past the probe's pauses, so the
+tests count probe steps, never wall-clock time.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from connectors.nixl.probe import PROBE_CONFIRM_S, PROBE_REFUSALS, SideChannelProbes
+
+INTERVAL_S = 0.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    yield sock
+    sock.close()
+
+
+def _dead_port() -> int:
+    """A port that refuses: bound once, then closed without listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _steps_until_gone(
+    probes: SideChannelProbes, clock: Clock, addr: tuple[str, int], since: float, limit: int
+) -> int | None:
+    """Poll as drains would, stepping past each pause; the step that proved P gone."""
+    for step in range(1, limit + 1):
+        if probes.gone(addr, since=since, waiter="r"):
+            return step
+        clock.now += max(INTERVAL_S, PROBE_CONFIRM_S)
+    return None
+
+
+def test_a_port_nobody_listens_on_is_gone_after_the_refusals_in_a_row() -> None:
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = ("127.0.0.1", _dead_port())
+    assert not probes.gone(addr, since=clock.now, waiter="r")  # one refusal proves nothing
+    step = _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10)
+    assert step is not None and step <= PROBE_REFUSALS
+    probes.close()
+
+
+def test_a_listening_side_channel_is_never_gone(listener: socket.socket) -> None:
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = listener.getsockname()
+    assert _steps_until_gone(probes, clock, addr, clock.now, limit=20) is None
+    probes.close()
+
+
+def test_an_accepted_connect_breaks_the_streak(listener: socket.socket) -> None:
+    """Refused, then accepted (a P back on its port), then refused: the streak restarts,
+    so one refusal after the accept is not enough."""
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, refusals=2, clock=clock)
+    host, port = listener.getsockname()
+    listener.close()
+    since = clock.now
+    assert not probes.gone((host, port), since=since, waiter="r")  # refused: 1 of 2
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind((host, port))
+        again.listen(8)
+        for _ in range(3):  # accepted (at once, or read back at the next poll)
+            clock.now += INTERVAL_S
+            assert not probes.gone((host, port), since=since, waiter="r")
+    clock.now += INTERVAL_S
+    assert not probes.gone((host, port), since=since, waiter="r")  # refused: 1 of 2 again
+    clock.now += 2 * PROBE_CONFIRM_S
+    assert probes.gone((host, port), since=since, waiter="r")
+    probes.close()
+
+
+def test_refusals_before_since_do_not_count() -> None:
+    """A load that began after P's port started refusing needs refusals of its own."""
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = ("127.0.0.1", _dead_port())
+    assert _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10) is not None
+    later = clock.now + 1
+    assert not probes.gone(addr, since=later, waiter="r2")
+
+
+def test_a_probe_nobody_waits_on_is_closed() -> None:
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = ("127.0.0.1", _dead_port())
+    probes.gone(addr, since=clock.now, waiter="a")
+    probes.gone(addr, since=clock.now, waiter="b")
+    assert len(probes) == 1  # one probe per side channel, however many loads wait
+    probes.forget("a")
+    assert len(probes) == 1
+    probes.forget("b")
+    assert len(probes) == 0
