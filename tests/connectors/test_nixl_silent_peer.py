@@ -1,20 +1,21 @@
-"""A real silent peer: P is SIGSTOPped after the handshake, D's READ sits in ``PROC``.
+"""A real stopped P: SIGSTOPped after the handshake, so D's READ sits in ``PROC``.
 
-The second test makes the side channel the only sign of P's end: D reached P's side
-channel through a proxy, the proxy stops listening while P is stopped (so UCX sees
-nothing), and D's probe must fail the load at ``peer_lost`` with the READ still in
-``PROC``, hold its blocks, and give them back only once killing P has ended the READ.
+Upstream's D has no deadline for a transfer stuck in ``PROC``; it holds the request and
+its blocks until P really dies. KvfailNixlConnector must report the load failed, and
+hold its blocks while the READ may still write (a released UCX GET can still land its
+reply), giving them back only once the READ has ended. Two ways to the report:
 
-Why: upstream's D has no deadline for a transfer stuck in ``PROC``; it holds the request
-and its blocks until P really dies. Here D runs
-KvfailNixlConnector with ``kvfail_deadline_s=5``: the watchdog must fail the load, and the
-fence must release (cancel) the real NIXL handle before the blocks are handed back. If
-NIXL refuses to cancel, the request must stay held until P is killed, then be reported.
+* its deadline (``kvfail_deadline_s=5``): stage ``watchdog``;
+* P's side channel refusing connections: D reached it through a proxy, which stops
+  listening while P is stopped, so the side channel is the only sign of P's end (UCX's
+  connection stays open and silent): stage ``peer_lost``, well before a long deadline.
 
+Either way the READ ends only when the test kills P, and the blocks must come back then.
 Two engine processes (P and D, each ending with ``os._exit`` because of the nixl teardown
-segfault), real nixl/UCX over 127.0.0.1, no test doubles. D is paused between the handshake
-and the READ without stepping it: the handshake runs in upstream's background thread, and
-the READ is only posted by the next ``start_load_kv``. ~40-90 s (two vLLM imports).
+segfault), real nixl/UCX over 127.0.0.1, no test doubles. D is paused between the
+handshake and the READ without stepping it: the handshake runs in upstream's background
+thread, and the READ is only posted by the next ``start_load_kv``. ~40-90 s each (two
+vLLM imports).
 """
 
 from __future__ import annotations
@@ -106,15 +107,20 @@ def _wait_line(stream: IO[str], timeout_s: float) -> str:
     return stream.readline().strip() if ready else ""
 
 
-def _d_main(params_json: str) -> None:
+def _d_main(params_json: str, mode: str) -> None:
+    """D: each phase waits for the test's go-ahead on stdin. ``mode`` is ``watchdog``
+    (a 5 s deadline ends the load) or ``probe`` (a deadline far past every wait)."""
     result: dict[str, Any] = {}
     try:
         from vllm.v1.request import RequestStatus
 
         import kvfail.harness as h
 
-        engine = h.Engine(_spec("consumer", "D-silent"))
+        deadline_s = DEADLINE_S if mode == "watchdog" else PROBE_TEST_DEADLINE_S
+        engine = h.Engine(_spec("consumer", f"D-{mode}", deadline_s))
         worker = engine.workers[0].connector.connector_worker
+        pool = engine.scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
         engine.add_request(
             "D-req", prompt_seed="shared", kv_transfer_params=json.loads(params_json)
         )
@@ -123,92 +129,26 @@ def _d_main(params_json: str) -> None:
         end = time.monotonic() + 30
         while P_ENGINE not in worker._remote_agents and time.monotonic() < end:
             time.sleep(0.01)
-        result["handshaked"] = P_ENGINE in worker._remote_agents
         result["handshake_s"] = time.monotonic() - tracked_at
         result["read_posted_before_pause"] = bool(worker._recving_transfers.get("D-req"))
-        _emit("HANDSHAKED", result["handshaked"])
-        result["go"] = _wait_line(sys.stdin, 30)
-
-        handles_seen = [0]
-
-        def settled(e: Any) -> bool:
-            # The READ posted to the stopped P must be outstanding (PROC) until fenced.
-            handles = len(worker._recving_transfers.get("D-req", []))
-            handles_seen[0] = max(handles_seen[0], handles)
-            if handles:  # after how many D steps the READ was seen outstanding
-                result.setdefault("read_first_seen", e.record.steps)
-                result["read_last_seen"] = e.record.steps
-            return e.status("D-req") not in (
-                RequestStatus.WAITING_FOR_REMOTE_KVS,
-                RequestStatus.WAITING,
-            )
-
-        run = engine.run_until(settled, max_steps=10**6, timeout_s=8, poll_s=0.02)
-        result["phase1"] = {"ok": run.ok, "reason": run.reason, "steps": run.steps}
-        result["max_handles"] = handles_seen[0]
-        result["handles_after_phase1"] = len(worker._recving_transfers.get("D-req", []))
-        if not run.ok:  # NIXL refused to cancel: held; now kill P for real
-            _emit("HELD", True)
-            _wait_line(sys.stdin, 30)
-            run = engine.run_until(settled, max_steps=10**6, timeout_s=15, poll_s=0.02)
-            result["phase2"] = {"ok": run.ok, "reason": run.reason, "steps": run.steps}
-        reports = engine.record.scheduler_reports()
-        result["failed_step"] = next(
-            (r.step for r in reports if "D-req" in r.failed_requests), None
-        )
-        result["status"] = str(engine.status("D-req"))
-        result["finished"] = sum("D-req" in r.finished_recving for r in reports)
-        result["failed"] = sum("D-req" in r.failed_requests for r in reports)
-        result["stats"] = worker.failure_stats().as_dict()
-        result["blocks_untouched"] = all(
-            int(t.abs().sum()) == 0 for t in engine.workers[0].kv_caches.values()
-        )
-        engine.close()
-    except BaseException as exc:
-        import traceback
-
-        result["error"] = repr(exc) + traceback.format_exc()[-3000:]
-    _emit("RESULT", result)
-    os._exit(0)
-
-
-def _d_probe_main(params_json: str) -> None:
-    """D for the probe test: each phase waits for the test's go-ahead on stdin."""
-    result: dict[str, Any] = {}
-    try:
-        from vllm.v1.request import RequestStatus
-
-        import kvfail.harness as h
-
-        engine = h.Engine(_spec("consumer", "D-probe", PROBE_TEST_DEADLINE_S))
-        worker = engine.workers[0].connector.connector_worker
-        pool = engine.scheduler.kv_cache_manager.block_pool
-        free_before = pool.get_num_free_blocks()
-        engine.add_request(
-            "D-req", prompt_seed="shared", kv_transfer_params=json.loads(params_json)
-        )
-        engine.step()
-        end = time.monotonic() + 30
-        while P_ENGINE not in worker._remote_agents and time.monotonic() < end:
-            time.sleep(0.01)
         _emit("HANDSHAKED", P_ENGINE in worker._remote_agents)
         _wait_line(sys.stdin, 30)  # P is stopped now
 
-        def handles(_: Any = None) -> int:
+        def handles() -> int:
             return len(worker._recving_transfers.get("D-req", []))
 
-        run = engine.run_until(lambda e: handles() > 0, max_steps=200, timeout_s=10, poll_s=0.02)
+        engine.run_until(lambda e: handles() > 0, max_steps=200, timeout_s=10, poll_s=0.02)
         _emit("READ", handles())
-        _wait_line(sys.stdin, 30)  # the side channel refuses now
+        _wait_line(sys.stdin, 30)  # in probe mode, the side channel refuses now
         at_failure: list[int] = []
 
-        def failed(e: Any) -> bool:
-            reported = any("D-req" in r.failed_requests for r in e.record.scheduler_reports())
-            if reported and not at_failure:
+        def reported(e: Any) -> bool:
+            failed = any("D-req" in r.failed_requests for r in e.record.scheduler_reports())
+            if failed and not at_failure:
                 at_failure.append(handles())
-            return reported and e.status("D-req") != RequestStatus.WAITING_FOR_REMOTE_KVS
+            return failed and e.status("D-req") != RequestStatus.WAITING_FOR_REMOTE_KVS
 
-        run = engine.run_until(failed, max_steps=10**6, timeout_s=20, poll_s=0.02)
+        run = engine.run_until(reported, max_steps=10**6, timeout_s=20, poll_s=0.02)
         result["failed_run"] = {"ok": run.ok, "reason": run.reason, "steps": run.steps}
         result["handles_at_failure"] = at_failure[0] if at_failure else None
         result["held_after_failure"] = worker.failure_reporter.quarantined_blocks
@@ -229,7 +169,6 @@ def _d_probe_main(params_json: str) -> None:
         reports = engine.record.scheduler_reports()
         result["finished"] = sum("D-req" in r.finished_recving for r in reports)
         result["failed"] = sum("D-req" in r.failed_requests for r in reports)
-        result["stats"] = worker.failure_stats().as_dict()
         result["blocks_untouched"] = all(
             int(t.abs().sum()) == 0 for t in engine.workers[0].kv_caches.values()
         )
@@ -290,55 +229,18 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.wait(timeout=10)
 
 
-def test_a_stopped_peer_is_fenced_and_reported_by_the_watchdog() -> None:
-    p = _spawn("P")
-    d: subprocess.Popen[str] | None = None
-    try:
-        params = _expect(p, "PARAMS", 240)
-        d = _spawn("D", json.dumps(params))
-        assert d.stdin is not None
-        assert _expect(d, "HANDSHAKED", 240) is True
-        os.kill(p.pid, signal.SIGSTOP)
-        d.stdin.write("GO\n")
-        d.stdin.flush()
-        assert d.stdout is not None
-        line = _wait_line(d.stdout, 30)
-        if line.startswith("HELD"):
-            p.kill()  # the peer really dies: the held transfer must now fail
-            d.stdin.write("KILLED\n")
-            d.stdin.flush()
-            line = _wait_line(d.stdout, 40)
-        assert line.startswith("RESULT "), line
-        result = json.loads(line.removeprefix("RESULT "))
-    finally:
-        _kill(p)
-        if d is not None:
-            _kill(d)
-    assert "error" not in result, result["error"]
-    if result["handshake_s"] > DEADLINE_S - 1:
-        pytest.skip(f"handshake took {result['handshake_s']:.1f}s: too slow to pause before it")
-    assert result["handshaked"] and not result["read_posted_before_pause"], result
-    assert result["status"] == "FINISHED_ERROR", result
-    assert result["finished"] == 1 and result["failed"] == 1, result
-    assert result["max_handles"] >= 1, result  # a real READ was stuck in PROC
-    assert result["stats"]["stage.watchdog"] == 1, result
-    assert result["blocks_untouched"], result
-    if "phase2" in result:  # NIXL could not cancel: held until P died (C11)
-        assert result["stats"]["fence_deferred"] >= 1, result
-    else:
-        # The READ stayed in PROC from its post up to the very step whose report failed it.
-        assert result["read_first_seen"] <= result["failed_step"], result
-        assert result["read_last_seen"] == result["failed_step"], result
-        assert result["handles_after_phase1"] == 0, result  # released (cancelled) by the fence
-
-
 def _send(proc: subprocess.Popen[str], line: str) -> None:
     assert proc.stdin is not None
     proc.stdin.write(line + "\n")
     proc.stdin.flush()
 
 
-def test_a_gone_side_channel_fails_the_load_and_holds_its_blocks_until_the_read_ends() -> None:
+@pytest.mark.parametrize(
+    ("mode", "stage"), [("watchdog", "watchdog"), ("probe", "peer_lost")], ids=["deadline", "probe"]
+)
+def test_a_stopped_peer_is_reported_and_its_blocks_held_until_the_read_ends(
+    mode: str, stage: str
+) -> None:
     from kvfail.faults.proxy import FaultProxy
 
     p = _spawn("P")
@@ -346,15 +248,17 @@ def test_a_gone_side_channel_fails_the_load_and_holds_its_blocks_until_the_read_
     proxy: FaultProxy | None = None
     try:
         params = _expect(p, "PARAMS", 240)
-        proxy = FaultProxy(int(params["remote_port"]), name="side-channel").start()
-        params["remote_port"] = proxy.port
-        d = _spawn("D-probe", json.dumps(params))
+        if mode == "probe":
+            proxy = FaultProxy(int(params["remote_port"]), name="side-channel").start()
+            params["remote_port"] = proxy.port
+        d = _spawn("D", json.dumps(params), mode)
         assert _expect(d, "HANDSHAKED", 240) is True
         os.kill(p.pid, signal.SIGSTOP)  # UCX's connection stays open, and silent
         _send(d, "GO")
         read_handles = _expect(d, "READ", 30)
-        proxy.refuse()  # nothing listens where P's side channel was
-        _send(d, "REFUSED")
+        if proxy is not None:
+            proxy.refuse()  # nothing listens where P's side channel was
+        _send(d, "NEXT")
         _expect(d, "FAILED", 60)
         p.kill()  # now the READ can end (in error)
         _send(d, "KILLED")
@@ -366,11 +270,14 @@ def test_a_gone_side_channel_fails_the_load_and_holds_its_blocks_until_the_read_
         if d is not None:
             _kill(d)
     assert "error" not in result, result["error"]
-    assert read_handles >= 1, result  # a real READ was posted to the stopped P
+    if mode == "watchdog" and result["handshake_s"] > DEADLINE_S - 1:
+        pytest.skip(f"handshake took {result['handshake_s']:.1f}s: too slow to pause before it")
+    assert not result["read_posted_before_pause"] and read_handles >= 1, result
     assert result["failed_run"]["ok"], result
     at_failure = result["stats_at_failure"]
-    assert at_failure.get("stage.peer_lost") == 1, result  # the probe, not UCX or the deadline
-    assert not at_failure.get("stage.watchdog") and not at_failure.get("stage.transfer"), result
+    others = {"watchdog", "peer_lost", "transfer", "transfer_setup"} - {stage}
+    assert at_failure[f"stage.{stage}"] == 1, result
+    assert not any(at_failure[f"stage.{o}"] for o in others), result
     # Reported while the READ could still write: its blocks were held, not freed.
     assert result["handles_at_failure"] >= 1 and result["held_after_failure"] > 0, result
     assert result["released_run"]["ok"], result  # given back once the READ ended
@@ -383,7 +290,5 @@ def test_a_gone_side_channel_fails_the_load_and_holds_its_blocks_until_the_read_
 if __name__ == "__main__":
     if sys.argv[1] == "P":
         _p_main()
-    elif sys.argv[1] == "D-probe":
-        _d_probe_main(sys.argv[2])
     else:
-        _d_main(sys.argv[2])
+        _d_main(sys.argv[2], sys.argv[3])
