@@ -212,7 +212,9 @@ class ConformanceRunner:
                 # ``connectors`` and ``tests`` import as they do here.
                 cwd=DIRECTORY.parents[2],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,  # its own group: SIGKILL reaches it, never us
+                # Its own group (SIGKILL reaches it, never us), our session: see
+                # kvfail.faults.process.
+                process_group=0,
             )
         tracked: dict[int, str] = {}
         relay = _Relay(tmp / PROGRESS, progress, self.start, self.budget_s)
@@ -453,7 +455,7 @@ def stop_tree(proc: subprocess.Popen[bytes], tracked: dict[int, str]) -> dict[in
             time.sleep(0.2)
         seen.update(descendants(proc.pid))
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid (start_new_session)
+            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid (process_group=0)
     _kill(seen)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)

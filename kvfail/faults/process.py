@@ -59,6 +59,12 @@ LineMatcher = str | re.Pattern[str]
 
 _POLL_S = 0.02
 
+# Every rig process gets a process group of its own (killpg reaches it and its children,
+# never us) but stays in our session. Under the kernel's autogroup scheduling each
+# session is a scheduling group of its own, and on a busy machine a P alone in its session
+# sat runnable without CPU for long stretches, stalling the scenarios that waited on it
+# (README, "Rig processes stay in the test's session").
+
 
 class PeerExitedError(RuntimeError):
     """The peer died while we waited for it: fail at once instead of running to the timeout."""
@@ -324,7 +330,7 @@ class PeerProcess:
                 stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
                 cwd=cwd,
                 env=full_env,
-                start_new_session=True,  # own session => own process group, pgid == pid
+                process_group=0,  # own group, pgid == pid; our session (see above)
                 close_fds=True,
             )
         self.pid = self._popen.pid

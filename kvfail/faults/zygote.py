@@ -89,7 +89,7 @@ def _run_child(
         sock.close()
         for fd in closing:
             os.close(fd)
-        os.setsid()  # its own session and group, as PeerProcess's Popen gives it
+        os.setpgid(0, 0)  # its own group in our session, as PeerProcess gives it
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in set(fds):
@@ -251,7 +251,7 @@ class Zygote:
             stderr=subprocess.STDOUT,
             env=full_env,
             pass_fds=[theirs.fileno()],
-            start_new_session=True,
+            process_group=0,  # own group, our session (see kvfail.faults.process)
         )
         theirs.close()
         self.pid = self._popen.pid

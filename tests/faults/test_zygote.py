@@ -27,7 +27,7 @@ PROBE = textwrap.dedent(
     """
     import json, os, sys
     import zprobe_heavy
-    print("ready", json.dumps([os.getpid(), os.getsid(0), os.environ.get("PROBE"),
+    print("ready", json.dumps([os.getpid(), os.getpgid(0), os.environ.get("PROBE"),
           sys.argv[1:], zprobe_heavy.IMPORTED_IN, os.environ.get("HOOKED")]), flush=True)
     for line in sys.stdin:
         if line.strip() == "exit":
@@ -68,11 +68,15 @@ def _ready(peer: PeerProcess) -> list[Any]:
     return fields
 
 
-def test_child_is_a_session_leader_with_its_own_env_argv_and_hooks(zygote: Zygote) -> None:
+def test_child_leads_its_own_group_in_our_session_with_its_env_argv_and_hooks(
+    zygote: Zygote,
+) -> None:
     with _peer(zygote, "--x", "1", PROBE="yes") as peer:
-        pid, sid, probe, argv, imported_in, hooked = _ready(peer)
+        pid, pgid, probe, argv, imported_in, hooked = _ready(peer)
         assert pid == peer.pid != zygote.pid
-        assert sid == peer.pid  # its own session, hence its own group for killpg
+        assert pgid == peer.pid  # its own group, for killpg
+        # ... in our session: a session of its own is a scheduling group of its own.
+        assert os.getsid(peer.pid) == os.getsid(0)
         assert probe == "yes"
         assert argv == ["--x", "1"]
         assert imported_in == zygote.pid  # the heavy import was paid once, upstream
