@@ -1,0 +1,69 @@
+"""How a scenario's wall-clock run ends (``ScenarioContext.run``).
+
+The clock bounds the connector's time only: while a load waits for its report. Once
+every load is reported, what is left (a recompute, the decode steps) is the scheduler's
+own work, bounded by a step count, so a loaded machine that steps slowly cannot turn a
+correct connector's scenario into a liveness violation. A wall-clock budget of almost
+nothing stands for such a machine; the toy connector (in-process) plays D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+
+from kvfail.conformance.suite import ACTIVE_BUDGET, MIN_STEPS, ScenarioContext
+from kvfail.conformance.toy_driver import ToyDriver
+from kvfail.faults.points import FaultPoint
+
+pytestmark = pytest.mark.vllm
+
+#: A wall-clock budget no step fits in: every run ends its timed part at MIN_STEPS.
+NO_TIME_S = 1e-6
+
+
+@pytest.fixture
+def ctx() -> Iterator[ScenarioContext]:
+    driver = ToyDriver()
+    driver.start()
+    context = ScenarioContext(
+        driver=driver, caps=driver.capabilities(), policy="recompute", scenario="run-budget"
+    )
+    yield context
+    context.close()
+    driver.stop()
+
+
+def _failed_load(ctx: ScenarioContext, max_tokens: int) -> Any:
+    """A request whose load P answered with an error: recompute runs it locally."""
+    engine = ctx.engine()
+    ctx.add_loading(engine, "r", max_tokens=max_tokens)
+    ctx.driver.provoke(engine, "r", FaultPoint.PEER_ERROR_RESPONSE)
+    return engine
+
+
+def test_after_every_report_the_run_goes_on_in_steps(ctx: ScenarioContext) -> None:
+    engine = _failed_load(ctx, max_tokens=MIN_STEPS + 10)  # more decode steps than MIN_STEPS
+    result = ctx.run(engine, timeout_s=NO_TIME_S)
+    assert result.ok, result
+    assert MIN_STEPS < result.steps <= MIN_STEPS + ACTIVE_BUDGET["max_steps"], result
+
+
+def test_the_steps_after_the_reports_are_bounded(ctx: ScenarioContext) -> None:
+    engine = _failed_load(ctx, max_tokens=MIN_STEPS + ACTIVE_BUDGET["max_steps"] + 20)
+    result = ctx.run(engine, timeout_s=NO_TIME_S)
+    assert (result.ok, result.reason) == (False, "max_steps"), result
+    assert result.steps == MIN_STEPS + ACTIVE_BUDGET["max_steps"], result
+
+
+def test_a_load_still_unreported_ends_the_run_on_the_clock(ctx: ScenarioContext) -> None:
+    """A P that never answers (no deadline here): the clock's verdict, no extra steps."""
+    engine = ctx.engine()
+    ctx.add_loading(engine, "r", fault=FaultPoint.FREEZE_PEER)
+    result = ctx.run(engine, timeout_s=NO_TIME_S)
+    assert (result.ok, result.reason, result.steps) == (False, "timeout", MIN_STEPS), result
+    assert "r" in engine.waiting_for_remote()
