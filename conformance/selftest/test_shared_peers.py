@@ -148,3 +148,88 @@ def test_a_second_p_is_reused_while_alive_replaced_once_dead_and_closed_after_th
     driver.after_scenario()
     assert second.closed and pair.p2 is None
     assert drivers.shared_producer("k") is None  # never offered to other drivers
+
+
+# --------------------------------------------------------------------------- wedged P
+
+_SPIN = "import threading, time\ndef loop():\n    while True:\n        pass\n"
+_SPIN += "threading.Thread(target=loop, daemon=True).start()\ntime.sleep(120)\n"
+_IDLE = "import time\ntime.sleep(120)\n"
+
+
+class _LiveProducer(_ReadyProducer):
+    """A P whose process is real (a thread that spins, or nothing running)."""
+
+    def __init__(self, code: str) -> None:
+        import sys
+
+        from kvfail.faults.process import PeerProcess
+
+        super().__init__()
+        self.process = PeerProcess([sys.executable, "-c", code], name="wedge-test-p")
+        self.ready = {"rank_pids": []}
+
+    def stats(self, timeout_s: float) -> dict[str, Any]:
+        return {}  # its engine answers: never "crashed"
+
+    def close(self) -> None:
+        self.closed = True
+        self.process.kill()
+
+
+class _OnePPair(PeerPair):
+    ready_timeout_s = 1.0
+    kill_timeout_s = 5.0
+    kvfail_share_key = None
+
+    def __init__(self, producer: _Producer) -> None:
+        self._init_common()
+        self.p = producer
+        self.restarts = 0
+
+    def restart_p(self, *, wait: bool = True) -> None:
+        self.p = None  # the next P would start here; none is needed
+        self.restarts += 1
+
+
+@pytest.mark.parametrize(
+    ("code", "failed", "replaced"),
+    [(_SPIN, True, True), (_SPIN, False, False), (_IDLE, True, False)],
+    ids=["spinning-after-a-failure", "spinning-after-a-pass", "idle-after-a-failure"],
+)
+def test_a_p_spinning_after_a_failed_scenario_is_replaced(
+    registry: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    code: str,
+    failed: bool,
+    replaced: bool,
+) -> None:
+    """Why: a P whose transport thread is stuck in a loop answers its stats yet never
+    writes again, and every later scenario that used it would fail too. Only after a
+    failed scenario (a pass costs nothing), only a P with a thread that spins. A low share
+    keeps the test about which P is replaced, not how fast a loaded machine runs it."""
+    monkeypatch.setattr(drivers, "SPIN_SHARE", 0.25)
+    producer = _LiveProducer(code)
+    try:
+        pair = _OnePPair(producer)
+        driver = NixlDriver("nixl-test")
+        driver._pair = pair
+        if code is _SPIN:  # the thread has started: the process has two threads
+            import os
+            import time
+
+            end = time.monotonic() + 10
+            while len(os.listdir(f"/proc/{producer.process.pid}/task")) < 2:
+                assert time.monotonic() < end
+                time.sleep(0.01)
+        if failed:
+            driver.scenario_failed()
+        driver.after_scenario()
+        assert (not producer.process.alive) is replaced
+        assert pair.restarts == int(replaced)
+        notes = driver._driver_notes
+        assert bool(notes) is replaced, notes
+        if replaced:
+            assert f"P pid {producer.process.pid} replaced after a failed scenario" in notes[0]
+    finally:
+        producer.close()

@@ -332,5 +332,9 @@ class Driver(ABC, Generic[H]):
         message as evidence, never judged. Default: no peer processes."""
         return []
 
+    def scenario_failed(self) -> None:
+        """Called before :meth:`after_scenario` when the scenario's verdict was a failure
+        or an error: a driver may stop trusting the peers that scenario used."""
+
     def after_scenario(self) -> None:
         """Called after every scenario's engines are closed: repair shared peers."""

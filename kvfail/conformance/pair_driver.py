@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ __all__ = [
 #: ``stop``, unless the driver hands it off (``PairDriver.hand_off_p``): then this registry
 #: keeps it for the next driver and :func:`close_shared_producers` closes it at the end.
 _SHARED_P: dict[str, Any] = {}
+
+logger = logging.getLogger("kvfail.conformance")
+
+#: After a failed scenario, a P thread using this share of a core over
+#: :data:`SPIN_WINDOW_S`, with no scenario running, marks that P as wedged (a transport
+#: thread stuck in a loop: a Mooncake transfer engine spinning in its timer queue after a
+#: sibling rank died never wrote again). Such a P is replaced, so one failure cannot
+#: fail the scenarios after it.
+SPIN_SHARE = 0.8
+SPIN_WINDOW_S = 0.5
 
 
 def shared_producer(key: str) -> Any | None:
@@ -166,6 +177,8 @@ class PairDriver(Driver[PairHandle]):
         self._layout_pairs: dict[tuple[int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
         self._broken: set[int] = set()
+        #: The last scenario failed: its P's are checked for a spinning thread.
+        self._suspect = False
         self._seq = 0
         self.connector_cls: type = object
         try:
@@ -331,12 +344,21 @@ class PairDriver(Driver[PairHandle]):
         if dropped and self.collect_closed_engines:
             gc.collect()
 
+    def scenario_failed(self) -> None:
+        self._suspect = True
+
     def _repair_peers(self) -> None:
         """After a scenario: close a second P; thaw a frozen P; kill what is left of a P
         that lost a rank (on purpose, or a rank that died after a fault) so a driver
-        sharing it sees it dead rather than half-working; replace a dead P without
-        waiting for its import."""
+        sharing it sees it dead rather than half-working, or, after a failed scenario,
+        one with a thread spinning while idle; replace a dead P without waiting for its
+        import."""
         self._forget_closed_engines()
+        suspect, self._suspect = self._suspect, False
+        wedged = self._spinning_ps() if suspect else {}
+        notes = [f"P pid {pid} replaced after a failed scenario: {w}" for pid, w in wedged.items()]
+        for note in notes:
+            logger.warning("kvfail: %s", note)
         for pair in self._pairs():
             pair.close_second_p()  # one scenario's (``kill_one_peer``); a later one starts anew
             if pair.p is None:
@@ -344,14 +366,33 @@ class PairDriver(Driver[PairHandle]):
             proc = pair.p.process
             if proc.alive and proc.frozen:
                 pair.thaw_p()
-            if id(pair) in self._broken or (proc.alive and self._p_crashed(pair)):
+            crashed = proc.alive and (proc.pid in wedged or self._p_crashed(pair))
+            if id(pair) in self._broken or crashed:
                 self._broken.discard(id(pair))
                 pair.kill_p()
             if not proc.alive:
                 self._replace_p(pair)
         # What the P's print from here on belongs to the next scenario.
         self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
-        self._driver_notes = []
+        self._driver_notes = notes
+
+    def _spinning_ps(self) -> dict[int, str]:
+        """The live P's with a thread spinning while no scenario runs (their processes'
+        and their ranks' threads, one common window): P pid -> the threads, described."""
+        from kvfail.faults.process import spinning_threads
+
+        owner: dict[int, int] = {}
+        for pair in self._pairs():
+            producer = pair.p
+            if producer is None or not producer.process.alive or producer.process.frozen:
+                continue
+            ranks = (producer.ready or {}).get("rank_pids", [])
+            for pid in (producer.process.pid, *ranks):
+                owner[int(pid)] = producer.process.pid
+        out: dict[int, list[str]] = {}
+        for thread in spinning_threads(sorted(owner), SPIN_WINDOW_S, SPIN_SHARE):
+            out.setdefault(owner[int(thread.split("/", 1)[0])], []).append(thread)
+        return {pid: ", ".join(threads) for pid, threads in out.items()}
 
     def after_scenario(self) -> None:
         self.forget_engines()

@@ -433,7 +433,8 @@ def kvfail(
     try:
         yield ctx
     finally:
-        ctx.close()
+        phases = request.node.stash.get(_PHASES, [])
+        ctx.close(failed=any(report.failed for _, report in phases))
 
 
 def pytest_collection_modifyitems(

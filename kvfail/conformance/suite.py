@@ -251,13 +251,16 @@ class ScenarioContext:
         self.engines.append(engine)
         return engine
 
-    def close(self) -> None:
-        """Close this scenario's engines, then let the driver repair shared peers."""
+    def close(self, *, failed: bool = False) -> None:
+        """Close this scenario's engines, then let the driver repair shared peers (told
+        first when the scenario ``failed``)."""
         try:
             for engine in self.engines:
                 engine.close()
             self.engines.clear()
         finally:
+            if failed:
+                self.driver.scenario_failed()
             self.driver.after_scenario()
 
     def note(self, key: str, value: Any) -> None:

@@ -28,6 +28,7 @@ from kvfail.faults.process import (
     live_peers,
     native_stacks,
     proc_state,
+    spinning_threads,
     summarize_stacks,
     wait_for_port,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "native_stacks",
     "points_for",
     "proc_state",
+    "spinning_threads",
     "summarize_stacks",
     "wait_for_port",
 ]

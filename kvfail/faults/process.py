@@ -110,24 +110,46 @@ def _thread_times(pid: int) -> dict[int, tuple[str, str, int]]:
     return out
 
 
+ThreadShare = tuple[str, str, float]
+
+
+def thread_shares(pids: Sequence[int], window_s: float = 0.5) -> dict[int, dict[int, ThreadShare]]:
+    """Each thread of each of ``pids`` over one common window of ``window_s``: (name,
+    state, share of one core). A process that is gone maps to no threads."""
+    before = {pid: _thread_times(pid) for pid in pids}
+    time.sleep(window_s)
+    ticks = os.sysconf("SC_CLK_TCK") * window_s
+    return {
+        pid: {
+            tid: (name, state, min((cpu - before[pid].get(tid, ("", "", cpu))[2]) / ticks, 1.0))
+            for tid, (name, state, cpu) in _thread_times(pid).items()
+        }
+        for pid in pids
+    }
+
+
 def busy_threads(pids: Sequence[int], window_s: float = 0.5, most: int = 3) -> dict[int, str]:
     """For each of ``pids``, the threads that used the most CPU over one common window of
     ``window_s`` (name, state, share of one core), main thread first: evidence for a
     process that does not answer. Empty for a process that is gone."""
-    before = {pid: _thread_times(pid) for pid in pids}
-    time.sleep(window_s)
-    ticks = os.sysconf("SC_CLK_TCK") * window_s
     out: dict[int, str] = {}
-    for pid in pids:
-        used = {
-            tid: (name, state, min((cpu - before[pid].get(tid, ("", "", cpu))[2]) / ticks, 1.0))
-            for tid, (name, state, cpu) in _thread_times(pid).items()
-        }
+    for pid, used in thread_shares(pids, window_s).items():
         main = used.pop(pid, None)
         top = sorted(used.values(), key=lambda t: -t[2])[:most]
         shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
         out[pid] = ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
     return out
+
+
+def spinning_threads(pids: Sequence[int], window_s: float = 0.5, share: float = 0.8) -> list[str]:
+    """Threads of ``pids`` that used at least ``share`` of a core over ``window_s``
+    (``pid/tid name share``): in a process that should be idle, a thread stuck in a loop."""
+    return [
+        f"{pid}/{tid} {name} {used:.0%}"
+        for pid, threads in thread_shares(pids, window_s).items()
+        for tid, (name, _, used) in threads.items()
+        if used >= share
+    ]
 
 
 #: The signal on which a rig process (a P, a TP rank) writes every thread's Python stack

@@ -29,6 +29,7 @@ from kvfail.faults import (
     free_ports,
     live_peers,
     native_stacks,
+    spinning_threads,
     summarize_stacks,
     wait_for_port,
 )
@@ -235,6 +236,26 @@ def test_busy_threads_names_the_main_thread_first() -> None:
         shown = busy_threads([peer.pid], window_s=0.2)[peer.pid]
         assert re.fullmatch(r"main \S+ [RSD] \d+%(, \S+ [A-Z] \d+%)*", shown), shown
     assert busy_threads([peer.pid]) == {peer.pid: ""}  # gone
+
+
+def test_spinning_threads_names_a_thread_stuck_in_a_loop_and_no_idle_one() -> None:
+    """What marks a P as wedged after a failed scenario (``PairDriver._repair_peers``). A
+    low share keeps the test about which thread, not how fast a loaded machine runs it."""
+    spin = textwrap.dedent(
+        """
+        import threading, time
+        def loop():
+            while True:
+                pass
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(60)
+        """
+    )
+    with py(spin) as spinning, py("import time\ntime.sleep(60)") as idle:
+        assert wait_until(lambda: len(os.listdir(f"/proc/{spinning.pid}/task")) >= 2)
+        found = spinning_threads([spinning.pid, idle.pid], window_s=0.5, share=0.25)
+    assert len(found) == 1, found
+    assert re.fullmatch(rf"{spinning.pid}/\d+ \S+ \d+%", found[0]), found
 
 
 def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
