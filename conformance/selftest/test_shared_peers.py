@@ -174,7 +174,7 @@ class _LiveProducer(_ReadyProducer):
 
     def close(self) -> None:
         self.closed = True
-        self.process.kill()
+        self.process.close(grace_s=0.2)
 
 
 class _OnePPair(PeerPair):
