@@ -366,8 +366,8 @@ class PairDriver(Driver[PairHandle]):
             proc = pair.p.process
             if proc.alive and proc.frozen:
                 pair.thaw_p()
-            crashed = proc.alive and (proc.pid in wedged or self._p_crashed(pair))
-            if id(pair) in self._broken or crashed:
+            unsound = proc.alive and (proc.pid in wedged or self._p_crashed(pair))
+            if id(pair) in self._broken or unsound:
                 self._broken.discard(id(pair))
                 pair.kill_p()
             if not proc.alive:
@@ -390,8 +390,8 @@ class PairDriver(Driver[PairHandle]):
             for pid in (producer.process.pid, *ranks):
                 owner[int(pid)] = producer.process.pid
         out: dict[int, list[str]] = {}
-        for thread in spinning_threads(sorted(owner), SPIN_WINDOW_S, SPIN_SHARE):
-            out.setdefault(owner[int(thread.split("/", 1)[0])], []).append(thread)
+        for pid, threads in spinning_threads(sorted(owner), SPIN_WINDOW_S, SPIN_SHARE).items():
+            out.setdefault(owner[pid], []).extend(threads)
         return {pid: ", ".join(threads) for pid, threads in out.items()}
 
     def after_scenario(self) -> None:

@@ -141,15 +141,20 @@ def busy_threads(pids: Sequence[int], window_s: float = 0.5, most: int = 3) -> d
     return out
 
 
-def spinning_threads(pids: Sequence[int], window_s: float = 0.5, share: float = 0.8) -> list[str]:
-    """Threads of ``pids`` that used at least ``share`` of a core over ``window_s``
-    (``pid/tid name share``): in a process that should be idle, a thread stuck in a loop."""
-    return [
-        f"{pid}/{tid} {name} {used:.0%}"
-        for pid, threads in thread_shares(pids, window_s).items()
-        for tid, (name, _, used) in threads.items()
-        if used >= share
-    ]
+def spinning_threads(
+    pids: Sequence[int], window_s: float = 0.5, share: float = 0.8
+) -> dict[int, list[str]]:
+    """Threads of ``pids`` that used at least ``share`` of a core over ``window_s``, by
+    process (``pid/tid name share``; only processes that have one): in a process that
+    should be idle, a thread stuck in a loop."""
+    out: dict[int, list[str]] = {}
+    for pid, threads in thread_shares(pids, window_s).items():
+        found = [
+            f"{pid}/{tid} {n} {used:.0%}" for tid, (n, _, used) in threads.items() if used >= share
+        ]
+        if found:
+            out[pid] = found
+    return out
 
 
 #: The signal on which a rig process (a P, a TP rank) writes every thread's Python stack

@@ -254,8 +254,8 @@ def test_spinning_threads_names_a_thread_stuck_in_a_loop_and_no_idle_one() -> No
     with py(spin) as spinning, py("import time\ntime.sleep(60)") as idle:
         assert wait_until(lambda: len(os.listdir(f"/proc/{spinning.pid}/task")) >= 2)
         found = spinning_threads([spinning.pid, idle.pid], window_s=0.5, share=0.25)
-    assert len(found) == 1, found
-    assert re.fullmatch(rf"{spinning.pid}/\d+ \S+ \d+%", found[0]), found
+    assert list(found) == [spinning.pid] and len(found[spinning.pid]) == 1, found
+    assert re.fullmatch(rf"{spinning.pid}/\d+ \S+ \d+%", found[spinning.pid][0]), found
 
 
 def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
