@@ -14,10 +14,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["DEADLINE_KEY", "DECLARED_ATTR", "UNDECLARED", "declared_deadline_s", "seconds_from"]
+__all__ = [
+    "DEADLINE_KEY",
+    "DECLARED_ATTR",
+    "PROBE_INTERVAL_KEY",
+    "UNDECLARED",
+    "declared_deadline_s",
+    "seconds_from",
+]
 
 #: ``kv_connector_extra_config`` key for kvfail's connectors' load deadline, in seconds.
 DEADLINE_KEY: Final = "kvfail_deadline_s"
+#: ``kv_connector_extra_config`` key for how often kvfail's connectors probe a P that loads
+#: wait on for its death, in seconds (read with :func:`seconds_from`; off: null or 0).
+PROBE_INTERVAL_KEY: Final = "kvfail_probe_interval_s"
 #: The instance attribute a connector declares its load deadline with.
 DECLARED_ATTR: Final = "kv_load_deadline_s"
 

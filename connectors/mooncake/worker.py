@@ -68,7 +68,7 @@ from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.compat import KVConnectorTransferResults
-from kvfail.deadline import DEADLINE_KEY, seconds_from
+from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         deadline = seconds_from(extra, DEADLINE_KEY, DEFAULT_DEADLINE_S)
         self._mc_grace_s = seconds_from(extra, "kvfail_fence_grace_s", 0.0) or 0.0
-        self._mc_probe_s = seconds_from(extra, "kvfail_probe_interval_s", DEFAULT_PROBE_INTERVAL_S)
+        self._mc_probe_s = seconds_from(extra, PROBE_INTERVAL_KEY, DEFAULT_PROBE_INTERVAL_S)
         self._mc_max_hold_s = seconds_from(extra, MAX_HOLD_KEY, None)
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),

@@ -68,7 +68,7 @@ from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
-from kvfail.deadline import DEADLINE_KEY, seconds_from
+from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import QuarantineConnector
@@ -96,10 +96,6 @@ FENCE_RETRY_S: Final = 0.1
 #: Bound on the plain TCP connect to P's side channel before each handshake (see
 #: :meth:`KvfailNixlWorker._nixl_handshake`); on loopback a refusal comes back at once.
 SIDE_CHANNEL_PROBE_S: Final = 0.5
-#: Extra config key: how often the side channel of a P that loads wait on is probed for
-#: P's death (default :data:`~connectors.nixl.probe.PROBE_INTERVAL_S`); null or 0 turns
-#: the probe off, leaving a dead P to UCX and the deadline.
-PROBE_INTERVAL_KEY: Final = "kvfail_probe_interval_s"
 
 #: Upstream ``_log_failure`` types that fail the request, and where they are detected.
 #: ``notification_failed`` is absent on purpose: a notification is not a load. Upstream D
@@ -192,6 +188,8 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
             quarantine=compat.block_pool_binding_available(),
             rank=self.tp_rank,
         )
+        # How often a P that loads wait on is probed; off (null or 0): a dead P is left
+        # to UCX and the deadline.
         interval = seconds_from(_extra(vllm_config), PROBE_INTERVAL_KEY, PROBE_INTERVAL_S)
         self._kvfail_probes = None if interval is None else SideChannelProbes(interval)
         #: P engine id -> the side channel its handshake used (written by the handshake
@@ -229,7 +227,15 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
 
     # ------------------------------------------------------------------ handshake
 
-    def _nixl_handshake(self, host: str, port: int, *args: Any, **kwargs: Any) -> Any:
+    def _nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         """Upstream's handshake, after a plain TCP connect to P's side channel.
 
         zmq retries a refused connect silently, so upstream learns that nothing listens
@@ -241,10 +247,10 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
         """
         if _refuses(host, port, SIDE_CHANNEL_PROBE_S):
             raise ConnectionRefusedError(f"kvfail: P's side channel {host}:{port} refused")
-        result = super()._nixl_handshake(host, port, *args, **kwargs)
-        engine_id = kwargs.get("expected_engine_id", args[1] if len(args) > 1 else None)
-        if isinstance(engine_id, str):
-            self._kvfail_side_channels[engine_id] = (host, port)
+        result = super()._nixl_handshake(
+            host, port, remote_tp_size, expected_engine_id, *args, **kwargs
+        )
+        self._kvfail_side_channels[expected_engine_id] = (host, port)
         return result
 
     def _validate_remote_agent_handshake(

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from connectors.nixl.probe import PROBE_CONFIRM_S, PROBE_REFUSALS, SideChannelProbes
+from kvfail.peers.base import closed_port
 
 INTERVAL_S = 0.5
 
@@ -34,13 +35,6 @@ def listener() -> Iterator[socket.socket]:
     sock.close()
 
 
-def _dead_port() -> int:
-    """A port that refuses: bound once, then closed without listening."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _steps_until_gone(
     probes: SideChannelProbes, clock: Clock, addr: tuple[str, int], since: float, limit: int
 ) -> int | None:
@@ -55,7 +49,7 @@ def _steps_until_gone(
 def test_a_port_nobody_listens_on_is_gone_after_the_refusals_in_a_row() -> None:
     clock = Clock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
-    addr = ("127.0.0.1", _dead_port())
+    addr = ("127.0.0.1", closed_port())
     assert not probes.gone(addr, since=clock.now, waiter="r")  # one refusal proves nothing
     step = _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10)
     assert step is not None and step <= PROBE_REFUSALS
@@ -97,7 +91,7 @@ def test_refusals_before_since_do_not_count() -> None:
     """A load that began after P's port started refusing needs refusals of its own."""
     clock = Clock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
-    addr = ("127.0.0.1", _dead_port())
+    addr = ("127.0.0.1", closed_port())
     assert _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10) is not None
     later = clock.now + 1
     assert not probes.gone(addr, since=later, waiter="r2")
@@ -106,7 +100,7 @@ def test_refusals_before_since_do_not_count() -> None:
 def test_a_probe_nobody_waits_on_is_closed() -> None:
     clock = Clock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
-    addr = ("127.0.0.1", _dead_port())
+    addr = ("127.0.0.1", closed_port())
     probes.gone(addr, since=clock.now, waiter="a")
     probes.gone(addr, since=clock.now, waiter="b")
     assert len(probes) == 1  # one probe per side channel, however many loads wait
