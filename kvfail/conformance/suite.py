@@ -69,12 +69,14 @@ class ConformanceViolation(AssertionError):
 
     def __init__(self, scenario: str, violations: list[str], evidence: Iterable[str] = ()) -> None:
         self.violations = list(violations)
-        #: What the peers printed meanwhile: shown with the findings, never one of them
-        #: (a baseline matches findings only).
+        #: What the peers printed meanwhile (and, for a failed precondition, the rig's
+        #: state): shown with the findings, never one of them (a baseline matches findings
+        #: only).
         self.evidence = list(evidence)
         message = f"{scenario}: " + "; ".join(violations)
         if self.evidence:
-            message += "\nwhat the peers printed during the scenario (evidence):\n  "
+            message += "\nevidence (what the peers printed during the scenario, the rig's state):"
+            message += "\n  "
             message += "\n  ".join(self.evidence)
         super().__init__(message)
 
@@ -293,7 +295,22 @@ class ScenarioContext:
                 return
             if engine.crashed is not None:  # no retry on a dead engine
                 break
-        raise self.violation([f"warm-up load ({tries} tries): {v}" for v in found])
+        raise self.violation(
+            [f"warm-up load ({tries} tries): {v}" for v in found],
+            evidence=self._rig_state(engine, [rid]),
+        )
+
+    def _rig_state(self, engine: Engine, request_ids: list[str]) -> list[str]:
+        """Evidence for a precondition that failed (a warm-up that never loaded): what D's
+        and P's sides hold for ``request_ids`` and the machine's busiest processes, so a
+        failure shows whether a peer was idle, busy, or got no CPU."""
+        from kvfail.faults.process import busiest_processes
+
+        try:
+            state = list(self.driver.stuck_state(engine, request_ids))
+        except Exception as exc:  # evidence only: never hide the finding itself
+            state = [f"(the driver's stuck_state raised {exc!r})"]
+        return [*state, "busiest processes: " + "; ".join(busiest_processes())]
 
     def rid(self, stem: str) -> str:
         """A request id unique in this session: a real P must never see an id twice."""
@@ -435,13 +452,16 @@ class ScenarioContext:
         if out:
             raise self.violation(_dedupe(out))
 
-    def violation(self, violations: list[str]) -> ConformanceViolation:
-        """This scenario's findings, with what its peers printed while it ran."""
+    def violation(
+        self, violations: list[str], *, evidence: Iterable[str] = ()
+    ) -> ConformanceViolation:
+        """This scenario's findings, with what its peers printed while it ran (and any
+        other ``evidence``)."""
         try:
-            evidence = self.driver.peer_output()
+            printed = self.driver.peer_output()
         except Exception as exc:  # evidence only: never hide the findings themselves
-            evidence = [f"(the driver's peer_output raised {exc!r})"]
-        return ConformanceViolation(self.scenario, violations, evidence)
+            printed = [f"(the driver's peer_output raised {exc!r})"]
+        return ConformanceViolation(self.scenario, violations, [*printed, *evidence])
 
 
 def _dedupe(items: list[str]) -> list[str]:

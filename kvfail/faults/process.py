@@ -128,6 +128,33 @@ def thread_shares(pids: Sequence[int], window_s: float = 0.5) -> dict[int, dict[
     }
 
 
+def busiest_processes(window_s: float = 0.5, most: int = 5) -> list[str]:
+    """The processes on this machine that used the most CPU over one window of
+    ``window_s`` (``pid name state share``, busiest first): evidence for a load that
+    waited on a peer, when the question is whether anything was left to run it."""
+
+    def times() -> dict[int, tuple[str, str, int]]:
+        out: dict[int, tuple[str, str, int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                stat = _stat(f"/proc/{entry}/stat")
+                if stat is not None:
+                    name, fields = stat
+                    out[int(entry)] = (name, fields[0], int(fields[11]) + int(fields[12]))
+        return out
+
+    before = times()
+    time.sleep(window_s)
+    ticks = os.sysconf("SC_CLK_TCK") * window_s
+    used = [
+        (cpu - before[pid][2], pid, name, state)
+        for pid, (name, state, cpu) in times().items()
+        if pid in before
+    ]
+    used.sort(reverse=True)
+    return [f"{pid} {name} {state} {delta / ticks:.0%}" for delta, pid, name, state in used[:most]]
+
+
 def busy_threads(pids: Sequence[int], window_s: float = 0.5, most: int = 3) -> dict[int, str]:
     """For each of ``pids``, the threads that used the most CPU over one common window of
     ``window_s`` (name, state, share of one core), main thread first: evidence for a

@@ -5,6 +5,9 @@ every load is reported, what is left (a recompute, the decode steps) is the sche
 own work, bounded by a step count, so a loaded machine that steps slowly cannot turn a
 correct connector's scenario into a liveness violation. A wall-clock budget of almost
 nothing stands for such a machine; the toy connector (in-process) plays D.
+
+Also here: a warm-up (a scenario's precondition) that never loads fails with the rig's
+state as evidence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import ACTIVE_BUDGET, MIN_STEPS, ScenarioContext
+from kvfail.conformance.suite import (
+    ACTIVE_BUDGET,
+    MIN_STEPS,
+    ConformanceViolation,
+    ScenarioContext,
+)
 from kvfail.conformance.toy_driver import ToyDriver
 from kvfail.faults.points import FaultPoint
 
@@ -67,3 +75,27 @@ def test_a_load_still_unreported_ends_the_run_on_the_clock(ctx: ScenarioContext)
     result = ctx.run(engine, timeout_s=NO_TIME_S)
     assert (result.ok, result.reason, result.steps) == (False, "timeout", MIN_STEPS), result
     assert "r" in engine.waiting_for_remote()
+
+
+def test_a_warm_up_that_never_loads_carries_the_rig_state(
+    ctx: ScenarioContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed precondition is a violation with evidence: what the driver sees of the
+    loads (its ``stuck_state``) and the machine's busiest processes, so a warm-up that
+    failed on a starved or busy peer shows it."""
+    driver: Any = ctx.driver
+    monkeypatch.setattr(
+        driver, "settle", lambda e, rid: driver.provoke(e, rid, FaultPoint.PEER_ERROR_RESPONSE)
+    )
+    asked: list[list[str]] = []
+    monkeypatch.setattr(driver, "stuck_state", lambda e, rids: asked.append(rids) or ["P: idle"])
+    failing = ScenarioContext(driver=driver, caps=ctx.caps, policy="fail", scenario="warm-up")
+    try:
+        with pytest.raises(ConformanceViolation) as raised:
+            failing.warm_up(failing.engine(), tries=2)
+    finally:
+        failing.close()
+    assert len(asked) == 1 and asked[0][0].startswith("warmup-"), asked
+    assert raised.value.violations[0].startswith("warm-up load (2 tries): C"), raised.value
+    assert raised.value.evidence[-2] == "P: idle", raised.value.evidence
+    assert raised.value.evidence[-1].startswith("busiest processes: "), raised.value.evidence

@@ -23,6 +23,7 @@ from kvfail.faults import (
     STACK_SIGNAL,
     PeerExitedError,
     PeerProcess,
+    busiest_processes,
     busy_threads,
     close_all,
     free_port,
@@ -44,6 +45,19 @@ WITH_GRANDCHILD = textwrap.dedent(
     g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
     print('GRANDCHILD', g.pid, flush=True)
     print('READY', flush=True)
+    time.sleep(60)
+    """
+)
+
+
+#: A process with one thread stuck in a loop (a wedged P's spinning transport thread).
+SPIN = textwrap.dedent(
+    """
+    import threading, time
+    def loop():
+        while True:
+            pass
+    threading.Thread(target=loop, daemon=True).start()
     time.sleep(60)
     """
 )
@@ -241,21 +255,23 @@ def test_busy_threads_names_the_main_thread_first() -> None:
 def test_spinning_threads_names_a_thread_stuck_in_a_loop_and_no_idle_one() -> None:
     """What marks a P as wedged after a failed scenario (``PairDriver._repair_peers``). A
     low share keeps the test about which thread, not how fast a loaded machine runs it."""
-    spin = textwrap.dedent(
-        """
-        import threading, time
-        def loop():
-            while True:
-                pass
-        threading.Thread(target=loop, daemon=True).start()
-        time.sleep(60)
-        """
-    )
-    with py(spin) as spinning, py("import time\ntime.sleep(60)") as idle:
+    with py(SPIN) as spinning, py("import time\ntime.sleep(60)") as idle:
         assert wait_until(lambda: len(os.listdir(f"/proc/{spinning.pid}/task")) >= 2)
         found = spinning_threads([spinning.pid, idle.pid], window_s=0.5, share=0.25)
     assert list(found) == [spinning.pid] and len(found[spinning.pid]) == 1, found
     assert re.fullmatch(rf"{spinning.pid}/\d+ \S+ \d+%", found[spinning.pid][0]), found
+
+
+def test_busiest_processes_ranks_a_spinning_process_above_an_idle_one() -> None:
+    """The machine-wide evidence a failed warm-up carries: who had the CPU. Ranked, not
+    timed: a loaded machine gives the spinning process less, never less than nothing."""
+    with py(SPIN) as spinning, py("import time\ntime.sleep(60)") as idle:
+        assert wait_until(lambda: len(os.listdir(f"/proc/{spinning.pid}/task")) >= 2)
+        ranked = busiest_processes(window_s=1.0, most=100_000)
+    pids = [int(line.split()[0]) for line in ranked]
+    assert spinning.pid in pids and idle.pid in pids, ranked
+    assert pids.index(spinning.pid) < pids.index(idle.pid), ranked
+    assert re.fullmatch(rf"{spinning.pid} \S+ \S \d+%", ranked[pids.index(spinning.pid)])
 
 
 def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
