@@ -1,5 +1,6 @@
 """Writes a long-lived Mooncake P loses to D engines built one after another: Mooncake's
-defaults vs the rig's P settings (rig patch ``mooncake_p_peer_caches``).
+defaults vs the rig's P (rig patch ``mooncake_p_peer_caches``: its settings, and one more
+write after a failed one).
 
 Why it matters here: the suite builds a D engine for every scenario, all in one process,
 and Mooncake gives each engine random ports out of about 2,000, so over a session a
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from bench._common import figures
 from kvfail.faults import PeerProcess
 from kvfail.peers.mooncake import P_PEER_CACHE_ENV
+from kvfail.peers.producer import WRITE_RETRIES
 
 #: Bound on one engine build or one loopback write (each takes well under a second).
 WAIT_S = 60.0
@@ -55,8 +57,9 @@ for line in sys.stdin:
         print("ended", flush=True)
 """
 
-#: P: one engine and a source buffer of FILL bytes; "<port> <addr> <bytes>" writes that
-#: many bytes to that D and prints ``wrote <return code>``.
+#: P: one engine and a source buffer of FILL bytes (argv 1); "<port> <addr> <bytes>"
+#: writes that many bytes to that D, up to 1 + argv 2 times until one succeeds, and prints
+#: ``wrote <return code> <writes>``.
 P_CODE = """
 import sys
 import numpy as np
@@ -68,10 +71,13 @@ assert engine.batch_register_memory([src.ctypes.data], [src.nbytes]) == 0
 print("ready", flush=True)
 for line in sys.stdin:
     port, addr, size = line.split()
-    ret = engine.batch_transfer_sync_write(
-        f"127.0.0.1:{port}", [src.ctypes.data], [int(addr)], [int(size)]
-    )
-    print("wrote", ret, flush=True)
+    for n in range(1 + int(sys.argv[2])):
+        ret = engine.batch_transfer_sync_write(
+            f"127.0.0.1:{port}", [src.ctypes.data], [int(addr)], [int(size)]
+        )
+        if ret == 0:
+            break
+    print("wrote", ret, n + 1, flush=True)
 """
 
 
@@ -93,13 +99,21 @@ class Tally:
     #: Writes to an engine at an address an ended engine had.
     reused: int = 0
     failed_reused: int = 0
+    #: Writes P made again after one failed (the rig's retry).
+    retried: int = 0
 
 
 def _one_side(
-    p_env: Mapping[str, str], engines: int, ports: range | None, seed: int, tally: Tally
+    p_env: Mapping[str, str],
+    retries: int,
+    engines: int,
+    ports: range | None,
+    seed: int,
+    tally: Tally,
 ) -> None:
-    """One D process, one P: ``engines`` D engines in turn, one write each; D's engines
-    take their ports from ``ports`` (None: Mooncake's own range)."""
+    """One D process, one P: ``engines`` D engines in turn, one write each (written again
+    up to ``retries`` times after a failure); D's engines take their ports from ``ports``
+    (None: Mooncake's own range)."""
     quiet = {"MC_LOG_LEVEL": "FATAL"}
     d_env = dict(quiet)
     if ports is not None:
@@ -108,7 +122,7 @@ def _one_side(
     with (
         PeerProcess([sys.executable, "-c", D_CODE], name="bench-d", env=d_env, stdin=True) as d,
         PeerProcess(
-            [sys.executable, "-c", P_CODE, str(FILL)],
+            [sys.executable, "-c", P_CODE, str(FILL), str(retries)],
             name="bench-p",
             env={**p_env, **quiet},
             stdin=True,
@@ -120,7 +134,9 @@ def _one_side(
             _, port, addr = _ask(d, f"new {size}", "engine")
             reused = port in seen
             seen.add(port)
-            ret = int(_ask(p, f"{port} {addr} {size}", "wrote")[1])
+            _, code, writes = _ask(p, f"{port} {addr} {size}", "wrote")
+            ret = int(code)
+            tally.retried += int(writes) - 1
             landed = int(_ask(d, "check", "sum")[1]) == size * FILL
             _ask(d, "end", "ended")
             ok = ret == 0 and landed
@@ -146,17 +162,20 @@ def main() -> None:
     ports = range(PORTS_FROM, PORTS_FROM + args.ports) if args.ports else None
     default, rig = Tally(), Tally()
     for r in range(args.rounds):
-        _one_side(MOONCAKE_DEFAULTS, args.engines, ports, r, default)
-        _one_side(P_PEER_CACHE_ENV, args.engines, ports, r, rig)
-    print(f"{'P settings':28}{'writes':>8}{'failed':>8}{'to reused':>11}{'failed':>8}")
+        _one_side(MOONCAKE_DEFAULTS, 0, args.engines, ports, r, default)
+        _one_side(P_PEER_CACHE_ENV, WRITE_RETRIES, args.engines, ports, r, rig)
+    print(f"{'P':28}{'writes':>8}{'failed':>8}{'retried':>9}{'to reused':>11}{'failed':>8}")
     for name, t in (("Mooncake defaults", default), ("kvfail rig", rig)):
-        print(f"{name:28}{t.writes:>8}{t.failed:>8}{t.reused:>11}{t.failed_reused:>8}")
+        print(
+            f"{name:28}{t.writes:>8}{t.failed:>8}{t.retried:>9}{t.reused:>11}{t.failed_reused:>8}"
+        )
     print(
         figures(
             default_failed_writes=default.failed,
             default_writes_to_reused=default.reused,
             default_failed_to_reused=default.failed_reused,
             rig_failed_writes=rig.failed,
+            rig_retried_writes=rig.retried,
             rig_writes_to_reused=rig.reused,
         )
     )

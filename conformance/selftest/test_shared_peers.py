@@ -233,3 +233,37 @@ def test_a_p_spinning_after_a_failed_scenario_is_replaced(
             assert f"P pid {producer.process.pid} replaced after a failed scenario" in notes[0]
     finally:
         producer.close()
+
+
+class _WritingProducer(_LiveProducer):
+    """An idle P process whose stats report a write into D under way for ``write_s``."""
+
+    def __init__(self, write_s: float) -> None:
+        super().__init__(_IDLE)
+        self.write_s = write_s
+
+    def stats(self, timeout_s: float) -> dict[str, Any]:
+        return {"oldest_write_s": self.write_s}
+
+
+@pytest.mark.parametrize(
+    ("over", "replaced"), [(True, True), (False, False)], ids=["stuck-write", "short-write"]
+)
+def test_a_p_with_a_write_stuck_past_the_bound_is_replaced_even_after_a_pass(
+    registry: dict[str, Any], over: bool, replaced: bool
+) -> None:
+    """Why: a P whose transfer engine wedged inside a write (Mooncake's transport thread
+    spinning in its timer queue) answers its stats but never serves a pull again; its
+    stuck write is the evidence, so it goes after any scenario, before the next one
+    fails on it. A write still under way but within the bound is a working P."""
+    bound = drivers.WEDGED_WRITE_S
+    producer = _WritingProducer(bound * 2 if over else bound / 10)
+    try:
+        pair = _OnePPair(producer)
+        driver = NixlDriver("nixl-test")
+        driver._pair = pair
+        driver.after_scenario()  # the scenario passed
+        assert (not producer.process.alive) is replaced
+        assert pair.restarts == int(replaced)
+    finally:
+        producer.close()

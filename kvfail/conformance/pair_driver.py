@@ -52,6 +52,10 @@ logger = logging.getLogger("kvfail.conformance")
 #: fail the scenarios after it.
 SPIN_SHARE = 0.8
 SPIN_WINDOW_S = 0.5
+#: A P whose stats show a write into D under way for longer than this (``oldest_write_s``:
+#: a loopback write takes milliseconds) has a wedged transfer engine: it is replaced
+#: after the scenario, passed or failed, as a P that lost its engine is.
+WEDGED_WRITE_S = 10.0
 
 
 def shared_producer(key: str) -> Any | None:
@@ -320,13 +324,22 @@ class PairDriver(Driver[PairHandle]):
 
     @staticmethod
     def _p_crashed(pair: PeerPair) -> bool:
-        """P's process lives but its engine crashed (a rank died), or it does not answer."""
+        """P's process lives but its engine crashed (a rank died), its transfer engine is
+        wedged (a write stuck past :data:`WEDGED_WRITE_S`), or it does not answer."""
         if pair.p is None or pair.p.ready is None:
             return False  # still starting: not known yet
         try:
-            return pair.p.stats(timeout_s=10.0).get("crashed") is not None
+            stats = pair.p.stats(timeout_s=10.0)
         except Exception:
             return True
+        if stats.get("oldest_write_s", 0.0) > WEDGED_WRITE_S:
+            logger.warning(
+                "kvfail: P pid %s replaced: a write into D under way for %s s",
+                pair.p.process.pid,
+                stats["oldest_write_s"],
+            )
+            return True
+        return stats.get("crashed") is not None
 
     def _forget_closed_engines(self) -> None:
         """Drop the pairs' references to D engines a scenario closed, and collect them.

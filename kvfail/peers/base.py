@@ -448,7 +448,14 @@ class PeerPair:
             line += f"; no answer to stats in {P_STATS_TIMEOUT_S:g} s ({type(exc).__name__})"
             stacks = True
         else:
-            keys = ("steps", "pending_requests", "free_blocks", "crashed")
+            keys = (
+                "steps",
+                "pending_requests",
+                "free_blocks",
+                "write_retries",
+                "oldest_write_s",
+                "crashed",
+            )
             counters = ", ".join(f"{k} {stats[k]!r}" for k in keys if k in stats)
             line += f"; stats in {time.monotonic() - started:.2f} s: {counters}"
         if not stacks:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +56,14 @@ if TYPE_CHECKING:
     from kvfail.harness import Engine
     from kvfail.harness.hooks import RankView, SplitForward
 
-__all__ = ["DEFAULT_EXTRA_CONFIG", "INJECTABLE", "PREFIX", "P_PEER_CACHE_ENV", "main"]
+__all__ = [
+    "DEFAULT_EXTRA_CONFIG",
+    "INJECTABLE",
+    "PREFIX",
+    "P_PEER_CACHE_ENV",
+    "WRITE_RETRIES",
+    "main",
+]
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-p "
@@ -162,11 +170,24 @@ class _FaultInjectingSender:
     def _send_blocks(
         self, remote_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]
     ) -> int:
-        """``die_mid_transfer``: really write the first half of the pull into D, then
+        """One write into D, retried once when it fails (see :data:`WRITE_RETRIES`).
+
+        ``die_mid_transfer``: really write the first half of the pull into D, then
         SIGKILL this process (P, or this P rank at TP > 1) before the rest and before
         any reply: a peer that crashed with D's blocks half written."""
         if not getattr(self, "kvfail_die_in_send", False):
-            return int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+            writing = self.__dict__.setdefault("kvfail_writing", {})
+            writing[threading.get_ident()] = time.monotonic()
+            try:
+                ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+                for _ in range(WRITE_RETRIES):
+                    if ret == 0:
+                        break
+                    self.kvfail_write_retries = getattr(self, "kvfail_write_retries", 0) + 1
+                    ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+                return ret
+            finally:
+                writing.pop(threading.get_ident(), None)
         half = max(1, len(src_ptrs) // 2)
         super()._send_blocks(remote_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])  # type: ignore[misc]
         os.kill(os.getpid(), signal.SIGKILL)
@@ -174,7 +195,8 @@ class _FaultInjectingSender:
 
 
 def _make_injecting(worker: Any) -> None:
-    """Re-class one built Mooncake worker so it can inject faults (see above).
+    """Re-class one built Mooncake worker so it can inject faults and retries a failed
+    write once (see above). Every rank's worker gets it when P starts.
 
     The connector builds its worker itself (and building one starts a TransferEngine),
     so the built object is given a subclass of its own class; nothing is copied.
@@ -200,6 +222,31 @@ def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
     return True
 
 
+def _prepare_sender(view: RankView) -> bool:
+    """On a rank at P's start: its Mooncake sender gets the rig's write handling (False:
+    this rank has none)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    if sender is None:
+        return False
+    _make_injecting(sender)
+    return True
+
+
+def _write_retries(view: RankView) -> int:
+    """On a rank: the writes its sender retried (:data:`WRITE_RETRIES`)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    return int(getattr(sender, "kvfail_write_retries", 0))
+
+
+def _oldest_write_s(view: RankView) -> float | None:
+    """On a rank: how long its oldest write into D still under way has taken (None: no
+    write under way). A loopback write takes milliseconds; one that never returns is a
+    wedged transfer engine (see :data:`P_PEER_CACHE_ENV`)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    started = list(getattr(sender, "kvfail_writing", {}).values())
+    return time.monotonic() - min(started) if started else None
+
+
 def _late_pushes(view: RankView) -> dict[str, bool]:
     """On a rank: the ``delay`` pulls its sender served (request -> whether it wrote)."""
     sender = getattr(view.connector, "connector_worker", None)
@@ -218,12 +265,25 @@ _seeds: dict[str, str] = {}
 
 
 #: Mooncake settings of the rig's P processes only (rig patch ``mooncake_p_peer_caches``,
-#: :mod:`kvfail.rig.patches`): P forgets each D's metadata and TCP connections between
-#: writes. A value already in the environment wins, so a user can run without it.
+#: :mod:`kvfail.rig.patches`): P looks each D's metadata up again for every write, and
+#: keeps Mooncake's pooled connections. A value already in the environment wins, so a
+#: user can run without it.
+#:
+#: The pool stays on although a pooled connection can outlive its D: with the pool off,
+#: Mooncake starts each write's session on the calling thread, which then races the
+#: transport's own thread on the session's progress timer. That race corrupted the
+#: transport's timer queue in the suite's runs: its thread spun, and P never wrote again.
+#: A write lost on a connection to an ended D is retried instead (:data:`WRITE_RETRIES`).
 P_PEER_CACHE_ENV: dict[str, str] = {
     "MC_DISABLE_METACACHE": "1",
-    "MC_TCP_ENABLE_CONNECTION_POOL": "0",
+    "MC_TCP_ENABLE_CONNECTION_POOL": "1",
 }
+#: How often the rig's P writes again into D after a write failed. The suite builds a D
+#: per scenario, each on random ports out of about 2,000, so P's pool soon holds a
+#: connection to an ended D at a port a new one has; the first write on it fails, and the
+#: next one, on a fresh connection, lands. Writing P's bytes twice to the same place is
+#: harmless, and a write that fails twice is reported as upstream's P reports it.
+WRITE_RETRIES = 1
 
 
 def _record_peer_cache_settings() -> None:
@@ -261,6 +321,8 @@ class _Producer:
         )
         with cpu_accelerator_index_shim():
             self.engine: Engine = Engine(spec, forward=_pattern_forward())
+        for worker in self.engine.workers:
+            worker.call(_prepare_sender)
         _record_peer_cache_settings()
         self.injected = 0
         self.prefills = 0
@@ -366,6 +428,10 @@ class _Producer:
             "finished_sending": list(self.finished_sending),
             "pending_requests": sorted(sched.requests),
             "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "write_retries": sum(w.call(_write_retries) for w in self.engine.workers),
+            "oldest_write_s": round(
+                max((w.call(_oldest_write_s) or 0.0) for w in self.engine.workers), 3
+            ),
             "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
         }
 

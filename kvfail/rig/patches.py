@@ -81,19 +81,22 @@ CATALOGUE: Mapping[str, RigPatch] = MappingProxyType(
             ),
             RigPatch(
                 name="mooncake_p_peer_caches",
-                target="Mooncake TransferEngine configuration of the rig's P processes",
+                target="Mooncake TransferEngine configuration and writes of the rig's P processes",
                 change="P's transfer engine keeps no cache of a D's segment metadata "
-                "(MC_DISABLE_METACACHE=1) and no pool of TCP connections to it "
-                "(MC_TCP_ENABLE_CONNECTION_POOL=0): it looks D up again for each write",
+                "(MC_DISABLE_METACACHE=1) and keeps its pooled TCP connections "
+                "(MC_TCP_ENABLE_CONNECTION_POOL=1); a write into D that fails is written "
+                "once more, on a fresh connection",
                 why="the suite builds a new D engine for every scenario in one process, and "
                 "Mooncake gives each a random port out of about 2,000, so a long-lived P soon "
-                "meets a new D at an address an ended one had; with its caches P then writes "
-                "to the ended D's metadata or connection and fails (-1), which would fail a "
-                "good load and be charged to the D under test",
+                "meets a new D at an address an ended one had; P's first write there goes to "
+                "the ended D's metadata or connection and fails (-1), which would fail a good "
+                "load and be charged to the D under test. The pool stays on because without it "
+                "Mooncake starts each write on the calling thread, which races its transport "
+                "thread on a timer and can wedge P's transfer engine for good",
                 touches_connector=False,
-                without="set MC_DISABLE_METACACHE=0 and MC_TCP_ENABLE_CONNECTION_POOL=1 in "
-                "the environment: the rig's P keeps Mooncake's caches (and a good load may "
-                "then fail once a D address repeats)",
+                without="set MC_DISABLE_METACACHE=0 in the environment: the rig's P keeps "
+                "Mooncake's metadata cache; the retry stays (without it a good load fails "
+                "once a D address repeats)",
                 site="kvfail.peers.producer",
             ),
             RigPatch(
