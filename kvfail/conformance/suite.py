@@ -47,6 +47,8 @@ REAL_BUDGET_S = 10.0
 HUNG_STEPS_S = 120.0
 #: Loads a warm-up may take to succeed once (see ``ScenarioContext.warm_up``).
 WARM_UP_TRIES = 3
+#: A crashed engine's traceback lines a violation's evidence keeps (its innermost ones).
+CRASH_TRACE_LINES = 12
 #: How long the oracles wait, with the peers' faults ended, for blocks a connector holds
 #: back while a peer may still write (quarantine) to come back, before calling them leaked.
 HELD_BLOCKS_WAIT_S = 15.0
@@ -461,7 +463,23 @@ class ScenarioContext:
             printed = self.driver.peer_output()
         except Exception as exc:  # evidence only: never hide the findings themselves
             printed = [f"(the driver's peer_output raised {exc!r})"]
-        return ConformanceViolation(self.scenario, violations, [*printed, *evidence])
+        return ConformanceViolation(
+            self.scenario, violations, [*printed, *self._crash_evidence(), *evidence]
+        )
+
+    def _crash_evidence(self) -> list[str]:
+        """Where each of this scenario's engines crashed: the finding can be a setup step
+        (a load that never started) that only saw ``reason='crash'``."""
+        out: list[str] = []
+        for n, engine in enumerate(self.engines):
+            for crash in engine.record.crashes:
+                out.append(
+                    f"[engine {n} crash] {crash.exc_type} in {crash.phase} at step "
+                    f"{crash.step}: {crash.message}"
+                )
+                lines = [ln for ln in crash.traceback.splitlines() if ln.strip()]
+                out += [f"[engine {n} crash]   {ln}" for ln in lines[-CRASH_TRACE_LINES:]]
+        return out
 
 
 def _dedupe(items: list[str]) -> list[str]:

@@ -99,3 +99,22 @@ def test_a_warm_up_that_never_loads_carries_the_rig_state(
     assert raised.value.violations[0].startswith("warm-up load (2 tries): C"), raised.value
     assert raised.value.evidence[-2] == "P: idle", raised.value.evidence
     assert raised.value.evidence[-1].startswith("busiest processes: "), raised.value.evidence
+
+
+def test_a_load_that_never_starts_on_a_crash_shows_the_crash(
+    ctx: ScenarioContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setup step that only sees ``reason='crash'`` (a load that never entered
+    WAITING_FOR_REMOTE_KVS) carries where the engine crashed, with its traceback."""
+    engine = ctx.engine()
+
+    def broken_schedule() -> Any:
+        raise RuntimeError("scheduler broke while planning a load")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", broken_schedule)
+    with pytest.raises(ConformanceViolation) as raised:
+        ctx.add_loading(engine, ctx.rid("crashes"))
+    assert "never entered WAITING_FOR_REMOTE_KVS" in raised.value.violations[0]
+    crash = [e for e in raised.value.evidence if e.startswith("[engine 0 crash]")]
+    assert crash[0].startswith("[engine 0 crash] RuntimeError in schedule at step"), crash
+    assert crash[-1].endswith("RuntimeError: scheduler broke while planning a load"), crash
