@@ -149,9 +149,14 @@ def _connect(addr: Address) -> tuple[int | None, socket.socket | None]:
 
 
 def _read(sock: socket.socket) -> int | None:
-    """A pending connect's outcome: 0 accepted, an errno, or None while pending."""
-    _, writable, _ = select.select([], [sock], [], 0)
-    if not writable:
+    """A pending connect's outcome: 0 accepted, an errno, or None while pending.
+
+    ``poll``, not ``select``: a D process holds many descriptors (UCX, zmq, its peers'
+    pipes), and ``select`` raises for any descriptor numbered past FD_SETSIZE (1024),
+    which would crash the drain that probes."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    if not poller.poll(0):
         return None
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
 

@@ -16,6 +16,8 @@ from connectors.nixl.probe import PROBE_CONFIRM_S, PROBE_REFUSALS, SideChannelPr
 from kvfail.peers.base import closed_port
 
 INTERVAL_S = 0.5
+#: Descriptors the FD_SETSIZE test opens first.
+HIGH_FDS = 1100
 
 
 class Clock:
@@ -108,3 +110,29 @@ def test_a_probe_nobody_waits_on_is_closed() -> None:
     assert len(probes) == 1
     probes.forget("b")
     assert len(probes) == 0
+
+
+def test_a_probe_whose_socket_is_numbered_past_fd_setsize_still_answers(
+    listener: socket.socket,
+) -> None:
+    """A D process holds many descriptors; a probe socket numbered past 1024 (where
+    ``select`` raises) is read like any other, so the drain that probes never crashes."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(soft, hard) < HIGH_FDS + 64:
+        pytest.skip(f"this process may open {soft} descriptors; the test needs {HIGH_FDS + 64}")
+    # Fill every free number below HIGH_FDS: the probe's socket is then numbered above it.
+    held = [socket.socket() for _ in range(HIGH_FDS)]
+    try:
+        assert min(s.fileno() for s in held[-8:]) > 1024
+        clock = Clock()
+        probes = SideChannelProbes(INTERVAL_S, clock=clock)
+        addr = ("127.0.0.1", closed_port())
+        assert _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10) is not None
+        alive = listener.getsockname()
+        assert _steps_until_gone(probes, clock, alive, clock.now, limit=6) is None
+        probes.close()
+    finally:
+        for s in held:
+            s.close()
