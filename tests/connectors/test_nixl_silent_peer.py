@@ -103,7 +103,10 @@ def _p_main() -> None:
 
 
 def _wait_line(stream: IO[str], timeout_s: float) -> str:
-    ready, _, _ = select.select([stream], [], [], timeout_s)
+    # poll, not select: the pytest process may hold descriptors numbered past 1024.
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
+    ready = poller.poll(max(0, int(timeout_s * 1000)))
     return stream.readline().strip() if ready else ""
 
 
