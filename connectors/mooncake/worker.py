@@ -748,21 +748,31 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
     # ------------------------------------------------------------------ teardown
 
     def shutdown(self) -> None:
-        """Close our pull tasks (bounded wait), then upstream's teardown; idempotent."""
+        """Close every task on the receiver loop (bounded wait), then upstream's
+        teardown, then close the loop; idempotent.
+
+        Upstream only stops the loop. A task still pending there (a bootstrap query, an
+        engine handshake) then stays pending forever, and anyio's registry of task states
+        keeps it, and through it this worker, its TransferEngine and their sockets, alive
+        for the life of the process: a long-lived process that builds and drops D
+        engines (the suite's) ran out of low descriptor numbers.
+        """
         if getattr(self, "_mc_closed", True):
             return
         self._mc_closed = True
-        if not self.is_kv_producer and self.receiver_loop.is_running():
-            fut = asyncio.run_coroutine_threadsafe(self._mc_stop_tasks(), self.receiver_loop)
+        loop = None if self.is_kv_producer else self.receiver_loop
+        if loop is not None and loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self._mc_stop_tasks(), loop)
             with contextlib.suppress(Exception):
                 fut.result(timeout=SHUTDOWN_TIMEOUT_S)
         super().shutdown()
+        if loop is not None and not loop.is_running() and not loop.is_closed():
+            loop.close()
 
     async def _mc_stop_tasks(self) -> None:
-        """Cancel pull and probe tasks; on the loop, which owns the probe registry."""
-        with self._mc_lock:
-            tasks = {t for ts in self._mc_tasks.values() for t in ts}
-        tasks.update(self._mc_probes.values())
+        """Cancel every other task on the receiver loop: ours (pulls and probes) and
+        upstream's; on the loop, which owns the probe registry."""
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
         if tasks:
             await _cancel_and_wait(tasks)
 
