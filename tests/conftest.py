@@ -13,6 +13,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvfail.conformance.plugin import drivers_required
+from tests import transports
+
 # Mooncake's TransferEngine logs INFO lines (glog) when it is destroyed at interpreter exit,
 # after pytest's summary line; keep that line last.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -36,3 +39,8 @@ def quiet_kvfail_logs() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Record whether this run requires its transports (``tests/transports.py``)."""
+    transports.REQUIRED = drivers_required(config)

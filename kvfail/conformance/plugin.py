@@ -324,12 +324,6 @@ def pytest_configure(config: pytest.Config) -> None:
             baseline = Baseline.load(path)
         except BaselineError as exc:
             raise pytest.UsageError(f"--kvfail-baseline: {exc}") from None
-    require = config.getoption("--kvfail-require-drivers", default=None)
-    if require is None:
-        try:
-            require = bool(config.getini("kvfail_require_drivers"))
-        except ValueError:  # the option is not registered (plugin loaded late)
-            require = False
     config.stash[_STATE] = _State(
         connectors=connectors,
         policies=list(POLICIES) if policy == "both" else [policy],
@@ -337,7 +331,7 @@ def pytest_configure(config: pytest.Config) -> None:
         layout_policies=layout_policies,
         report_dir=config.getoption("--kvfail-report", default=None),
         silent_wait_s=float(config.getoption("--kvfail-silent-wait", default=6.0)),
-        require_drivers=require,
+        require_drivers=drivers_required(config),
         baseline=baseline,
         write_baseline=config.getoption("--kvfail-write-baseline", default=None),
         patches=_PatchLog(),
@@ -355,6 +349,19 @@ def pytest_configure(config: pytest.Config) -> None:
         # connector named on the command line: the ini's default list is there for every
         # run of the checkout, most of which start no P.
         prestart_for(given, entry_point_modules())
+
+
+def drivers_required(config: pytest.Config) -> bool:
+    """Whether an absent transport fails instead of skipping: ``--kvfail-require-drivers``,
+    else the ini ``kvfail_require_drivers``. One reading for the suite and for any test
+    module that needs a transport, so the project's CI cannot skip one silently."""
+    require = config.getoption("--kvfail-require-drivers", default=None)
+    if require is not None:
+        return bool(require)
+    try:
+        return bool(config.getini("kvfail_require_drivers"))
+    except ValueError:  # the option is not registered (plugin loaded late)
+        return False
 
 
 def _layouts(config: pytest.Config) -> list[str]:

@@ -20,13 +20,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.mooncake import mooncake_available
-
-_REASON = mooncake_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("mooncake")
 
 from connectors.mooncake import KvfailMooncakeWorker  # noqa: E402
 from connectors.mooncake.worker import _connect_probe, _tcp_endpoint  # noqa: E402

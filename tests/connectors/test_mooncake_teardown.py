@@ -16,13 +16,9 @@ import weakref
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.mooncake import mooncake_available
-
-_REASON = mooncake_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("mooncake")
 
 from kvfail.conformance.mooncake_driver import MooncakeDriver  # noqa: E402
 from kvfail.conformance.suite import ScenarioContext  # noqa: E402

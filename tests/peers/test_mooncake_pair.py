@@ -20,13 +20,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.mooncake import mooncake_available
-
-_REASON = mooncake_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("mooncake")
 
 from kvfail.harness import oracles  # noqa: E402
 from kvfail.peers.mooncake import (  # noqa: E402

@@ -19,13 +19,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.nixl import nixl_available
-
-_REASON = nixl_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("nixl")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 

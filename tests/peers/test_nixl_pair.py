@@ -24,13 +24,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.nixl import nixl_available
-
-_REASON = nixl_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("nixl")
 
 from kvfail.harness import oracles  # noqa: E402
 from kvfail.peers.nixl import (  # noqa: E402

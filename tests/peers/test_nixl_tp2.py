@@ -15,13 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+from tests.transports import require_transport
 
-from kvfail.peers.nixl import nixl_available
-
-_REASON = nixl_available()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
+require_transport("nixl")
 
 from kvfail.harness import oracles  # noqa: E402
 from kvfail.peers.nixl import NixlPair, install_exit_guard  # noqa: E402

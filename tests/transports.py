@@ -1,0 +1,39 @@
+"""One gate for test modules that need a real transport (Mooncake TCP, NIXL/UCX).
+
+Where a transport is absent the module is skipped, except where the run requires its
+transports (``--kvfail-require-drivers`` or the ini ``kvfail_require_drivers``, set in this
+project's ``pyproject.toml``): there the module fails to collect, so a broken set-up in CI
+is a failure and never a quiet skip. ``tests/conftest.py`` records the switch at configure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import pytest
+
+#: Set from the run's configuration by ``tests/conftest.py`` (``pytest_configure``).
+REQUIRED = False
+
+
+def _probe(transport: Literal["mooncake", "nixl"]) -> Callable[[], str | None]:
+    if transport == "mooncake":
+        from kvfail.peers.mooncake import mooncake_available
+
+        return mooncake_available
+    from kvfail.peers.nixl import nixl_available
+
+    return nixl_available
+
+
+def require_transport(transport: Literal["mooncake", "nixl"]) -> None:
+    """Call at module level: skip (or, where transports are required, fail) the module
+    unless vLLM and ``transport`` are both usable here."""
+    pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
+    reason = _probe(transport)()
+    if reason is None:
+        return
+    if REQUIRED:
+        pytest.fail(f"{transport} is required by this run but absent: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
