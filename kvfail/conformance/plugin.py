@@ -286,7 +286,11 @@ _QUIET_OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MC_LOG_LE
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from kvfail.rig import shm
+    from kvfail.rig import exit_status, shm
+
+    # First: a process that must end itself (one holding NIXL agents) passes on this
+    # session's status, whatever the run goes on to do.
+    exit_status.watch(config)
 
     for key, value in _QUIET_OFFLINE.items():
         os.environ.setdefault(key, value)

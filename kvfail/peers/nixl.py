@@ -31,10 +31,11 @@ The nixl teardown segfault. Any process that created a nixl UCX agent segfaults 
 ``_dl_fini`` at a normal interpreter exit (rc 139), so a process holding D engines must
 end with ``os._exit``. :func:`install_exit_guard` (called when the first D is built)
 registers an ``atexit`` handler that flushes stdio and calls ``os._exit`` with the
-process's real exit status: pytest's session status (recorded by a small hook registered
-on the running pytest config), else 1 after an uncaught exception, else the ``sys.exit``
-code. Other ``atexit`` handlers registered *before* it still run (LIFO); later ones are
-skipped, which is why it is installed as late as possible.
+process's real exit status: pytest's session status (recorded by
+:mod:`kvfail.rig.exit_status`, which kvfail's plugin puts on every session), else 1 after
+an uncaught exception, else the ``sys.exit`` code. Other ``atexit`` handlers registered
+*before* it still run (LIFO); later ones are skipped, which is why it is installed as late
+as possible.
 
 D's verification: D's forward hook runs when a request is first scheduled after its load
 (where a real model would read the pulled KV) and compares every pulled token of every
@@ -80,6 +81,7 @@ from kvfail.peers.nixl_producer import (
     _unpin,
     restore_affinity,
 )
+from kvfail.rig import exit_status
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine, RunResult
@@ -142,29 +144,24 @@ class _ExitGuard:
 
     def __init__(self) -> None:
         self.installed = False
-        self.pytest_status: int | None = None
         self.sys_exit_code: int | None = None
         self.uncaught = False
         self._lock = threading.Lock()
 
-    # pytest hook (registered on the running config's plugin manager)
-    def pytest_sessionfinish(self, session: Any, exitstatus: int) -> None:
-        self.pytest_status = int(exitstatus)
-
     def install(self, config: Any = None) -> None:
-        with self._lock:
-            if self.installed:
-                return
-            self.installed = True
-        # Every live session, not only the newest: when the first D is built inside a
-        # nested session (a self-test's inner ``pytest.main``), that session ends first,
-        # and the process's status is the outermost one's, which ends last.
+        # Every session that can be found records its status, each time: a later call
+        # may bring a session the first one did not know (kvfail's plugin watches every
+        # session at configure anyway; this covers a run with the plugin disabled).
         configs = _running_pytest_configs()
         if config is not None and all(c is not config for c in configs):
             configs.append(config)
         for each in configs:
             with contextlib.suppress(Exception):
-                each.pluginmanager.register(self, "kvfail-nixl-exit-guard")
+                exit_status.watch(each)
+        with self._lock:
+            if self.installed:
+                return
+            self.installed = True
         previous_hook = sys.excepthook
 
         def excepthook(*args: Any) -> None:
@@ -182,8 +179,9 @@ class _ExitGuard:
         atexit.register(self._exit)
 
     def status(self) -> int:
-        if self.pytest_status is not None:
-            return self.pytest_status
+        pytest_status = exit_status.pytest_status()
+        if pytest_status is not None:
+            return pytest_status
         if self.uncaught:
             return 1
         return self.sys_exit_code or 0
@@ -205,7 +203,9 @@ def _code_of(code: Any) -> int:
 
 
 def _running_pytest_configs() -> list[Any]:
-    """The live ``pytest.Config`` objects when pytest runs this process (found once)."""
+    """The live ``pytest.Config`` objects the collector still tracks (a fallback: objects
+    frozen by ``gc.freeze`` are invisible here, which is why sessions are watched at
+    configure by kvfail's plugin)."""
     if "_pytest.config" not in sys.modules:
         return []
     from _pytest.config import Config
