@@ -28,13 +28,37 @@ export KVFAIL_STUCK_STACKS=${KVFAIL_STUCK_STACKS:-1}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvfail-test.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
 
-# pytest's exit 5 is "no tests collected": a run that tested nothing proves nothing.
+# Failures and errors in a session's JUnit report (prints the count; exit 1 if unreadable).
+report_failures() {
+  "$PY" - "$1" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+print(sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites))
+PYEOF
+}
+
+# pytest's exit 5 is "no tests collected": a run that tested nothing proves nothing. An
+# exit 0 is checked against the session's own report: a process that holds NIXL agents
+# ends itself with os._exit and must pass pytest's status on, and a slip there once made
+# a failing run exit 0.
 run_pytest() {
-  "$PY" -m pytest "$@"
+  local report
+  report=$(mktemp "$LOGS/session.XXXXXX.xml")
+  "$PY" -m pytest --junitxml="$report" "$@"
   local rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest $* collected no tests (exit 5); counted as a failure" >&2
     return 1
+  fi
+  if [ "$rc" -eq 0 ] && [ -s "$report" ]; then  # empty: the caller's own --junitxml won
+    local failed
+    if ! failed=$(report_failures "$report") || [ "$failed" != 0 ]; then
+      echo "test.sh: pytest $* exited 0, but its report lists ${failed:-unreadable} failures or errors; counted as a failure" >&2
+      return 1
+    fi
   fi
   return "$rc"
 }
