@@ -149,19 +149,20 @@ class _ExitGuard:
         self._lock = threading.Lock()
 
     def install(self, config: Any = None) -> None:
-        # Every session that can be found records its status, each time: a later call
-        # may bring a session the first one did not know (kvfail's plugin watches every
-        # session at configure anyway; this covers a run with the plugin disabled).
-        configs = _running_pytest_configs()
-        if config is not None and all(c is not config for c in configs):
-            configs.append(config)
-        for each in configs:
+        # kvfail's plugin watches every session at configure; these cover a run with the
+        # plugin disabled. A config passed in is watched on every call (cheap: a later
+        # call may bring a session the first did not know); the heap scan runs once, as
+        # it walks every object the collector tracks and a D is built per call.
+        if config is not None:
             with contextlib.suppress(Exception):
-                exit_status.watch(each)
+                exit_status.watch(config)
         with self._lock:
             if self.installed:
                 return
             self.installed = True
+        for each in _running_pytest_configs():
+            with contextlib.suppress(Exception):
+                exit_status.watch(each)
         previous_hook = sys.excepthook
 
         def excepthook(*args: Any) -> None:
