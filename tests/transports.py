@@ -37,3 +37,16 @@ def require_transport(transport: Literal["mooncake", "nixl"]) -> None:
     if REQUIRED:
         pytest.fail(f"{transport} is required by this run but absent: {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def require_netns() -> None:
+    """Call at module level: the same policy for simulated hosts (network namespaces,
+    which need root and iproute2; CI runs as root)."""
+    from kvfail.faults.netns import netns_unavailable
+
+    reason = netns_unavailable()
+    if reason is None:
+        return
+    if REQUIRED:
+        pytest.fail(f"simulated hosts are required by this run but absent: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal
 
-from kvfail.faults._net import LOOPBACK, require_loopback
+from kvfail.faults._net import LOOPBACK, family, require_local
 from kvfail.faults.zygote import Zygote, ZygoteChild
 
 #: Its own generator, seeded from the OS: processes that import this at the same moment
@@ -810,7 +810,7 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     All are held open together so they differ. Falls back to ``bind(0)`` if the range
     leaves no room under it.
     """
-    require_loopback(host)
+    require_local(host)
     low, _high = _ephemeral_range()
     tries = 64 * n if low - _FIXED_PORT_FLOOR >= 1024 else 0
     socks: list[socket.socket] = []
@@ -821,7 +821,7 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
             port = _PORT_RANDOM.randrange(_FIXED_PORT_FLOOR, low)
             if any(s.getsockname()[1] == port for s in socks):
                 continue
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(family(host), socket.SOCK_STREAM)
             try:
                 s.bind((host, port))  # no SO_REUSEADDR: TIME_WAIT leftovers count as taken
             except OSError:
@@ -829,7 +829,7 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
                 continue
             socks.append(s)
         while len(socks) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(family(host), socket.SOCK_STREAM)
             socks.append(s)
             s.bind((host, 0))
         return [s.getsockname()[1] for s in socks]
@@ -857,7 +857,7 @@ def wait_for_port(
     kernel completes the handshake), so this proves "listening", not "serving". Pass `peer`
     to fail at once with PeerExitedError if it dies while we wait.
     """
-    require_loopback(host)
+    require_local(host)
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
-from kvfail.faults._net import LOOPBACK, require_loopback
+from kvfail.faults._net import LOOPBACK, require_local
+from kvfail.faults._net import family as _family
 
 __all__ = ["FaultProxy", "ProxyMode", "ProxyStats"]
 
@@ -170,7 +171,7 @@ class FaultProxy:
         control_timeout_s: float = 5.0,
         name: str = "kvfail-proxy",
     ) -> None:
-        self._upstream = (require_loopback(upstream_host), int(upstream_port))
+        self._upstream = (require_local(upstream_host), int(upstream_port))
         self._listen_port = int(listen_port)
         self._mode = ProxyMode(mode)
         self._delay_s = self._check_delay(delay_s)
@@ -349,7 +350,7 @@ class FaultProxy:
 
     def set_upstream(self, port: int, host: str = LOOPBACK) -> None:
         """Point new connections at another upstream, e.g. a peer restarted on a new port."""
-        target = (require_loopback(host), int(port))
+        target = (require_local(host), int(port))
 
         def apply() -> None:
             with self._lock:
@@ -620,7 +621,7 @@ class FaultProxy:
     def _start_upstream(self, conn: _Conn, now: float) -> None:
         with self._lock:
             target = self._upstream
-        up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        up = socket.socket(_family(target[0]), socket.SOCK_STREAM)
         _tune(up)
         err = up.connect_ex(target)
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN):

@@ -1,0 +1,361 @@
+"""Separate hosts on one machine: a network namespace per simulated host, joined to the
+test's own namespace by a veth pair.
+
+Why namespaces: loopback never drops a packet, never partitions and has no bandwidth
+limit, so a connector that is only ever run over 127.0.0.1 has never met the network P/D
+runs on. A namespace has its own interfaces, routes and queueing disciplines, so a P
+started inside one is reached over a real link that a test can cut silently (a blackhole
+route: packets vanish and the caller waits), cut loudly (a prohibit route: the sender's
+route lookup fails at once) or throttle (``tc tbf``), and then heal.
+
+Safety: every address used here is assigned by this module to an interface it created,
+inside a namespace it created, and is registered with :mod:`kvfail.faults._net` for as long
+as the namespace lives, so traffic can go only to loopback and to these addresses. Every
+namespace and link carries this process's id in its name; :func:`sweep_stale` removes
+those of processes that are gone (a run killed before its teardown), and an ``atexit``
+hook closes whatever a test forgot.
+
+Nothing here imports vLLM. Creating namespaces needs root and iproute2;
+:func:`netns_unavailable` says why a machine cannot, so a gate can fail or skip by policy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ipaddress
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+from kvfail.faults._net import register_test_address, unregister_test_address
+
+__all__ = [
+    "NETNS_ENV",
+    "NamespaceHost",
+    "PartitionMode",
+    "enter_from_env",
+    "netns_unavailable",
+    "sweep_stale",
+]
+
+log = logging.getLogger(__name__)
+
+#: Where ``ip netns`` keeps the handles of named namespaces.
+NETNS_DIR = Path("/var/run/netns")
+#: Every namespace and interface this module makes starts with this, then the owner's pid.
+PREFIX = "kvf"
+#: The block the /30 of each simulated link is drawn from. It exists only on interfaces
+#: this module creates; nothing outside the machine is ever addressed.
+SUBNET = ipaddress.ip_network("10.213.0.0/16")
+#: A child started by a zygote (not by ``ip netns exec``) joins this namespace first.
+NETNS_ENV = "KVFAIL_NETNS"
+
+#: ``silent``: packets to the other side vanish (the caller's connect or read times out),
+#: as behind a dead switch. ``refuse``: the route lookup fails at once on both sides
+#: (EACCES / "permission denied" or a host-unreachable error), as behind a firewall that
+#: rejects.
+PartitionMode = Literal["silent", "refuse"]
+
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)[nio]\d+$")
+_COMMAND_TIMEOUT_S = 20.0
+_CLONE_NEWNET = 0x40000000
+_counter = itertools.count()
+_live: dict[str, NamespaceHost] = {}
+_live_lock = threading.Lock()
+
+
+def _ip_binary() -> str | None:
+    return shutil.which("ip") or next(
+        (p for p in ("/usr/sbin/ip", "/sbin/ip") if os.access(p, os.X_OK)), None
+    )
+
+
+def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """One iproute2 command, bounded in time; its stderr becomes the error's message."""
+    proc = subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S, check=False
+    )
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def netns_unavailable() -> str | None:
+    """Why this machine cannot make simulated hosts, or ``None`` when it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    ip = _ip_binary()
+    if ip is None:
+        return "iproute2's `ip` is not installed"
+    probe = f"{PREFIX}{os.getpid()}n999999"
+    made = _run([ip, "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    _run([ip, "netns", "del", probe], check=False)
+    if shutil.which("tc") is None:
+        return "iproute2's `tc` is not installed"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(name: str) -> int | None:
+    match = _NAME_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def sweep_stale() -> list[str]:
+    """Remove the namespaces and links of this module's whose owning process is gone.
+
+    A run killed before its teardown leaves both behind, and a later run must not trip
+    over them (a name or an address in use). Returns what was removed."""
+    ip = _ip_binary()
+    if ip is None:
+        return []
+    removed: list[str] = []
+    links: list[str] = []
+    with contextlib.suppress(ValueError):
+        listed = json.loads(_run([ip, "-j", "link", "show"], check=False).stdout or "[]")
+        links = [str(link.get("ifname", "")) for link in listed]
+    namespaces = sorted(p.name for p in NETNS_DIR.iterdir()) if NETNS_DIR.is_dir() else []
+    for kind, names in (("link", links), ("netns", namespaces)):
+        for name in names:
+            owner = _owner(name)
+            stale = owner is not None and owner != os.getpid() and not _pid_alive(owner)
+            if stale and _run([ip, kind, "del", name], check=False).returncode == 0:
+                removed.append(name)
+    return removed
+
+
+def _addresses_in_use() -> set[ipaddress.IPv4Address]:
+    ip = _ip_binary()
+    out = _run([ip or "ip", "-j", "-4", "addr", "show"], check=False).stdout or "[]"
+    used: set[ipaddress.IPv4Address] = set()
+    with contextlib.suppress(ValueError):
+        for link in json.loads(out):
+            for info in link.get("addr_info", []):
+                with contextlib.suppress(ValueError):
+                    used.add(ipaddress.IPv4Address(info.get("local", "")))
+    return used
+
+
+def _pick_subnet() -> ipaddress.IPv4Network:
+    """A /30 of :data:`SUBNET` that no interface of the root namespace uses yet.
+
+    Namespaces' own addresses are invisible from here, but each of ours has its peer in
+    the root namespace, so a free outer address means a free /30."""
+    used = _addresses_in_use()
+    subnets = list(SUBNET.subnets(new_prefix=30))
+    start = (os.getpid() * 7 + next(_counter) * 131) % len(subnets)
+    for offset in range(len(subnets)):
+        net = subnets[(start + offset) % len(subnets)]
+        if not any(host in used for host in net.hosts()):
+            return net
+    raise RuntimeError(f"no free /30 left in {SUBNET}")
+
+
+class NamespaceHost:
+    """One simulated host: a namespace with ``lo`` up and a veth link to the test's own
+    namespace. The test's side is :attr:`outer_addr`, the host's side :attr:`inner_addr`.
+
+    Use as a context manager, or call :meth:`close` in a ``finally``: the namespace, the
+    link and any route or queueing discipline on it go away together.
+    """
+
+    def __init__(self) -> None:
+        ip = _ip_binary()
+        if ip is None:
+            raise RuntimeError("iproute2's `ip` is not installed")
+        self._ip = ip
+        index = next(_counter)
+        pid = os.getpid()
+        self.name = f"{PREFIX}{pid}n{index}"
+        self.outer_if = f"{PREFIX}{pid}o{index}"
+        self.inner_if = f"{PREFIX}{pid}i{index}"
+        if len(self.outer_if) > 15:
+            raise RuntimeError(f"interface name {self.outer_if!r} is over 15 characters")
+        self._net = _pick_subnet()
+        hosts = list(self._net.hosts())
+        self.outer_addr = str(hosts[0])
+        self.inner_addr = str(hosts[1])
+        self._partition: PartitionMode | None = None
+        self._limited = False
+        self._closed = False
+        with _live_lock:
+            _live[self.name] = self
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
+        ip, ns = self._ip, self.name
+        _run([ip, "netns", "add", ns])
+        _run([ip, "link", "add", self.outer_if, "type", "veth", "peer", "name", self.inner_if])
+        _run([ip, "link", "set", self.inner_if, "netns", ns])
+        _run([ip, "addr", "add", f"{self.outer_addr}/30", "dev", self.outer_if])
+        _run([ip, "-n", ns, "addr", "add", f"{self.inner_addr}/30", "dev", self.inner_if])
+        _run([ip, "link", "set", self.outer_if, "up"])
+        _run([ip, "-n", ns, "link", "set", self.inner_if, "up"])
+        _run([ip, "-n", ns, "link", "set", "lo", "up"])
+        register_test_address(self.outer_addr)
+        register_test_address(self.inner_addr)
+
+    # ---------------------------------------------------------------- processes
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host (``ip netns exec``)."""
+        return [self._ip, "netns", "exec", self.name, *argv]
+
+    def env(self) -> dict[str, str]:
+        """The environment that makes a zygote-forked child join this host first
+        (:func:`enter_from_env`, as the child's ``before`` hook)."""
+        return {NETNS_ENV: self.name}
+
+    # ---------------------------------------------------------------- faults
+
+    def partition(self, mode: PartitionMode = "silent") -> None:
+        """Cut the link between the test's namespace and this host, in ``mode``.
+
+        ``silent`` drops, inside the host, every packet bound for the test's side: a SYN
+        from outside arrives but its answer vanishes, and the host's own sends vanish too,
+        so both sides wait. (A blackhole on the sender's own side would fail at once with
+        EINVAL, which is not silent.) ``refuse`` makes the route lookup fail on both sides,
+        so every send or connect across the link errors at once."""
+        self.heal()
+        if mode == "silent":
+            _run([self._ip, "-n", self.name, "route", "add", "blackhole", f"{self.outer_addr}/32"])
+        elif mode == "refuse":
+            _run([self._ip, "-n", self.name, "route", "add", "prohibit", f"{self.outer_addr}/32"])
+            _run([self._ip, "route", "add", "prohibit", f"{self.inner_addr}/32"])
+        else:
+            raise ValueError(f"unknown partition mode {mode!r}")
+        self._partition = mode
+
+    def heal(self) -> None:
+        """Undo :meth:`partition`; a link that is not cut is left as it is."""
+        mode, self._partition = self._partition, None
+        if mode == "silent":
+            self._del_route(["-n", self.name], "blackhole", self.outer_addr)
+        elif mode == "refuse":
+            self._del_route(["-n", self.name], "prohibit", self.outer_addr)
+            self._del_route([], "prohibit", self.inner_addr)
+
+    def _del_route(self, where: list[str], kind: str, addr: str) -> None:
+        _run([self._ip, *where, "route", "del", kind, f"{addr}/32"], check=False)
+
+    @property
+    def partitioned(self) -> PartitionMode | None:
+        return self._partition
+
+    def limit(self, rate: str, *, burst: str = "32kbit", latency: str = "50ms") -> None:
+        """Throttle both directions of the link to ``rate`` (``tc tbf``: ``"10mbit"``)."""
+        self.unlimit()
+        spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+        _run(["tc", "qdisc", "add", "dev", self.outer_if, *spec])
+        _run(["tc", "-n", self.name, "qdisc", "add", "dev", self.inner_if, *spec])
+        self._limited = True
+
+    def unlimit(self) -> None:
+        if not self._limited:
+            return
+        self._limited = False
+        _run(["tc", "qdisc", "del", "dev", self.outer_if, "root"], check=False)
+        _run(["tc", "-n", self.name, "qdisc", "del", "dev", self.inner_if, "root"], check=False)
+
+    def qdiscs(self) -> list[str]:
+        """The queueing disciplines on both ends, as ``tc`` names them (for evidence)."""
+        found: list[str] = []
+        for argv in (
+            ["tc", "-j", "qdisc", "show", "dev", self.outer_if],
+            ["tc", "-j", "-n", self.name, "qdisc", "show", "dev", self.inner_if],
+        ):
+            with contextlib.suppress(ValueError):
+                found += [str(q.get("kind")) for q in json.loads(_run(argv).stdout or "[]")]
+        return found
+
+    # ---------------------------------------------------------------- lifetime
+
+    def exists(self) -> bool:
+        return (NETNS_DIR / self.name).exists()
+
+    def close(self) -> None:
+        """Remove the link (both ends go together) and the namespace. Idempotent, and
+        never raises: it runs from teardowns and ``atexit``."""
+        if self._closed:
+            return
+        self._closed = True
+        unregister_test_address(self.outer_addr)
+        unregister_test_address(self.inner_addr)
+        self._del_route([], "prohibit", self.inner_addr)
+        for argv in (
+            [self._ip, "link", "del", self.outer_if],
+            [self._ip, "netns", "del", self.name],
+        ):
+            try:
+                _run(argv, check=False)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("netns clean-up %s failed: %s", " ".join(argv), exc)
+        with _live_lock:
+            _live.pop(self.name, None)
+
+    def __enter__(self) -> NamespaceHost:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"NamespaceHost({self.name}, {self.outer_addr} <-> {self.inner_addr})"
+
+
+def enter_from_env() -> None:
+    """Zygote ``before`` hook: join the namespace :data:`NETNS_ENV` names, if any.
+
+    A forked child must switch namespaces before it opens a socket; ``ip netns exec`` does
+    that for a fresh process, and this does it for one forked from a standby interpreter.
+    """
+    name = os.environ.get(NETNS_ENV)
+    if not name:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@atexit.register
+def _close_forgotten() -> None:
+    with _live_lock:
+        hosts = list(_live.values())
+    for host in hosts:
+        host.close()

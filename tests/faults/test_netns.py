@@ -1,0 +1,183 @@
+"""Simulated hosts over real network namespaces: reach, isolation, both kinds of partition,
+a bandwidth limit, and clean-up that survives a failing test and a killed run.
+
+Everything is checked with real sockets and real ``ip``/``tc`` state, never through the
+code under test's own bookkeeping alone.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfail.faults import PeerProcess, wait_for_port
+from kvfail.faults._net import require_local
+from kvfail.faults.netns import NETNS_DIR, NamespaceHost, sweep_stale
+from tests.transports import require_netns
+
+require_netns()
+
+READY_S = 30.0  # a bound for a cold interpreter on a loaded machine, never a measurement
+PORT = 7411  # a fresh namespace has every port free
+#: The server inside the host echoes every connection's bytes back; on "probe PORT" it reports
+#: whether the test's own loopback listener is reachable from in there.
+SERVER = textwrap.dedent(
+    """
+    import socket, sys, threading
+    host, port = sys.argv[1], int(sys.argv[2])
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port)); s.listen()
+    def serve(c):
+        with c:
+            while data := c.recv(65536):
+                c.sendall(data)
+    def accept():
+        while True:
+            c, _ = s.accept()
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "probe":
+            try:
+                socket.create_connection(("127.0.0.1", int(arg)), timeout=2).close()
+                print("probe reached", flush=True)
+            except OSError as exc:
+                print(f"probe failed {type(exc).__name__}", flush=True)
+    """
+)
+
+
+@pytest.fixture
+def host() -> Iterator[NamespaceHost]:
+    with NamespaceHost() as made:
+        yield made
+
+
+@pytest.fixture
+def server(host: NamespaceHost) -> Iterator[PeerProcess]:
+    argv = host.exec_argv([sys.executable, "-c", SERVER, host.inner_addr, str(PORT)])
+    with PeerProcess(argv, name="netns-echo", stdin=True) as peer:
+        peer.wait_ready(READY_S, line="ready")
+        yield peer
+
+
+def _echo(host: NamespaceHost, payload: bytes) -> bytes:
+    with socket.create_connection((host.inner_addr, PORT), timeout=READY_S) as conn:
+        conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        got = bytearray()
+        while chunk := conn.recv(65536):
+            got += chunk
+    return bytes(got)
+
+
+def _links() -> set[str]:
+    out = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True, check=True)
+    return {str(link["ifname"]) for link in json.loads(out.stdout)}
+
+
+def test_a_host_is_reached_over_its_link_and_is_isolated_from_loopback(
+    host: NamespaceHost, server: PeerProcess
+) -> None:
+    wait_for_port(PORT, READY_S, host=host.inner_addr, peer=server)
+    assert _echo(host, b"kv" * 1000) == b"kv" * 1000
+    with socket.create_server(("127.0.0.1", 0)) as ours:
+        server.write_stdin(f"probe {ours.getsockname()[1]}\n")
+        # Inside the host, 127.0.0.1 is the host's own loopback: our listener is not there.
+        server.wait_ready(READY_S, line="probe failed ConnectionRefusedError")
+
+
+def test_a_silent_partition_drops_packets_and_heals(
+    host: NamespaceHost, server: PeerProcess
+) -> None:
+    host.partition("silent")
+    assert host.partitioned == "silent"
+    with pytest.raises(TimeoutError):  # no refusal, no error: the answer never comes
+        socket.create_connection((host.inner_addr, PORT), timeout=1.0)
+    host.heal()
+    assert host.partitioned is None
+    assert _echo(host, b"after heal") == b"after heal"
+
+
+def test_a_refusing_partition_fails_at_once_and_heals(
+    host: NamespaceHost, server: PeerProcess
+) -> None:
+    host.partition("refuse")
+    with pytest.raises(OSError) as refused:
+        socket.create_connection((host.inner_addr, PORT), timeout=READY_S)
+    assert not isinstance(refused.value, TimeoutError)  # an error, not a wait
+    host.heal()
+    assert _echo(host, b"healed") == b"healed"
+
+
+def test_a_bandwidth_limit_shapes_both_ends_and_keeps_bytes_intact(
+    host: NamespaceHost, server: PeerProcess
+) -> None:
+    host.limit("8mbit")
+    assert host.qdiscs() == ["tbf", "tbf"]
+    payload = bytes(range(256)) * 512
+    assert _echo(host, payload) == payload
+    host.unlimit()
+    assert "tbf" not in host.qdiscs()
+
+
+def test_close_removes_the_namespace_link_and_addresses_even_when_the_test_fails() -> None:
+    with pytest.raises(RuntimeError, match="test body failed"), NamespaceHost() as made:
+        name, link, addr = made.name, made.outer_if, made.inner_addr
+        assert require_local(addr) == addr
+        made.partition("refuse")
+        raise RuntimeError("test body failed")
+    assert not (NETNS_DIR / name).exists()
+    assert link not in _links()
+    with pytest.raises(ValueError, match="refusing"):
+        require_local(addr)
+    routes = subprocess.run(["ip", "route", "show"], capture_output=True, text=True, check=True)
+    assert addr not in routes.stdout
+
+
+def test_unknown_addresses_stay_refused() -> None:
+    for addr in ("10.213.0.1", "192.168.1.1", "8.8.8.8", "::ffff:10.0.0.1"):
+        with pytest.raises(ValueError):
+            require_local(addr)
+    assert require_local("::1") == "::1"
+
+
+def test_sweep_removes_what_a_dead_run_left_and_spares_the_living(host: NamespaceHost) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=READY_S)
+    stale_ns, stale_if = f"kvf{gone.pid}n0", f"kvf{gone.pid}o0"
+    subprocess.run(["ip", "netns", "add", stale_ns], check=True)
+    subprocess.run(
+        ["ip", "link", "add", stale_if, "type", "veth", "peer", "name", f"kvf{gone.pid}i0"],
+        check=True,
+    )
+    try:
+        removed = sweep_stale()
+        assert stale_ns in removed and {stale_if, f"kvf{gone.pid}i0"} & set(removed)
+        assert not (NETNS_DIR / stale_ns).exists() and stale_if not in _links()
+        assert host.exists() and host.outer_if in _links()  # ours: this process lives
+    finally:
+        subprocess.run(["ip", "netns", "del", stale_ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", stale_if], capture_output=True)
+
+
+def test_a_forked_child_joins_the_host_from_its_environment(host: NamespaceHost) -> None:
+    code = (
+        "from kvfail.faults.netns import enter_from_env; enter_from_env(); "
+        "print(open('/proc/self/net/dev').read())"
+    )
+    env = {**host.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=READY_S
+    )
+    assert out.returncode == 0, out.stderr
+    assert host.inner_if in out.stdout and host.outer_if not in out.stdout
