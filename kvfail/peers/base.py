@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import (
+    LOOPBACK,
     STACK_SIGNAL,
     PeerExitedError,
     PeerProcess,
@@ -38,11 +39,20 @@ from kvfail.faults import (
 from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
+    from kvfail.faults.netns import NamespaceHost
     from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
     from kvfail.peers.integrity import IntegrityLedger
 
 _log = logging.getLogger("kvfail.peers")
+
+
+def quarantined(engine: Engine) -> dict[str, int]:
+    """D's scheduler-side quarantine: held loads and blocks (empty for a D without one)."""
+    quarantine = getattr(engine.scheduler.connector, "quarantine", None)
+    if quarantine is None:
+        return {"loads": 0, "blocks": 0}
+    return {"loads": len(quarantine), "blocks": quarantine.blocks_held}
 
 __all__ = [
     "PeerPair",
@@ -192,15 +202,25 @@ class ProducerHandleBase:
         num_blocks: int = 64,
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
+        host: NamespaceHost | None = None,
     ) -> None:
         """Start P (it comes up in the background; :meth:`wait_ready` waits for it).
+
+        ``host`` runs P (and its ranks, which it forks) on a simulated host of its own,
+        reached at :attr:`address` over a link a test can cut; by default P shares this
+        machine's loopback with D.
 
         P gets the config every producer module reads, and listens on a port picked here
         (``self.port``, passed in :attr:`port_env`). ``tp_size`` > 1 runs P's ranks as
         processes in a real TP world (their pids are in P's ready event, ``rank_pids``,
         for one-rank faults)."""
         self.engine_id = engine_id or producer_engine_id(self.transport)
+        self.host = host
+        #: Where D reaches P: loopback, or the simulated host's own address.
+        self.address = host.inner_addr if host is not None else LOOPBACK
         self._env = {**self._base_env(), **(env or {})}
+        if host is not None:
+            self._env.update({**host.env(), "VLLM_HOST_IP": host.inner_addr})
         self._config = json.dumps(
             {
                 "connector": connector or self.default_connector,
@@ -227,16 +247,23 @@ class ProducerHandleBase:
         self.port = free_port()
         self.started_at = time.monotonic()
         zygote = p_zygote()
+        argv = [sys.executable, "-m", self.module, "--config", self._config]
+        before: list[str] = []
+        if self.host is not None:
+            if zygote is None:
+                argv = self.host.exec_argv(argv)
+            else:  # a forked child must join the host before it opens any socket
+                before.append("kvfail.faults.netns:enter_from_env")
+        if zygote is not None and self._tp_size > 1:
+            # P's ranks then come from a forkserver forked off P, not a new interpreter.
+            before.append("kvfail.harness.ranks:fork_forkserver")
         self.process = PeerProcess(
-            [sys.executable, "-m", self.module, "--config", self._config],
+            argv,
             name=f"{self.transport}-P-{self.port}",
             env={**self._env, self.port_env: str(self.port)},
             stdin=True,
             zygote=zygote,
-            # P's ranks then come from a forkserver forked off P, not a new interpreter.
-            before=("kvfail.harness.ranks:fork_forkserver",)
-            if zygote is not None and self._tp_size > 1
-            else (),
+            before=tuple(before),
         )
         self.ready: dict[str, Any] | None = None
 

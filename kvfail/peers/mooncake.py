@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
@@ -52,6 +52,7 @@ from kvfail.peers.base import (
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, P_PEER_CACHE_ENV, PREFIX
 
 if TYPE_CHECKING:
+    from kvfail.faults.netns import NamespaceHost
     from kvfail.harness import Engine, RunResult
 
 __all__ = [
@@ -122,7 +123,7 @@ class ProducerHandle(ProducerHandleBase):
 
     @property
     def bootstrap_addr(self) -> str:
-        return f"http://127.0.0.1:{self.bootstrap_port}"
+        return f"http://{self.address}:{self.bootstrap_port}"
 
     def prefill(
         self, req_id: str, prompt_len: int, prompt_seed: str, transfer_id: str | None = None
@@ -214,6 +215,7 @@ class MooncakePair(PeerPair):
         ready_timeout_s: float = 240.0,
         num_blocks: int = 64,
         producer: ProducerHandle | None = None,
+        host: NamespaceHost | None = None,
     ) -> None:
         reason = mooncake_available()
         if reason is not None:
@@ -233,7 +235,10 @@ class MooncakePair(PeerPair):
             "num_blocks": num_blocks,
             "tp_size": tp_size,
             "num_kv_cache_groups": num_kv_cache_groups,
+            "host": host,
         }
+        #: The simulated host P runs on (None: P shares loopback with D).
+        self.host = host
         for key, value in MOONCAKE_ENV.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(abort_request_timeout_s))
@@ -284,9 +289,26 @@ class MooncakePair(PeerPair):
             tp_mode="processes" if self.tp_size > 1 else "simulated",
             num_kv_cache_groups=self.num_kv_cache_groups,
         )
-        with cpu_accelerator_index_shim():
+        with cpu_accelerator_index_shim(), self._d_address():
             engine = Engine(spec, forward=self.check_forward)
         return self._register(key, engine)
+
+    @contextlib.contextmanager
+    def _d_address(self) -> Iterator[None]:
+        """While D is built, the address its transfer engine advertises: P pushes KV to
+        it, so with P on a simulated host it is D's end of their link, not loopback."""
+        if self.host is None:
+            yield
+            return
+        saved = os.environ.get("VLLM_HOST_IP")
+        os.environ["VLLM_HOST_IP"] = self.host.outer_addr
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("VLLM_HOST_IP", None)
+            else:
+                os.environ["VLLM_HOST_IP"] = saved
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Replace a killed (or any) P with a fresh process on a new bootstrap port.

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvfail.peers.base import quarantined
 from kvfail.peers.nixl import NixlPair, nixl_available
 from kvfail.peers.nixl_producer import _handshake_payload
 
@@ -85,14 +86,6 @@ class NixlPushPair(NixlPair):
 
 def _worker(engine: Engine) -> Any:
     return engine.workers[0].connector.connector_worker  # type: ignore[attr-defined]
-
-
-def quarantined(engine: Engine) -> dict[str, int]:
-    """D's scheduler-side quarantine: held loads and blocks (empty for upstream's D)."""
-    quarantine = getattr(engine.scheduler.connector, "quarantine", None)
-    if quarantine is None:
-        return {"loads": 0, "blocks": 0}
-    return {"loads": len(quarantine), "blocks": quarantine.blocks_held}
 
 
 def late_notifications(engine: Engine) -> int:

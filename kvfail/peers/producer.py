@@ -12,7 +12,8 @@ vLLM; e.g. ``connectors.mooncake``), ``engine_id``, ``extra_config`` (merged ove
 ``{"mooncake_protocol": "tcp", "num_workers": 2}``), ``num_blocks``, ``tp_size`` (> 1: one
 process per rank, pids in the ready event's ``rank_pids``), ``num_kv_cache_groups``. The
 bootstrap port
-comes from ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (set by the parent), the host is 127.0.0.1.
+comes from ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (set by the parent), the host from
+``VLLM_HOST_IP`` (127.0.0.1 unless P runs on a simulated host).
 
 Protocol: one JSON object per line. Commands on stdin, each with an optional ``id`` that
 the reply echoes:
@@ -331,7 +332,8 @@ class _Producer:
         self._seen_reports = 0
 
     def bootstrap_addr(self) -> str:
-        return f"http://127.0.0.1:{self.bootstrap_port}"
+        # VLLM_HOST_IP is the address P serves on: loopback, or a simulated host's own.
+        return f"http://{os.environ.get('VLLM_HOST_IP', '127.0.0.1')}:{self.bootstrap_port}"
 
     def step_if_busy(self) -> bool:
         if self.engine.crashed is not None or self.engine.is_idle():

@@ -1,0 +1,208 @@
+"""kvfail's Mooncake connector between separate hosts: P on a simulated host of its own
+(a network namespace), D in the test's namespace, real Mooncake TCP over the link.
+
+Why: on loopback a peer can die or stop, but the network never drops a packet, refuses
+a route or runs out of bandwidth. Here the link is cut while many loads are in flight:
+silently (packets vanish, as behind a dead switch) and loudly (the route is refused),
+then healed. What must hold is what holds on loopback: every load is reported exactly
+once, a load that P may still serve keeps its blocks until nothing can write into them,
+no byte lands in a block the scheduler got back, and D serves again after the heal.
+
+No assertion reads a time; each wait is bounded and names what it waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.transports import require_netns, require_transport
+
+require_transport("mooncake")
+require_netns()
+
+from kvfail.faults.netns import NamespaceHost  # noqa: E402
+from kvfail.harness import Engine, oracles  # noqa: E402
+from kvfail.peers.base import quarantined  # noqa: E402
+from kvfail.peers.mooncake import MooncakePair  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+DEADLINE_S = 3.0
+#: Bound on every wait below (a failure names what was still missing).
+WAIT_S = 60.0
+MANY = 4
+KVFAIL = "kvfail"
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[NamespaceHost]:
+    with NamespaceHost() as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def pair(host: NamespaceHost) -> Iterator[MooncakePair]:
+    p = MooncakePair(
+        policy="fail",
+        connector="KvfailMooncakeConnector",
+        connector_module="connectors.mooncake",
+        p_connector="MooncakeConnector",
+        host=host,
+        extra_config={"kvfail_deadline_s": DEADLINE_S},
+    )
+    try:
+        p.consumer("fail", name=KVFAIL)
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(autouse=True)
+def healed(host: NamespaceHost) -> Iterator[None]:
+    """A test that fails half-way must not leave the next one partitioned."""
+    yield
+    host.heal()
+    host.unlimit()
+
+
+def _engine(pair: MooncakePair) -> Engine:
+    return pair.decoders[KVFAIL]
+
+
+def _step_until(
+    pair: MooncakePair, done: Callable[[], bool], what: str, engine: Engine | None = None
+) -> None:
+    engine = engine or _engine(pair)
+    end = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < end, f"not seen within {WAIT_S}s: {what}"
+        engine.step()
+        pair.observe(engine)
+        time.sleep(0.005)
+
+
+def _all_blocks_free(pair: MooncakePair, engine: Engine | None = None) -> bool:
+    engine = engine or _engine(pair)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    return bool(pool.get_num_free_blocks() == engine.spec.num_blocks - 1)
+
+
+def _load_ok(pair: MooncakePair, rid: str, engine: Engine | None = None) -> None:
+    engine = engine or _engine(pair)
+    pair.prefill_and_add(rid, prompt_len=80, consumer=engine)
+    run = pair.run([rid], consumer=engine, timeout_s=WAIT_S)
+    assert run.ok and pair.verify(rid), (run, pair.records[rid])
+    assert oracles.check_all(engine, [rid], failed=False) == []
+
+
+def test_loads_cross_the_link_with_exact_bytes(pair: MooncakePair, host: NamespaceHost) -> None:
+    assert pair.p is not None and pair.p.address == host.inner_addr
+    _load_ok(pair, "hosts-happy")
+
+
+def _p_finished_sending(pair: MooncakePair, rids: list[str]) -> bool:
+    """P's writes for every one of ``rids`` completed (bounded wait)."""
+    assert pair.p is not None
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        if set(rids) <= set(pair.p.stats()["finished_sending"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _cut_during_loads(
+    pair: MooncakePair, host: NamespaceHost, engine: Engine, stem: str
+) -> list[str]:
+    """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
+    requests still reach P, whose writes back vanish until the heal. Returns the ids,
+    each already reported."""
+    _load_ok(pair, f"{stem}-warm", engine)
+    rids = [f"{stem}-{i}" for i in range(MANY)]
+    params = {rid: pair.prefill(rid, 80) for rid in rids}  # P holds the KV of each
+    host.partition("silent")
+    records = [pair.add(rid, params[rid], prompt_len=80, consumer=engine) for rid in rids]
+    _step_until(
+        pair,
+        lambda: all(r.reported_s is not None for r in records),
+        "every load's report",
+        engine,
+    )
+    assert all(r.failed for r in records), records
+    assert all(engine.status(rid).name == "FINISHED_ERROR" for rid in rids)
+    return rids
+
+
+def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_healed(
+    pair: MooncakePair, host: NamespaceHost
+) -> None:
+    engine = _engine(pair)
+    rids = _cut_during_loads(pair, host, engine, "hosts-silent")
+    # P got every pull before its answers were cut, so each may still be written:
+    # held, however long the link stays down.
+    held = quarantined(engine)
+    assert held["loads"] == MANY and held["blocks"] > 0, held
+    for _ in range(50):
+        engine.step()
+        pair.observe(engine)
+    assert quarantined(engine) == held
+    assert not _all_blocks_free(pair, engine)
+    host.heal()
+    assert _p_finished_sending(pair, rids)  # the late writes really happened, after the heal
+    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the holds' release", engine)
+    _step_until(pair, lambda: _all_blocks_free(pair, engine), "every block back", engine)
+    # None of P's late writes landed in a block the scheduler had back.
+    assert pair.integrity_findings(engine) == []
+    assert oracles.check_all(engine, rids, failed=True) == []
+    _load_ok(pair, "hosts-after-silent", engine)
+
+
+def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
+    pair: MooncakePair, host: NamespaceHost
+) -> None:
+    """Negative control: the same cut, on a D whose fence says "over" at once (fail fast,
+    free at once). P's writes after the heal then land in blocks the scheduler freed, and
+    the integrity oracle must name them: the test above can fail."""
+    control = pair.consumer("fail", name="hosts-control")
+    worker = control.workers[0].connector.connector_worker
+    worker.failure_reporter._fence = lambda req_id: True  # no hold: blocks back at once
+    try:
+        rids = _cut_during_loads(pair, host, control, "hosts-control")
+        assert quarantined(control)["loads"] == 0
+        host.heal()
+        assert _p_finished_sending(pair, rids)
+        findings = pair.integrity_findings(control)
+        assert any("write after release" in f for f in findings), findings
+    finally:
+        control.close()
+        pair.decoders.pop("hosts-control", None)
+
+
+def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
+    pair: MooncakePair, host: NamespaceHost
+) -> None:
+    engine = _engine(pair)
+    rids = [f"hosts-refused-{i}" for i in range(MANY)]
+    params = {rid: pair.prefill(rid, 80) for rid in rids}
+    host.partition("refuse")
+    records = [pair.add(rid, params[rid], prompt_len=80, consumer=KVFAIL) for rid in rids]
+    _step_until(pair, lambda: all(r.reported_s is not None for r in records), "every load's report")
+    assert all(r.failed for r in records), records
+    host.heal()
+    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the holds' release")
+    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    assert pair.integrity_findings(engine) == []
+    assert oracles.check_all(engine, rids, failed=True) == []
+    _load_ok(pair, "hosts-after-refused")
+
+
+def test_a_bandwidth_limited_link_still_delivers_exact_bytes(
+    pair: MooncakePair, host: NamespaceHost
+) -> None:
+    host.limit("20mbit")
+    assert host.qdiscs() == ["tbf", "tbf"]
+    for i in range(2):
+        _load_ok(pair, f"hosts-slow-link-{i}")
