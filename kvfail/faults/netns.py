@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import ipaddress
 import itertools
 import json
@@ -41,10 +40,8 @@ from typing import Literal
 from kvfail.faults._net import register_test_address, unregister_test_address
 
 __all__ = [
-    "NETNS_ENV",
     "NamespaceHost",
     "PartitionMode",
-    "enter_from_env",
     "netns_unavailable",
     "sweep_stale",
 ]
@@ -58,8 +55,6 @@ PREFIX = "kvf"
 #: The block the /30 of each simulated link is drawn from. It exists only on interfaces
 #: this module creates; nothing outside the machine is ever addressed.
 SUBNET = ipaddress.ip_network("10.213.0.0/16")
-#: A child started by a zygote (not by ``ip netns exec``) joins this namespace first.
-NETNS_ENV = "KVFAIL_NETNS"
 
 #: ``silent``: packets to the other side vanish (the caller's connect or read times out),
 #: as behind a dead switch. ``refuse``: the route lookup fails at once on both sides
@@ -69,7 +64,6 @@ PartitionMode = Literal["silent", "refuse"]
 
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)[nio]\d+$")
 _COMMAND_TIMEOUT_S = 20.0
-_CLONE_NEWNET = 0x40000000
 _counter = itertools.count()
 _live: dict[str, NamespaceHost] = {}
 _live_lock = threading.Lock()
@@ -224,13 +218,9 @@ class NamespaceHost:
     # ---------------------------------------------------------------- processes
 
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside this host (``ip netns exec``)."""
+        """``argv`` run inside this host (``ip netns exec``, which also gives it the
+        host's own view of ``/sys/class/net``, where UCX finds its devices)."""
         return [self._ip, "netns", "exec", self.name, *argv]
-
-    def env(self) -> dict[str, str]:
-        """The environment that makes a zygote-forked child join this host first
-        (:func:`enter_from_env`, as the child's ``before`` hook)."""
-        return {NETNS_ENV: self.name}
 
     # ---------------------------------------------------------------- faults
 
@@ -332,25 +322,6 @@ class NamespaceHost:
 
     def __repr__(self) -> str:
         return f"NamespaceHost({self.name}, {self.outer_addr} <-> {self.inner_addr})"
-
-
-def enter_from_env() -> None:
-    """Zygote ``before`` hook: join the namespace :data:`NETNS_ENV` names, if any.
-
-    A forked child must switch namespaces before it opens a socket; ``ip netns exec`` does
-    that for a fresh process, and this does it for one forked from a standby interpreter.
-    """
-    name = os.environ.get(NETNS_ENV)
-    if not name:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 @atexit.register

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ def quarantined(engine: Engine) -> dict[str, int]:
     if quarantine is None:
         return {"loads": 0, "blocks": 0}
     return {"loads": len(quarantine), "blocks": quarantine.blocks_held}
+
 
 __all__ = [
     "PeerPair",
@@ -220,7 +221,7 @@ class ProducerHandleBase:
         self.address = host.inner_addr if host is not None else LOOPBACK
         self._env = {**self._base_env(), **(env or {})}
         if host is not None:
-            self._env.update({**host.env(), "VLLM_HOST_IP": host.inner_addr})
+            self._env.update(self._host_env(host))
         self._config = json.dumps(
             {
                 "connector": connector or self.default_connector,
@@ -241,19 +242,23 @@ class ProducerHandleBase:
         """The environment every P of this transport needs (``env=`` adds to it)."""
         return {}
 
+    def _host_env(self, host: NamespaceHost) -> dict[str, str]:
+        """What makes P serve, and advertise, on the simulated host's address."""
+        return {"VLLM_HOST_IP": host.inner_addr}
+
     def _start_process(self) -> None:
         """(Re)start P's process on a freshly picked port, forked from the shared zygote
         (see :func:`p_zygote`) unless ``KVFAIL_P_ZYGOTE=0``."""
         self.port = free_port()
         self.started_at = time.monotonic()
-        zygote = p_zygote()
+        # A P on a simulated host is a fresh interpreter under `ip netns exec`, never a
+        # fork of the zygote: besides the network, that gives it the host's own /sys,
+        # where UCX looks up the devices it may use.
+        zygote = p_zygote() if self.host is None else None
         argv = [sys.executable, "-m", self.module, "--config", self._config]
-        before: list[str] = []
         if self.host is not None:
-            if zygote is None:
-                argv = self.host.exec_argv(argv)
-            else:  # a forked child must join the host before it opens any socket
-                before.append("kvfail.faults.netns:enter_from_env")
+            argv = self.host.exec_argv(argv)
+        before: list[str] = []
         if zygote is not None and self._tp_size > 1:
             # P's ranks then come from a forkserver forked off P, not a new interpreter.
             before.append("kvfail.harness.ranks:fork_forkserver")
@@ -411,6 +416,28 @@ class PeerPair:
 
     #: The session registry key of this pair's P, when drivers may share it.
     kvfail_share_key: str | None = None
+    #: The simulated host P runs on (None: P shares this machine's loopback with D).
+    host: NamespaceHost | None = None
+
+    def _d_host_env(self, host: NamespaceHost) -> dict[str, str]:
+        """What a D must advertise so that P, on ``host``, reaches it: its end of the link."""
+        return {"VLLM_HOST_IP": host.outer_addr}
+
+    @contextlib.contextmanager
+    def _d_address(self) -> Iterator[None]:
+        """While a D is built: the environment that makes it reachable from P's host (its
+        transfer engine reads it once, at construction). Nothing changes without a host."""
+        env = self._d_host_env(self.host) if self.host is not None else {}
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def consumer(
         self,

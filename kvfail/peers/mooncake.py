@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
@@ -292,23 +292,6 @@ class MooncakePair(PeerPair):
         with cpu_accelerator_index_shim(), self._d_address():
             engine = Engine(spec, forward=self.check_forward)
         return self._register(key, engine)
-
-    @contextlib.contextmanager
-    def _d_address(self) -> Iterator[None]:
-        """While D is built, the address its transfer engine advertises: P pushes KV to
-        it, so with P on a simulated host it is D's end of their link, not loopback."""
-        if self.host is None:
-            yield
-            return
-        saved = os.environ.get("VLLM_HOST_IP")
-        os.environ["VLLM_HOST_IP"] = self.host.outer_addr
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("VLLM_HOST_IP", None)
-            else:
-                os.environ["VLLM_HOST_IP"] = saved
 
     def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Replace a killed (or any) P with a fresh process on a new bootstrap port.

@@ -84,6 +84,7 @@ from kvfail.peers.nixl_producer import (
 from kvfail.rig import exit_status
 
 if TYPE_CHECKING:
+    from kvfail.faults.netns import NamespaceHost
     from kvfail.harness import Engine, RunResult
     from kvfail.harness.hooks import RankView
 
@@ -243,6 +244,9 @@ class NixlProducerHandle(ProducerHandleBase):
 
     def _base_env(self) -> dict[str, str]:
         return {**NIXL_ENV, "PYTHONPATH": repo_pythonpath()}
+
+    def _host_env(self, host: NamespaceHost) -> dict[str, str]:
+        return {**super()._host_env(host), **nixl_host_env(host.inner_addr, host.inner_if)}
 
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
@@ -439,6 +443,12 @@ def _nixl_error(message: str) -> Exception:
         return RuntimeError(message)
 
 
+def nixl_host_env(addr: str, interface: str) -> dict[str, str]:
+    """A NIXL engine's side channel and UCX's TCP transport on ``interface``: UCX must
+    be allowed the device that reaches the other host, not only ``lo``."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "UCX_NET_DEVICES": interface}
+
+
 class NixlPair(PeerPair):
     """P (subprocess) + D engines (this process), real NIXL pull connectors on both sides.
 
@@ -471,9 +481,11 @@ class NixlPair(PeerPair):
         tp_size: int = 1,
         num_kv_cache_groups: int = 1,
         producer: NixlProducerHandle | None = None,
+        host: NamespaceHost | None = None,
     ) -> None:
         """``producer``: a running P (started with the same P settings) to pull from
-        instead of starting one; this pair then does not close it."""
+        instead of starting one; this pair then does not close it. ``host``: run P on
+        that simulated host (see :mod:`kvfail.faults.netns`)."""
         reason = nixl_available()
         if reason is not None:
             raise RuntimeError(reason)
@@ -490,7 +502,9 @@ class NixlPair(PeerPair):
             "num_blocks": num_blocks,
             "tp_size": tp_size,
             "num_kv_cache_groups": num_kv_cache_groups,
+            "host": host,
         }
+        self.host = host
         for key, value in NIXL_ENV.items():
             os.environ.setdefault(key, value)
         self._init_common()
@@ -511,6 +525,9 @@ class NixlPair(PeerPair):
             raise
 
     # ------------------------------------------------------------------ engines
+
+    def _d_host_env(self, host: NamespaceHost) -> dict[str, str]:
+        return {**super()._d_host_env(host), **nixl_host_env(host.outer_addr, host.outer_if)}
 
     def consumer(
         self,
@@ -545,7 +562,8 @@ class NixlPair(PeerPair):
             num_kv_cache_groups=self.num_kv_cache_groups,
         )
         mask = os.sched_getaffinity(0)
-        engine = Engine(spec, forward=self.check_forward)
+        with self._d_address():
+            engine = Engine(spec, forward=self.check_forward)
         if spec.tp_mode == "processes":
             for worker in engine.workers:  # each rank's NIXL worker pinned its process
                 worker.call(_unpin, mask)

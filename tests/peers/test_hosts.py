@@ -1,5 +1,6 @@
-"""kvfail's Mooncake connector between separate hosts: P on a simulated host of its own
-(a network namespace), D in the test's namespace, real Mooncake TCP over the link.
+"""kvfail's connectors between separate hosts: P on a simulated host of its own (a network
+namespace), D in the test's namespace, a real transport over the link: Mooncake TCP, and
+NIXL's UCX TCP (pull).
 
 Why: on loopback a peer can die or stop, but the network never drops a packet, refuses
 a route or runs out of bandwidth. Here the link is cut while many loads are in flight:
@@ -21,12 +22,14 @@ import pytest
 from tests.transports import require_netns, require_transport
 
 require_transport("mooncake")
+require_transport("nixl")
 require_netns()
 
 from kvfail.faults.netns import NamespaceHost  # noqa: E402
 from kvfail.harness import Engine, oracles  # noqa: E402
-from kvfail.peers.base import quarantined  # noqa: E402
+from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
+from kvfail.peers.nixl import NixlPair, install_exit_guard  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -43,16 +46,32 @@ def host() -> Iterator[NamespaceHost]:
         yield made
 
 
-@pytest.fixture(scope="module")
-def pair(host: NamespaceHost) -> Iterator[MooncakePair]:
-    p = MooncakePair(
-        policy="fail",
-        connector="KvfailMooncakeConnector",
-        connector_module="connectors.mooncake",
-        p_connector="MooncakeConnector",
+def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
+    """kvfail's D connector of ``transport``; P runs upstream's (a D-side test)."""
+    extra = {"kvfail_deadline_s": DEADLINE_S}
+    if transport == "mooncake":
+        return MooncakePair(
+            policy="fail",
+            connector="KvfailMooncakeConnector",
+            connector_module="connectors.mooncake",
+            p_connector="MooncakeConnector",
+            host=host,
+            extra_config=extra,
+        )
+    return NixlPair(
+        connector="KvfailNixlConnector",
+        connector_module="connectors.nixl",
         host=host,
-        extra_config={"kvfail_deadline_s": DEADLINE_S},
+        extra_config=extra,
+        build_default_consumer=False,
     )
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def pair(request: pytest.FixtureRequest, host: NamespaceHost) -> Iterator[PeerPair]:
+    if request.param == "nixl":
+        install_exit_guard(request.config)
+    p = _new_pair(request.param, host)
     try:
         p.consumer("fail", name=KVFAIL)
         yield p
@@ -68,12 +87,12 @@ def healed(host: NamespaceHost) -> Iterator[None]:
     host.unlimit()
 
 
-def _engine(pair: MooncakePair) -> Engine:
+def _engine(pair: PeerPair) -> Engine:
     return pair.decoders[KVFAIL]
 
 
 def _step_until(
-    pair: MooncakePair, done: Callable[[], bool], what: str, engine: Engine | None = None
+    pair: PeerPair, done: Callable[[], bool], what: str, engine: Engine | None = None
 ) -> None:
     engine = engine or _engine(pair)
     end = time.monotonic() + WAIT_S
@@ -84,13 +103,13 @@ def _step_until(
         time.sleep(0.005)
 
 
-def _all_blocks_free(pair: MooncakePair, engine: Engine | None = None) -> bool:
+def _all_blocks_free(pair: PeerPair, engine: Engine | None = None) -> bool:
     engine = engine or _engine(pair)
     pool = engine.scheduler.kv_cache_manager.block_pool
     return bool(pool.get_num_free_blocks() == engine.spec.num_blocks - 1)
 
 
-def _load_ok(pair: MooncakePair, rid: str, engine: Engine | None = None) -> None:
+def _load_ok(pair: PeerPair, rid: str, engine: Engine | None = None) -> None:
     engine = engine or _engine(pair)
     pair.prefill_and_add(rid, prompt_len=80, consumer=engine)
     run = pair.run([rid], consumer=engine, timeout_s=WAIT_S)
@@ -98,12 +117,12 @@ def _load_ok(pair: MooncakePair, rid: str, engine: Engine | None = None) -> None
     assert oracles.check_all(engine, [rid], failed=False) == []
 
 
-def test_loads_cross_the_link_with_exact_bytes(pair: MooncakePair, host: NamespaceHost) -> None:
+def test_loads_cross_the_link_with_exact_bytes(pair: PeerPair, host: NamespaceHost) -> None:
     assert pair.p is not None and pair.p.address == host.inner_addr
     _load_ok(pair, "hosts-happy")
 
 
-def _p_finished_sending(pair: MooncakePair, rids: list[str]) -> bool:
+def _p_finished_sending(pair: PeerPair, rids: list[str]) -> bool:
     """P's writes for every one of ``rids`` completed (bounded wait)."""
     assert pair.p is not None
     end = time.monotonic() + WAIT_S
@@ -114,9 +133,7 @@ def _p_finished_sending(pair: MooncakePair, rids: list[str]) -> bool:
     return False
 
 
-def _cut_during_loads(
-    pair: MooncakePair, host: NamespaceHost, engine: Engine, stem: str
-) -> list[str]:
+def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem: str) -> list[str]:
     """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
     requests still reach P, whose writes back vanish until the heal. Returns the ids,
     each already reported."""
@@ -137,7 +154,7 @@ def _cut_during_loads(
 
 
 def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_healed(
-    pair: MooncakePair, host: NamespaceHost
+    pair: PeerPair, host: NamespaceHost
 ) -> None:
     engine = _engine(pair)
     rids = _cut_during_loads(pair, host, engine, "hosts-silent")
@@ -161,7 +178,7 @@ def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_he
 
 
 def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
-    pair: MooncakePair, host: NamespaceHost
+    pair: PeerPair, host: NamespaceHost
 ) -> None:
     """Negative control: the same cut, on a D whose fence says "over" at once (fail fast,
     free at once). P's writes after the heal then land in blocks the scheduler freed, and
@@ -182,7 +199,7 @@ def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
 
 
 def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
-    pair: MooncakePair, host: NamespaceHost
+    pair: PeerPair, host: NamespaceHost
 ) -> None:
     engine = _engine(pair)
     rids = [f"hosts-refused-{i}" for i in range(MANY)]
@@ -200,7 +217,7 @@ def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
 
 
 def test_a_bandwidth_limited_link_still_delivers_exact_bytes(
-    pair: MooncakePair, host: NamespaceHost
+    pair: PeerPair, host: NamespaceHost
 ) -> None:
     host.limit("20mbit")
     assert host.qdiscs() == ["tbf", "tbf"]
