@@ -34,6 +34,9 @@ from typing import Any
 
 from bench._common import figures
 
+#: What each figure must meet (rendered beside it by ``bench.report``).
+TARGETS = {"suite_overhead_ratio": "<= 2"}
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
