@@ -109,7 +109,10 @@ def git_state(root: Path = ROOT) -> dict[str, Any]:
         )
         return out.stdout.strip() if out.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+    # Tracked changes only, and none under bench/results: a record saved by an earlier
+    # bench of the same command does not change the code the next one runs.
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changes)}
 
 
 def vllm_version() -> str | None:
