@@ -58,25 +58,24 @@ def parse_figures(line: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in pairs)
 
 
-def module_notes(module: str, root: Path = ROOT) -> tuple[str, dict[str, str]]:
-    """A bench's one-line summary and its ``TARGETS`` (figure -> target), read from its
-    source without importing it (several benches import vLLM or a transport)."""
+def module_notes(module: str, root: Path = ROOT) -> tuple[str, dict[str, dict[str, str]]]:
+    """A bench's one-line summary, and its ``TARGETS`` (figure -> what it must meet) and
+    ``BASELINES`` (figure -> the figure of the same run it is measured against, where its
+    name does not say so), read from its source without importing it (several benches
+    import vLLM or a transport)."""
     path = root.joinpath(*module.split(".")).with_suffix(".py")
     tree = ast.parse(path.read_text(encoding="utf-8"))
     doc = (ast.get_docstring(tree) or "").strip()
     about = " ".join(doc.split("\n\n")[0].split())
-    targets: dict[str, str] = {}
+    notes: dict[str, dict[str, str]] = {"TARGETS": {}, "BASELINES": {}}
     for node in tree.body:
-        if (
-            isinstance(node, ast.AnnAssign | ast.Assign)
-            and any(
-                isinstance(t, ast.Name) and t.id == "TARGETS"
-                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            )
-            and node.value is not None
-        ):
-            targets = {str(k): str(v) for k, v in ast.literal_eval(node.value).items()}
-    return about, targets
+        if not isinstance(node, ast.AnnAssign | ast.Assign) or node.value is None:
+            continue
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            if isinstance(target, ast.Name) and target.id in notes:
+                value = ast.literal_eval(node.value)
+                notes[target.id] = {str(k): str(v) for k, v in value.items()}
+    return about, notes
 
 
 def machine() -> dict[str, Any]:
@@ -133,7 +132,7 @@ def run_bench(spec: str, *, root: Path = ROOT, timeout_s: float = 3600.0) -> dic
     prints no line of figures."""
     name, *args = shlex.split(spec)
     module = name if "." in name else f"bench.{name}"
-    about, targets = module_notes(module, root)
+    about, notes = module_notes(module, root)
     argv = [sys.executable, "-m", module, *args]
     env = {
         **os.environ,
@@ -177,7 +176,8 @@ def run_bench(spec: str, *, root: Path = ROOT, timeout_s: float = 3600.0) -> dic
         "command": shown,
         "exit_code": proc.returncode,
         "figures": figures,
-        "targets": {k: v for k, v in targets.items() if k in figures},
+        "targets": {k: v for k, v in notes["TARGETS"].items() if k in figures},
+        "baselines": {k: v for k, v in notes["BASELINES"].items() if k in figures and v in figures},
         "output": lines[:-1][-OUTPUT_LINES:],
         "started_utc": started_utc,
         "wall_s": round(wall_s, 1),
@@ -205,10 +205,15 @@ def load(results: Path = RESULTS) -> list[dict[str, Any]]:
     return [json.loads(p.read_text(encoding="utf-8")) for p in sorted(results.glob("*.json"))]
 
 
-def baseline_of(name: str, figures: Mapping[str, str]) -> str | None:
-    """The figure of the same run that ``name`` is measured against, found by its name:
-    ``refuse_kvfail_s`` against ``refuse_upstream_s``, ``idle_kvfail_ns`` against
-    ``idle_baseline_ns``, ``rig_failed_writes`` against ``default_failed_writes``."""
+def baseline_of(
+    name: str, figures: Mapping[str, str], declared: Mapping[str, str] | None = None
+) -> str | None:
+    """The figure of the same run that ``name`` is measured against: the one its bench
+    declares (``BASELINES``), else the one its name says: ``refuse_kvfail_s`` against
+    ``refuse_upstream_s``, ``idle_kvfail_ns`` against ``idle_baseline_ns``,
+    ``rig_failed_writes`` against ``default_failed_writes``."""
+    if declared and declared.get(name) in figures:
+        return declared[name]
     words = name.split("_")
     for i, word in enumerate(words):
         for other in SIDES.get(word, ()):
@@ -286,7 +291,7 @@ def render(records: Iterable[Mapping[str, Any]]) -> str:
             "|---|---|---|---|",
         ]
         for name, value in figs.items():
-            base = baseline_of(name, figs)
+            base = baseline_of(name, figs, r.get("baselines"))
             base_text = f"`{base}` = {figs[base]}" if base else ""
             out.append(f"| `{name}` | {value} | {base_text} | {r['targets'].get(name, '')} |")
         if r["output"]:

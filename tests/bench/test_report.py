@@ -27,6 +27,7 @@ RECORD: dict[str, Any] = {
     "exit_code": 0,
     "figures": {"idle_baseline_ns": "1500", "idle_kvfail_ns": "250", "idle_ratio": "6"},
     "targets": {"idle_ratio": ">= 3"},
+    "baselines": {"idle_ratio": "idle_baseline_ns"},
     "output": ["queue.Queue baseline 1500", "kvfail drain 250"],
     "started_utc": "2000-01-01T00:00:00Z",
     "wall_s": 1.5,
@@ -48,6 +49,7 @@ def _detection() -> dict[str, Any]:
         output=[],
         git={"commit": None, "dirty": True},
     )
+    del rec["baselines"]  # records saved before benches declared baselines still render
     return rec
 
 
@@ -64,7 +66,7 @@ def test_every_figure_appears_with_its_baseline_target_and_run() -> None:
     page = report.render([_detection(), RECORD])
     assert page.index("`bench.idle_step`") < page.index("`bench.nixl_detection`")  # by name
     assert "| `idle_kvfail_ns` | 250 | `idle_baseline_ns` = 1500 |  |" in page
-    assert "| `idle_ratio` | 6 |  | >= 3 |" in page
+    assert "| `idle_ratio` | 6 | `idle_baseline_ns` = 1500 | >= 3 |" in page  # declared
     assert "| `refuse_kvfail_s` | 0.015 | `refuse_upstream_s` = 5.02 |  |" in page
     assert "| `cap_s` | 6 |  |  |" in page
     runs = page.split("## Runs")[1].split("## Figures")[0]
@@ -134,6 +136,7 @@ def test_a_bench_run_becomes_a_record_with_its_circumstances(tmp_path: Path) -> 
         """
         import sys
         TARGETS = {"ours_x": "<= 2", "absent": "1"}
+        BASELINES: dict = {"note": "baseline_x", "ours_x": "absent"}
         print("a table line")
         print("noise", file=sys.stderr)
         print("ours_x=1.0 baseline_x=3 note=" + " ".join(sys.argv[1:]).replace(" ", "_"))
@@ -145,6 +148,7 @@ def test_a_bench_run_becomes_a_record_with_its_circumstances(tmp_path: Path) -> 
     assert rec["command"] == "python -m scratchbench.fake --flag 'two words'"
     assert rec["figures"] == {"ours_x": "1.0", "baseline_x": "3", "note": "--flag_two_words"}
     assert rec["targets"] == {"ours_x": "<= 2"}  # a target for no printed figure is dropped
+    assert rec["baselines"] == {"note": "baseline_x"}  # so is a baseline it did not print
     assert rec["output"] == ["a table line"] and rec["exit_code"] == 0
     assert rec["machine"]["cores"] >= 1 and rec["machine"]["cpu_model"]
     assert set(rec["load_avg_1min"]) == {"start", "max", "end"}
