@@ -19,6 +19,9 @@ import psutil
 from bench._common import KvfailWorker, figures, quiet
 from kvfail import Stage
 
+#: What each figure must meet (rendered beside it by ``bench.report``).
+TARGETS = {"burst_drain_ms": "<= 5", "burst_rss_growth_kib": "flat"}
+
 
 def one_round(w: KvfailWorker, n: int, fail: int, threads: int) -> float:
     for i in range(n):

@@ -11,6 +11,9 @@ import timeit
 
 from bench._common import KvfailWorker, UpstreamStyleWorker, figures, quiet
 
+#: What each figure must meet (rendered beside it by ``bench.report``).
+TARGETS = {"idle_ratio": ">= 3"}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)

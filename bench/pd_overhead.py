@@ -27,8 +27,8 @@ median over the pairs (:func:`paired_ratios` says why): ``pd_tps_ratio_<transpor
 (target >= 0.98) and ``pd_ttft_p50_ratio_<transport>`` / ``pd_ttft_p99_ratio_<transport>``
 (target <= 1.02).
 
-64 at once is not scaled down: the 2-core machine takes it (a round lasts 4-50 s with
-the machine's load), and the three servers, the proxy and the client share those two
+64 at once is not scaled down: a 2-core machine takes it (a round's length follows the
+machine's load), and the three servers, the proxy and the client share those two
 cores with whatever else runs there. The ratios are what this bench is for; absolute
 figures move with the load, and under heavy load a server may not start within the e2e
 tier's ``START_TIMEOUT_S`` (the run then stops with that error; run it again).

@@ -34,6 +34,11 @@ from typing import Any
 
 from bench._common import figures
 
+#: What each figure must meet (rendered beside it by ``bench.report``).
+TARGETS = {"suite_overhead_ratio": "<= 2"}
+#: What each figure is measured against in the same run (``bench.report``'s baseline column).
+BASELINES = {"suite_s": "suite_floor_s", "suite_scenarios_s": "suite_floor_s"}
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -1,6 +1,6 @@
 """The end-to-end tier: real ``vllm serve`` P and D servers on CPU, a real proxy and client.
 
-Why a separate tier: each server takes 1-3 minutes to start on a 2-core machine and ~3 GB of
+Why a separate tier: each server takes minutes to start on a small machine and gigabytes of
 RAM, so these tests stay out of the default run (``testpaths`` does not list ``e2e/``).
 Run them with ``.venv/bin/python -m pytest e2e -m e2e``. The marker is registered here, so
 ``--strict-markers`` needs no pyproject change.
@@ -24,11 +24,11 @@ from kvfail.rig import shm
 SUMMARY: dict[str, Any] = {}
 
 
-#: The quick subset (marker ``e2e_ci``; CI's subset while the tier took 11 min): one
+#: The quick subset (marker ``e2e_ci``; CI's subset while the whole tier was too slow): one
 #: deployment (NIXL: P + a ``fail`` D + a ``recompute`` D, started together), every fault
 #: that needs no second P start.
-#: Left out: ``test_restart_p`` (a fourth server start, 1.5-3 min here) and every
-#: Mooncake test (a second deployment). Measured in e2e/README.md.
+#: Left out: ``test_restart_p`` (a fourth server start, the dearest step) and every
+#: Mooncake test (a second deployment).
 CI_CONNECTOR = "nixl"
 CI_TESTS = frozenset(
     {

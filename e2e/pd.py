@@ -117,8 +117,8 @@ def warm_up(proxy: PDProxy, d: VllmServer, model: str, tries: int = 8) -> int:
     Why: D's first load from a P includes the handshake (NIXL: zmq, 5 s receive timeout;
     Mooncake: P's bootstrap query, then the TransferEngine's first connect), and kvfail's
     deadline counts it. On a loaded small machine the cold first pull can take longer
-    than a 5 s deadline (``e2e/README.md`` has the figures), so it fails.
-    Later ones, over the established connection, take ~0.1 s. A 200 is not proof of a
+    than a 5 s deadline, so it fails.
+    Later ones, over the established connection, are quick. A 200 is not proof of a
     transfer: under ``recompute`` a failed load is recomputed locally and still answers
     200 (this is what made the Mooncake tier look like "D computes locally"). So a try
     counts only if D's ``prompt_tokens_by_source{external_kv_transfer}`` grew. Tests

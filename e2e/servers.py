@@ -54,8 +54,9 @@ BASE_ENV: dict[str, str] = {
     # keeps the multiprocess executor unless this is 0, and with it, the engine core and
     # its worker hand every step over a shared-memory queue whose reader can miss a
     # wake-up and then sleeps up to 5 s (SHM_READER_RECHECK_INTERVAL_MS). On two busy
-    # cores that stalled a D 23 s with both sides waiting (stacks in e2e/README.md),
-    # long enough to hide a 5 s deadline. The API server stays a process of its own.
+    # cores that stalled a D for several times a 5 s deadline with both sides waiting
+    # (stacks in e2e/README.md), long enough to hide that deadline. The API server stays
+    # a process of its own.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "DO_NOT_TRACK": "1",
     "VLLM_HOST_IP": HOST,
@@ -178,7 +179,7 @@ class VllmServer:
 
     def metrics_or_none(self) -> dict[str, float] | None:
         """:meth:`metrics`, or None while the server does not answer in time (a P just
-        thawed works through its backlog first: seen > 10 s in CI)."""
+        thawed works through its backlog first, which can outlast a request's timeout)."""
         try:
             return self.metrics()
         except httpx.HTTPError:
@@ -364,7 +365,7 @@ _TEE = (
 def stable_ports(n: int) -> list[int]:
     """`n` free ports on 127.0.0.1 *below* the kernel's ephemeral range.
 
-    Why: a server binds its side channel only after 1-3 minutes of startup. A port taken from
+    Why: a server binds its side channel only late in its long startup. A port taken from
     the ephemeral range (what ``bind(port 0)`` hands out) can meanwhile be handed to one of the
     many sockets vLLM, zmq and UCX open with port 0 in the other servers; it happened: P's
     NIXL listener thread died with ``Address already in use`` while P reported healthy.

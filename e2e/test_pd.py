@@ -305,10 +305,10 @@ def test_freeze_p_mid_run(dep: Deployment, refs: dict[str, Any], summary: dict[s
     idle["p"] = wait_idle(dep.p, None, 60.0)
     after = {pol: watched_metrics(dep.d[pol]) for pol in POLICIES}
     _record(summary, dep, "freeze_metrics", {"before": base, "after": after, "idle": idle})
-    # The first pull after the thaw was seen to take 26-30 s while the worker ran in a
-    # process of its own (vLLM's engine-worker queue losing wake-ups, e2e/README.md); it
-    # no longer does, but P/D must work again within a few tries (warm_up counts only a
-    # real transfer), then give exactly the fault-free tokens.
+    # The first pull after the thaw once took far longer than any deadline while the
+    # worker ran in a process of its own (vLLM's engine-worker queue losing wake-ups,
+    # e2e/README.md); it no longer does, but P/D must work again within a few tries
+    # (warm_up counts only a real transfer), then give exactly the fault-free tokens.
     tries = {pol: warm_up(dep.proxies[pol], dep.d[pol], dep.model) for pol in POLICIES}
     _record(summary, dep, "thaw_warmup_tries", tries)
     ps = _prompt_set(2)[:2]

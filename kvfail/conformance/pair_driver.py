@@ -37,7 +37,7 @@ __all__ = [
 
 #: One P process per P configuration, shared by the drivers of a session that want the
 #: same P (``mooncake`` and the real negative controls pull from kvfail's P; every NIXL
-#: driver pulls from upstream's): each P costs a vLLM import (10-60 s here). A pair that
+#: driver pulls from upstream's): each P costs a vLLM import, the dearest step of a run. A pair that
 #: finds a live P here borrows it. The driver that started it owns it and closes it in
 #: ``stop``, unless the driver hands it off (``PairDriver.hand_off_p``): then this registry
 #: keeps it for the next driver and :func:`close_shared_producers` closes it at the end.
@@ -157,8 +157,8 @@ class PairDriver(Driver[PairHandle]):
     pair_name = ""
     #: Run the cyclic garbage collector once closed D engines are dropped: for a
     #: transport whose threads go only with the object (NIXL's agent polls a core until
-    #: it is collected). Others leave the engines to reference counting (a collection
-    #: costs ~0.85 s per scenario in a process holding vLLM).
+    #: it is collected). Others leave the engines to reference counting: a full collection
+    #: walks vLLM's whole heap, a cost every scenario would pay.
     collect_closed_engines = False
 
     @property

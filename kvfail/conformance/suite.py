@@ -37,7 +37,7 @@ __all__ = [
 #: Bound for anything that must happen "within a few steps" (an active fault, a success).
 ACTIVE_BUDGET: dict[str, Any] = {"max_steps": 60, "timeout_s": 15.0}
 #: Wall-clock bound for a run over a real transport (an active fault, a real pull). Real
-#: active faults are reported in < 1 s (see the report's ``detected_s``); the bound stays
+#: active faults are reported well within it (see the report's ``detected_s``); the bound stays
 #: below kvfail's default 30 s deadline so that a swallowed failure (which only that
 #: deadline would end) is a liveness violation, not a slow pass.
 REAL_BUDGET_S = 10.0
@@ -282,10 +282,10 @@ class ScenarioContext:
         """One good load on ``engine`` first, so this D has talked to the peer ("warm").
 
         Up to ``tries`` loads: a deadline scenario's D has a short deadline, and a cold
-        first load includes the handshake (a TP 2 NIXL D's took over 3 s on this machine,
-        and its deadline failed the warm-up, not the scenario). Being warm is the
-        precondition, not the thing under test; ``test_successful_load`` tests a cold load.
-        A D that never loads well in ``tries`` is a violation."""
+        first load includes the handshake (a TP 2 NIXL D's can outlast a short deadline
+        on a busy machine, and that deadline then failed the warm-up, not the scenario).
+        Being warm is the precondition, not the thing under test; ``test_successful_load``
+        tests a cold load. A D that never loads well in ``tries`` is a violation."""
         found: list[str] = []
         for _ in range(tries):
             rid = self.rid("warmup")

@@ -63,7 +63,7 @@ _POLL_S = 0.02
 # never us) but stays in our session. Under the kernel's autogroup scheduling each
 # session is a scheduling group of its own, and on a busy machine a P alone in its session
 # sat runnable without CPU for long stretches, stalling the scenarios that waited on it
-# (README, "Rig processes stay in the test's session").
+# (docs/testing.md, "Rig processes stay in the test's session").
 
 
 class PeerExitedError(RuntimeError):

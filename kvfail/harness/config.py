@@ -35,9 +35,10 @@ observed by running it (``tests/harness/test_two_groups.py``):
   coordinator from the ``KVCacheConfig`` it is given either way.
 
 Config building is cached per process where that is safe: the first ``ModelConfig`` in a
-process inspects the model class (15-60 s on a busy machine, model-info cache on disk), later
-ones are fast, so we build ``ModelConfig`` once per (model, dtype, length, seed) and hand each
-engine a deep copy (engines mutate their ``VllmConfig``: block counts, layout, engine id).
+process inspects the model class (slow, the more so on a busy machine; model-info cache on
+disk), later ones are fast, so we build ``ModelConfig`` once per (model, dtype, length,
+seed) and hand each engine a deep copy (engines mutate their ``VllmConfig``: block counts,
+layout, engine id).
 """
 
 from __future__ import annotations

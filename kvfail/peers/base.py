@@ -277,7 +277,7 @@ class ProducerHandleBase:
         return parsed
 
     def wait_ready(self, timeout_s: float = 240.0) -> dict[str, Any]:
-        """Block until P printed its ready event (vLLM import: 10-80 s on a busy machine).
+        """Block until P printed its ready event (it imports vLLM, which is slow on a busy machine).
 
         A P that died of ``EADDRINUSE`` is started again on a fresh port (at most
         :attr:`bind_retries` times); anything else it died of is raised."""

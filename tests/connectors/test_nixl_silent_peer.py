@@ -40,7 +40,7 @@ pytest.importorskip("nixl", reason="nixl is not installed")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Long enough that the handshake (0.1 s idle, seconds under load) ends well before it.
+#: Long enough that the handshake (quick when idle, much slower under load) ends well before it.
 DEADLINE_S = 5.0
 P_ENGINE = "P-silent"
 
