@@ -7,16 +7,28 @@ on a 2-core machine; starting all three at once overlaps their (import-bound) st
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import pytest
+
 from e2e.client import Outcome, complete, complete_all, prompts
 from e2e.proxy import Backend, PDProxy
-from e2e.servers import Impl, ServerSpec, VllmServer, metric, start_server
+from e2e.servers import (
+    Impl,
+    ServerSpec,
+    VllmServer,
+    metric,
+    missing_serve_modules,
+    start_server,
+)
+from kvfail.faults.netns import NamespaceHost
 
 Policy = Literal["fail", "recompute"]
 POLICIES: tuple[Policy, ...] = ("fail", "recompute")
@@ -70,9 +82,12 @@ class Deployment:
 
 
 def p_spec(
-    connector: Literal["nixl", "mooncake"], engine_id: str | None, impl: Impl = "kvfail"
+    connector: Literal["nixl", "mooncake"],
+    engine_id: str | None,
+    impl: Impl = "kvfail",
+    link: NamespaceHost | None = None,
 ) -> ServerSpec:
-    return ServerSpec("P", connector, "kv_producer", engine_id=engine_id, impl=impl)
+    return ServerSpec("P", connector, "kv_producer", engine_id=engine_id, impl=impl, link=link)
 
 
 def start_deployment(
@@ -84,18 +99,27 @@ def start_deployment(
     *,
     d_specs: Mapping[str, ServerSpec] | None = None,
     p_impl: Impl = "kvfail",
+    link: NamespaceHost | None = None,
 ) -> Deployment:
     """Start P and the Ds concurrently and wait for all (bounded by `START_TIMEOUT_S` each),
     then put a proxy in front of each D and warm it up. The Ds are kvfail's, one per policy
-    in `policies`, unless `d_specs` names them (keyed as in `Deployment.d`)."""
+    in `policies`, unless `d_specs` names them (keyed as in `Deployment.d`). With ``link``,
+    P runs on that simulated host and the Ds reach it over the link."""
     # Mooncake's P returns no kv_transfer_params: the router must know P's engine id.
     p_engine = f"P-{connector}-e2e" if connector == "mooncake" else None
     if d_specs is None:
         d_specs = {
-            pol: ServerSpec(f"D-{pol}", connector, "kv_consumer", policy=pol, deadline_s=deadline_s)
+            pol: ServerSpec(
+                f"D-{pol}",
+                connector,
+                "kv_consumer",
+                policy=pol,
+                deadline_s=deadline_s,
+                link=link,
+            )
             for pol in policies
         }
-    p = start_server(p_spec(connector, p_engine, p_impl), model, log_dir)
+    p = start_server(p_spec(connector, p_engine, p_impl, link), model, log_dir)
     dep = Deployment(connector, model, log_dir, deadline_s, p, {}, p_engine_id=p_engine)
     try:
         for key, spec in d_specs.items():
@@ -109,6 +133,49 @@ def start_deployment(
         dep.close()
         raise
     return dep
+
+
+@contextlib.contextmanager
+def running_deployment(
+    connector: Literal["nixl", "mooncake"],
+    model: str,
+    log_dir: Path,
+    deadline_s: float,
+    summary: dict[str, Any],
+    *,
+    link: NamespaceHost | None = None,
+) -> Iterator[Deployment]:
+    """A test module's deployment: skipped where ``vllm serve`` or the transport cannot
+    run here, its start-up time recorded under ``summary[log_dir.name]``, and closed at
+    the end whatever the tests did."""
+    reason = missing_serve_reason(connector)
+    if reason:
+        pytest.skip(reason)
+    t0 = time.monotonic()
+    dep = start_deployment(connector, model, log_dir, deadline_s, link=link)
+    summary.setdefault(log_dir.name, {})["startup_s"] = round(time.monotonic() - t0, 1)
+    try:
+        yield dep
+    finally:
+        dep.close()
+
+
+#: The module each transport's worker imports.
+TRANSPORT_MODULES = {"nixl": "nixl._api", "mooncake": "mooncake.engine"}
+
+
+def missing_serve_reason(connector: str) -> str | None:
+    """Why a ``vllm serve`` of ``connector`` cannot run here, or None."""
+    missing = missing_serve_modules()
+    if missing:
+        return f"vllm serve cannot import {missing}: run scripts/setup.sh (requirements/serve.txt)"
+    try:
+        found = importlib.util.find_spec(TRANSPORT_MODULES[connector]) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"{TRANSPORT_MODULES[connector]} not importable: the {connector} worker cannot start"
+    return None
 
 
 def warm_up(proxy: PDProxy, d: VllmServer, model: str, tries: int = 8) -> int:

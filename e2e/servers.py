@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import httpx2 as httpx
 
+from kvfail.faults.netns import NamespaceHost
 from kvfail.faults.process import PeerProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,6 +106,30 @@ class ServerSpec:
     engine_id: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     impl: Impl = "kvfail"
+    #: A simulated host's link (:mod:`kvfail.faults.netns`): P runs inside that host and
+    #: serves on its address, D stays in the test's namespace and advertises its own end
+    #: of the link. None: every server on loopback.
+    link: NamespaceHost | None = None
+
+    @property
+    def address(self) -> str:
+        """The address this server's engine and (for P) its API are reached at."""
+        if self.link is None:
+            return HOST
+        return self.link.inner_addr if self.role == "kv_producer" else self.link.outer_addr
+
+    def link_env(self) -> dict[str, str]:
+        """What makes the transports serve and advertise on :attr:`address`: the host IP
+        (Mooncake), the side channel (NIXL) and UCX's TCP device."""
+        if self.link is None:
+            return {}
+        inside = self.role == "kv_producer"
+        device = self.link.inner_if if inside else self.link.outer_if
+        return {
+            "VLLM_HOST_IP": self.address,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
+            "UCX_NET_DEVICES": device,
+        }
 
 
 @dataclass
@@ -121,13 +146,18 @@ class VllmServer:
     tmp_dir: Path | None = None
 
     @property
+    def api_host(self) -> str:
+        """P on a simulated host serves its API there; everything else on loopback."""
+        return self.spec.address if self.spec.role == "kv_producer" else HOST
+
+    @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.api_host}:{self.port}"
 
     @property
     def bootstrap_addr(self) -> str:
         """Mooncake P's bootstrap server address, as D expects it (with the scheme)."""
-        return f"http://{HOST}:{self.side_port}"
+        return f"http://{self.spec.address}:{self.side_port}"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Poll /health, then require one real completion: a bad attention config only fails
@@ -316,6 +346,7 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
     # length limit) goes away with the server.
     tmp_dir = Path(tempfile.mkdtemp(prefix="kvf-srv-"))
     env["TMPDIR"] = str(tmp_dir)
+    env.update(spec.link_env())
     env.update(spec.extra_env)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}-{port}.log"
@@ -326,7 +357,7 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
         "serve",
         model,
         "--host",
-        HOST,
+        spec.address if spec.role == "kv_producer" else HOST,
         "--port",
         str(port),
         "--skip-tokenizer-init",
@@ -345,6 +376,8 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
     # PeerProcess pipes stdout; redirect it into the log file through a tiny shell-free trick:
     # run the launcher with its own stdout bound to the file.
     wrapper = [sys.executable, "-c", _TEE, str(log_path), *argv]
+    if spec.link is not None and spec.role == "kv_producer":
+        wrapper = spec.link.exec_argv(wrapper)  # exec'd in place: same pid, same group
     try:
         proc = PeerProcess(wrapper, name=spec.name, env=env, cwd=REPO, max_lines=10)
     except BaseException:

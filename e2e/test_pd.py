@@ -12,7 +12,6 @@ Assertions per policy:
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 import time
 from collections.abc import Iterator
@@ -31,13 +30,13 @@ from e2e.pd import (
     held_run,
     local_reference,
     p_spec,
-    start_deployment,
+    running_deployment,
     through_proxy,
     wait_idle,
     warm_up,
     watched_metrics,
 )
-from e2e.servers import listeners_of, metric, missing_serve_modules, start_server
+from e2e.servers import listeners_of, metric, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -48,37 +47,14 @@ DETECT_SLACK_S = 10.0
 N_PROMPTS = 6  # per D, per fault
 N_HELD = 3  # fault injected once this many decodes wait at the proxy's gate
 
-CONNECTORS = {"nixl": "nixl._api", "mooncake": "mooncake.engine"}
-
-
-def _skip_reason(connector: str) -> str | None:
-    missing = missing_serve_modules()
-    if missing:
-        return f"vllm serve cannot import {missing}: run scripts/setup.sh (requirements/serve.txt)"
-    try:
-        found = importlib.util.find_spec(CONNECTORS[connector]) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        return f"{CONNECTORS[connector]} not importable: the {connector} worker cannot start"
-    return None
-
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def dep(
     request: pytest.FixtureRequest, model_dir: str, e2e_dir: Path, summary: dict[str, Any]
 ) -> Iterator[Deployment]:
-    connector: str = request.param
-    reason = _skip_reason(connector)
-    if reason:
-        pytest.skip(reason)
-    t0 = time.monotonic()
-    d = start_deployment(connector, model_dir, e2e_dir / connector, DEADLINE_S)  # type: ignore[arg-type]
-    summary.setdefault(connector, {})["startup_s"] = round(time.monotonic() - t0, 1)
-    try:
+    connector = request.param
+    with running_deployment(connector, model_dir, e2e_dir / connector, DEADLINE_S, summary) as d:
         yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from kvfail.conformance.driver import Declared
 from kvfail.conformance.example_driver import ExampleDriver, write_pattern
 from kvfail.faults.points import FaultPoint
+from kvfail.rig.environ import environ_set
 
 if TYPE_CHECKING:
     from kvfail.faults.process import PeerProcess
@@ -225,16 +226,8 @@ class MooncakeStoreDriver(ExampleDriver):
         connector's worker reads its store configuration from the environment in its
         constructor only, and several drivers (a reference and its control) may each
         run a store in one session."""
-        saved = {key: os.environ.get(key) for key in self._env}
-        os.environ.update(self._env)
-        try:
+        with environ_set(self._env):
             yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     def build_engine(
         self,

@@ -34,9 +34,9 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Literal
 
+from kvfail.faults._closing import ClosesOnExit
 from kvfail.faults._net import register_test_address, unregister_test_address
 
 __all__ = [
@@ -167,7 +167,7 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError(f"no free /30 left in {SUBNET}")
 
 
-class NamespaceHost:
+class NamespaceHost(ClosesOnExit):
     """One simulated host: a namespace with ``lo`` up and a veth link to the test's own
     namespace. The test's side is :attr:`outer_addr`, the host's side :attr:`inner_addr`.
 
@@ -308,17 +308,6 @@ class NamespaceHost:
                 log.warning("netns clean-up %s failed: %s", " ".join(argv), exc)
         with _live_lock:
             _live.pop(self.name, None)
-
-    def __enter__(self) -> NamespaceHost:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"NamespaceHost({self.name}, {self.outer_addr} <-> {self.inner_addr})"

@@ -31,9 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Literal
 
+from kvfail.faults._closing import ClosesOnExit
 from kvfail.faults._net import LOOPBACK, family, require_local
 from kvfail.faults.zygote import Zygote, ZygoteChild
 
@@ -329,7 +329,7 @@ class _LineBuffer:
         return [self.lines[i] for i in range(n - new, n)] if new > 0 else []
 
 
-class PeerProcess:
+class PeerProcess(ClosesOnExit):
     """A child process in its own session, with fault controls and guaranteed cleanup.
 
     Signals go to the whole process group by default (``group=True``): a peer's workers
@@ -712,17 +712,6 @@ class PeerProcess:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-
-    def __enter__(self) -> PeerProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"PeerProcess(name={self.name!r}, pid={self.pid}, rc={self.returncode})"

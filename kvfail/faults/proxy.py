@@ -28,8 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 
+from kvfail.faults._closing import ClosesOnExit
 from kvfail.faults._net import LOOPBACK, require_local
 from kvfail.faults._net import family as _family
 
@@ -142,7 +142,7 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class FaultProxy:
+class FaultProxy(ClosesOnExit):
     """A TCP proxy on 127.0.0.1 whose behaviour can be switched while connections are live.
 
     Modes (new connections / connections already open):
@@ -247,14 +247,6 @@ class FaultProxy:
 
     def __enter__(self) -> FaultProxy:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ public state
 

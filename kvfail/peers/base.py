@@ -37,6 +37,7 @@ from kvfail.faults import (
     summarize_stacks,
 )
 from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
+from kvfail.rig.environ import environ_set
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost
@@ -428,16 +429,8 @@ class PeerPair:
         """While a D is built: the environment that makes it reachable from P's host (its
         transfer engine reads it once, at construction). Nothing changes without a host."""
         env = self._d_host_env(self.host) if self.host is not None else {}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
-        try:
+        with environ_set(env):
             yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
     def consumer(
         self,
