@@ -181,3 +181,45 @@ def test_a_connector_no_driver_can_feed_exits_non_zero_naming_the_clauses(
     assert any(line.startswith(f"C1 unverified for {spec}") for line in unverified)
     assert all("requires remote_prefill" in line for line in unverified), unverified
     assert "C1 unverified" in (out / "report.md").read_text()
+
+
+_BROKEN_PARSER = """
+import pytest
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    # The parser's state as another thread's race left it, while the report is made.
+    import ast
+
+    def broken(*args, **kwargs):
+        raise SystemError("AST constructor recursion depth mismatch (before=90, after=65)")
+
+    parse, ast.parse = ast.parse, broken
+    try:
+        return (yield)
+    finally:
+        ast.parse = parse
+"""
+
+_CRASH = """
+def test_crash(kvfail):
+    raise RuntimeError("the connector crashed")
+"""
+
+
+def test_a_scenarios_failure_is_rendered_without_parsing_source(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest renders a failure by parsing each frame's source with :mod:`ast`; a run that
+    met a broken parser there ended in an INTERNALERROR and lost its report. A scenario's
+    failure is rendered by the suite, which parses nothing: the run ends as a failure."""
+    pytester.makeconftest(CONFTEST.read_text() + _BROKEN_PARSER)
+    pytester.makepyfile(test_crashing=_CRASH)
+    rec = pytester.inline_run(
+        "--connector", "toy", "--policy", "fail", "--layout", "tp1", "-p", "no:cacheprovider",
+    )  # fmt: skip
+    (report,) = [r for r in rec.getreports("pytest_runtest_logreport") if r.failed]
+    assert "RuntimeError: the connector crashed" in str(report.longrepr)
+    assert 'in test_crash\n    raise RuntimeError("the connector crashed")' in str(report.longrepr)
+    assert rec.ret == pytest.ExitCode.TESTS_FAILED

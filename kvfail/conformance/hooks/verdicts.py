@@ -63,8 +63,12 @@ def render_failure(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseExceptio
     if isinstance(exc, ConformanceViolation):
         where = traceback.extract_tb(excinfo.tb)[-1]
         return f"{exc}\n\n(raised at {where.filename}:{where.lineno})"
+    frames = traceback.extract_tb(excinfo.tb)
+    # From the scenario's own frame on: pytest's and pluggy's frames above it say nothing.
+    here = str(getattr(item, "path", ""))
+    start = next((i for i, f in enumerate(frames) if f.filename == here), 0)
     lines = []
-    for frame in traceback.extract_tb(excinfo.tb):
+    for frame in frames[start:]:
         lines.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}')
         if frame.line:
             lines.append(f"    {frame.line.strip()}")
