@@ -48,7 +48,7 @@ def write(state: SessionState, *, final: bool) -> tuple[str, str] | None:
     """(Re)write the report files; once ``final``, later calls leave them alone."""
     if not state.report_dir or state.report_final:
         return None
-    patches = state.patches.summary() if state.patches is not None else []
+    patches = state.patches.summary(read=final) if state.patches is not None else []
     caps_json = {spec: c.as_dict() for spec, c in state.caps.items()}
     coverage = {"verdicts": state.coverage.as_dict(), "unverified": list(state.unverified)}
     json_path, md_path = write_report(

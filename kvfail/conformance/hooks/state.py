@@ -141,9 +141,12 @@ class PatchLog:
         names.update(a.name for a in new)
         return [n for n in rig_patches.CATALOGUE if n in names]
 
-    def summary(self) -> list[dict[str, Any]]:
-        new, self.offset = rig_patches.read_log(self.path, self.offset)
-        self.applied += new
+    def summary(self, *, read: bool = True) -> list[dict[str, Any]]:
+        """Every patch applied so far; ``read=False`` leaves records not yet read for the
+        next :meth:`credit` (a report written mid-run must not take them from it)."""
+        if read:
+            new, self.offset = rig_patches.read_log(self.path, self.offset)
+            self.applied += new
         out = rig_patches.summarize(self.applied)
         for entry in out:
             entry["connectors"] = sorted(
