@@ -13,7 +13,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -216,14 +216,6 @@ class ScenarioContext:
             # pass, so the run is an error naming the feature, never a verdict.
             compat.require("block_pool_binding", f"{self.scenario} ({point.value})")
         return point
-
-    def driver_unavailable(self, why: str) -> NoReturn:
-        """The connector cannot run here: a named skip, or a failure where the run
-        requires every driver (``--kvfail-require-drivers``, CI)."""
-        message = f"driver unavailable: {why}"
-        if self.require_drivers:
-            pytest.fail(f"{message} (--kvfail-require-drivers)", pytrace=False)
-        raise SuiteSkip(message, ("driver",))
 
     def require_layout(self, *names: str) -> None:
         """Skip unless this run's layout is one of ``names`` (a scenario whose cost or
