@@ -27,6 +27,7 @@ __all__ = [
     "overrides_below_base",
 ]
 
+
 class CapabilityMissing(Exception):
     """Raised by :meth:`Capabilities.require`; the scenario context turns it into a
     :class:`~kvfail.conformance.suite.SuiteSkip` naming the capability."""
