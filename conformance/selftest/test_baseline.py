@@ -1,9 +1,12 @@
-"""The baseline: known violations a user passes, each pinned to its clauses.
+"""The baseline: known violations a user passes, each pinned to its findings' fingerprints.
 
 What must hold (see ``kvfail.conformance.baseline``): without a baseline every violation
-fails; an entry absorbs only oracle findings citing its clauses, never an error; an entry
-whose scenario passes fails the run as fixed; and an entry names one exact class, so a
-subclass is judged on its own behaviour, the same as its parent without a baseline.
+fails; an entry absorbs only oracle findings whose fingerprint (clauses, check, stage) it
+lists, never an error and never another check's finding of the same clause; an entry whose
+scenario passes fails the run as fixed, one whose scenario skips as stale; an old
+clause-only entry is refused naming the file and entry; and an entry names one exact
+class, so a subclass is judged on its own behaviour, the same as its parent without a
+baseline.
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from kvfail.conformance.baseline import Baseline, BaselineError, Entry, clauses_of, render_baseline
+from kvfail.conformance.baseline import (
+    Baseline,
+    BaselineError,
+    Entry,
+    Fingerprint,
+    clauses_of,
+    fingerprint,
+    render_baseline,
+)
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
@@ -28,6 +39,22 @@ def test_clauses_are_read_from_the_head_of_each_finding() -> None:
     assert clauses_of("[abort-then-success] C9 leak: 3 free blocks") == {"C9"}
     assert clauses_of("warm-up load (3 tries): C1 unreported: x") == {"C1"}
     assert clauses_of("liveness: 1 unfinished request(s)") == frozenset()
+
+
+def test_a_fingerprint_is_clauses_check_and_stage_without_the_runs_particulars() -> None:
+    assert fingerprint("C2/C10 liveness: r-1 still waiting after 9 steps") == Fingerprint(
+        ("C2", "C10"), "liveness", "scenario"
+    )
+    assert fingerprint("[abort-then-success] C9 leak: 3 free blocks") == Fingerprint(
+        ("C9",), "leak", "abort-then-success"
+    )
+    assert fingerprint("warm-up load (3 tries): C1 unreported: x") == Fingerprint(
+        ("C1",), "unreported", "warm-up load"
+    )
+    assert fingerprint("C12 (#55297): r re-entered") == Fingerprint(("C12",), "", "scenario")
+    # Same clause, other check: another fingerprint.
+    assert fingerprint("C1 wrong KV: r ran on bytes") != fingerprint("C1 unreported: r")
+    assert fingerprint("liveness: 1 unfinished request(s)") is None
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -43,13 +70,19 @@ def _write(tmp_path: Path, text: str) -> Path:
         ("[[known]]\nconnector = 'a:B'\nscenario = 's'\npolicy = 'fail'\n", "missing layout"),
         (
             "[[known]]\nconnector = 'a:B'\nscenario = 's'\npolicy = 'fail'\nlayout = 'tp1'\n"
-            "clauses = ['ten']\n",
-            "clauses must be",
+            "findings = [{ clauses = ['ten'], check = 'leak' }]\n",
+            "finding 1: expected",
         ),
         (
             "[[known]]\nconnector = 'B'\nscenario = 's'\npolicy = 'fail'\nlayout = 'tp1'\n"
-            "clauses = ['C1']\n",
+            "findings = [{ clauses = ['C1'], check = 'unreported' }]\n",
             "module:qualname",
+        ),
+        (
+            # The old form: a clause set absorbed any finding of those clauses.
+            "[[known]]\nconnector = 'a:B'\nscenario = 's'\npolicy = 'fail'\nlayout = 'tp1'\n"
+            "clauses = ['C1', 'C10']\n",
+            r"entry 1 \(s \[fail, tp1\]\): a clause-only entry .* --kvfail-write-baseline",
         ),
         ("[[known]\n", "not valid TOML"),
     ],
@@ -60,11 +93,15 @@ def test_a_malformed_baseline_is_refused(tmp_path: Path, text: str, says: str) -
 
 
 def test_duplicate_entries_are_refused_and_rendering_round_trips(tmp_path: Path) -> None:
-    entry = Entry(TOY, "test_x", "fail", "tp1", frozenset({"C10", "C2"}), 'a "quoted" reason')
+    prints = frozenset(
+        {Fingerprint(("C2", "C10"), "liveness", "scenario"), Fingerprint(("C9",), "leak", "x")}
+    )
+    entry = Entry(TOY, "test_x", "fail", "tp1", prints, 'a "quoted" reason')
     text = render_baseline([entry])
     loaded = Baseline.load(_write(tmp_path, text))
     got = loaded.lookup(TOY, "test_x", "fail", "tp1")
-    assert got is not None and got.clauses == {"C2", "C10"} and got.reason == entry.reason
+    assert got is not None and got.findings == prints and got.reason == entry.reason
+    assert got.clauses == {"C2", "C9", "C10"}
     assert loaded.lookup(TOY, "test_x", "recompute", "tp1") is None
     with pytest.raises(BaselineError, match="duplicates"):
         Baseline.load(_write(tmp_path, text + text.split("\n", 2)[2]))
@@ -88,16 +125,28 @@ def test_c1_and_c7(kvfail):
     raise ConformanceViolation("test_c1_and_c7", ["C1 unreported: r", "C7: phantom report"])
 
 
+def test_c1_wrong_kv(kvfail):
+    raise ConformanceViolation("test_c1_wrong_kv", ["C1 wrong KV: r ran on bytes P never sent"])
+
+
+def test_skips(kvfail):
+    kvfail.require_layout("tp2")
+
+
 def test_error(kvfail):
     raise RuntimeError("the harness broke")
 """
 
 
-def _entry(scenario: str, *clauses: str) -> str:
-    quoted = ", ".join(f"'{c}'" for c in clauses)
+def _entry(scenario: str, *checks: str) -> str:
+    """An entry for ``scenario`` listing findings of the scenario stage, each ``"C1 check"``."""
+    prints = []
+    for c in checks:
+        clause, _, check = c.partition(" ")
+        prints.append(f"{{ clauses = ['{clause}'], check = '{check}', stage = 'scenario' }}")
     return (
         f"[[known]]\nconnector = '{TOY}'\nscenario = '{scenario}'\npolicy = 'fail'\n"
-        f"layout = 'tp1'\nclauses = [{quoted}]\n"
+        f"layout = 'tp1'\nfindings = [{', '.join(prints)}]\n"
     )
 
 
@@ -131,7 +180,9 @@ def test_without_a_baseline_every_violation_fails(pytester: pytest.Pytester) -> 
         "test_pass": "passed",
         "test_c1": "failed",
         "test_c1_and_c7": "failed",
+        "test_c1_wrong_kv": "failed",
         "test_error": "failed",
+        "test_skips": "skipped",
     }
     reports = result.getreports("pytest_runtest_logreport")
     (c1,) = [str(r.longrepr) for r in reports if r.failed and "test_c1[" in r.nodeid]
@@ -140,27 +191,46 @@ def test_without_a_baseline_every_violation_fails(pytester: pytest.Pytester) -> 
     assert "[P pid 1] C7: ERROR a line the peer printed" in c1
 
 
-def test_an_entry_absorbs_only_its_clauses_never_an_error(pytester: pytest.Pytester) -> None:
+def test_an_entry_absorbs_only_its_fingerprints_never_an_error(
+    pytester: pytest.Pytester,
+) -> None:
     baseline = pytester.path / "known.toml"
     baseline.write_text(
-        _entry("test_c1", "C1") + _entry("test_c1_and_c7", "C1") + _entry("test_error", "C1")
+        _entry("test_c1", "C1 unreported")
+        + _entry("test_c1_and_c7", "C1 unreported")
+        + _entry("test_c1_wrong_kv", "C1 unreported")
+        + _entry("test_error", "C1 unreported")
     )
-    result = _run(pytester, "--kvfail-baseline", str(baseline))
+    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "not test_skips")
     assert _outcomes(result) == {
         "test_pass": "passed",
-        "test_c1": "xfailed",  # every finding cites C1 (the peer's C7 line is evidence)
+        "test_c1": "xfailed",  # its own fingerprint (the peer's C7 line is evidence)
         "test_c1_and_c7": "failed",  # C7 is another clause's failure
+        "test_c1_wrong_kv": "failed",  # C1 too, but another check: wrong KV, not unreported
         "test_error": "failed",  # an error is never a known violation
     }
     reports = result.getreports("pytest_runtest_logreport")
     failed = {r.nodeid: str(r.longrepr) for r in reports if r.failed}
     (c7,) = [v for k, v in failed.items() if "test_c1_and_c7" in k]
     assert "does not cover: C7: phantom report" in c7
+    (wrong,) = [v for k, v in failed.items() if "test_c1_wrong_kv" in k]
+    assert "does not cover: C1 wrong KV" in wrong
+
+
+def test_an_entry_whose_scenario_skips_fails_the_run_as_stale(pytester: pytest.Pytester) -> None:
+    baseline = pytester.path / "known.toml"
+    baseline.write_text(_entry("test_skips", "C1 unreported"))
+    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "test_skips")
+    assert _outcomes(result) == {"test_skips": "failed"}
+    (report,) = [r for r in result.getreports("pytest_runtest_logreport") if r.failed]
+    assert "baseline entry stale" in str(report.longrepr)
+    assert "requires tp2 layout" in str(report.longrepr)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
 def test_an_entry_that_passes_fails_the_run_as_fixed(pytester: pytest.Pytester) -> None:
     baseline = pytester.path / "known.toml"
-    baseline.write_text(_entry("test_pass", "C1"))
+    baseline.write_text(_entry("test_pass", "C1 unreported"))
     result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "test_pass")
     assert _outcomes(result) == {"test_pass": "failed"}
     (report,) = [r for r in result.getreports("pytest_runtest_logreport") if r.failed]
@@ -195,12 +265,12 @@ def _suite(tmp: Path, *args: str) -> tuple[int, list[dict[str, Any]]]:
     return int(ret), json.loads((out / "report.json").read_text())
 
 
-def test_a_written_baseline_matches_by_clause_and_a_subclass_keeps_its_own_verdict(
+def test_a_written_baseline_matches_by_fingerprint_and_a_subclass_keeps_its_own_verdict(
     tmp_path: Path, subclass_module: str
 ) -> None:
     """The real suite against a broken control and its unmodified subclass: the same
     verdicts without a baseline; a baseline written from the control's run absorbs the
-    control's failure (clause for clause) and not the subclass's."""
+    control's failure (fingerprint for fingerprint) and not the subclass's."""
     pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
     control = "kvfail.conformance.negative:SwallowsFailure"
     written = tmp_path / "written.toml"

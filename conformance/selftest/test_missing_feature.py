@@ -78,7 +78,7 @@ def test_a_missing_feature_is_an_error_never_a_verdict(pytester: pytest.Pytester
     baseline = pytester.path / "known.toml"
     baseline.write_text(
         f"[[known]]\nconnector = '{TOY}'\nscenario = 'test_in_a_finding'\npolicy = 'fail'\n"
-        "layout = 'tp1'\nclauses = ['C11']\n"
+        "layout = 'tp1'\nfindings = [{ clauses = ['C11'], check = 'crash' }]\n"
     )
     out = pytester.path / "report"
     result = pytester.inline_run(

@@ -286,6 +286,9 @@ import pytest
 def test_hidden(kvfail):
     pytest.skip("flaky network")
 
+def test_dressed_up(kvfail):
+    pytest.skip("requires sync_load: a free-text reason is not the suite's")
+
 def test_named(kvfail):
     kvfail.require("sync_load")
 """
@@ -293,8 +296,9 @@ def test_named(kvfail):
     result = pytester.runpytest_inprocess(
         "--connector", "toy", "--policy", "fail", "-p", "no:cacheprovider"
     )
-    result.assert_outcomes(failed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*unexplained skip*flaky network*"])
+    result.assert_outcomes(failed=2, skipped=1)
+    result.stdout.fnmatch_lines(["*skip inside a scenario*flaky network*"])
+    result.stdout.fnmatch_lines(["*skip inside a scenario*a free-text reason is not the suite's*"])
     result.stdout.fnmatch_lines(["*requires sync_load: ToyConnector only advertises asynchronous*"])
 
 

@@ -21,19 +21,16 @@ from kvfail.faults.points import FaultPoint
 
 __all__ = [
     "CAPABILITY_NAMES",
-    "SKIP_PREFIXES",
     "Capabilities",
     "CapabilityMissing",
     "derive_from_class",
     "overrides_below_base",
 ]
 
-#: Skip reasons the suite accepts; any other skip of a conformance test is an error.
-SKIP_PREFIXES: tuple[str, ...] = ("requires ", "driver unavailable: ")
-
 
 class CapabilityMissing(Exception):
-    """Raised by :meth:`Capabilities.require`; the plugin turns it into a named skip."""
+    """Raised by :meth:`Capabilities.require`; the scenario context turns it into a
+    :class:`~kvfail.conformance.suite.SuiteSkip` naming the capability."""
 
 
 def overrides_below_base(cls: type, method: str, base: type) -> bool:

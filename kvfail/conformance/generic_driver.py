@@ -85,9 +85,8 @@ class GenericDriver(Driver[EngineHandle]):
         tp_size: int = 1,
         deadline: bool = False,
     ) -> Engine:
-        """Build in a helper thread, bounded; a connector that cannot be built here is
-        :class:`DriverUnavailable` (a named skip, or a failure where drivers are required),
-        not a contract failure."""
+        """Build in a helper thread, bounded: a connector that cannot be built here raises,
+        and the scenario fails (an error of the run, never a skip)."""
         import threading
 
         built: list[Engine] = []

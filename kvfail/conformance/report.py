@@ -15,6 +15,8 @@ a reader such as ``kvfail audit`` needs nothing but these files.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ __all__ = [
     "render_durations",
     "render_matrix",
     "render_patches",
+    "write_atomically",
     "write_report",
 ]
 
@@ -164,20 +167,36 @@ def append_record(directory: str | Path, record: Record) -> None:
         fh.write(json.dumps(asdict(record), default=str) + "\n")
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step: a reader, or a run killed mid-write,
+    sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_report(
     directory: str | Path,
     records: Iterable[Record],
     capabilities: Mapping[str, Mapping[str, Any]] | None = None,
     *,
     rig_patches: Iterable[Mapping[str, Any]] = (),
+    coverage: Mapping[str, Any] | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``report.json`` (records), ``report.md`` (matrix), ``capabilities.json`` and
-    ``rig_patches.json``; returns the first two paths."""
+    """Write ``report.json`` (records), ``report.md`` (matrix), ``capabilities.json``,
+    ``rig_patches.json`` and, when given, ``coverage.json`` (the clauses each connector
+    was judged on: ``verdicts``, and the ``unverified`` lines), each replaced atomically;
+    returns the first two paths."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     recs = list(records)
     json_path, md_path = out / "report.json", out / "report.md"
-    json_path.write_text(json.dumps([asdict(r) for r in recs], indent=2) + "\n")
+    write_atomically(json_path, json.dumps([asdict(r) for r in recs], indent=2) + "\n")
     patches = [dict(p) for p in rig_patches]
     md = [
         "# kvfail conformance report\n",
@@ -210,7 +229,14 @@ def write_report(
                     continue
                 md.append(f"| {key} | {value} | {reasons.get(key, '')} |")
             md.append("")
-    md_path.write_text("\n".join(md) + "\n")
-    (out / "capabilities.json").write_text(json.dumps(capabilities or {}, indent=2) + "\n")
-    (out / "rig_patches.json").write_text(json.dumps(patches, indent=2) + "\n")
+    if coverage is not None:
+        md.append("## Coverage\n")
+        unverified = list(coverage.get("unverified", []))
+        md += [f"- **{line}**" for line in unverified] or ["Every required clause was judged."]
+        md.append("")
+    write_atomically(md_path, "\n".join(md) + "\n")
+    write_atomically(out / "capabilities.json", json.dumps(capabilities or {}, indent=2) + "\n")
+    write_atomically(out / "rig_patches.json", json.dumps(patches, indent=2) + "\n")
+    if coverage is not None:
+        write_atomically(out / "coverage.json", json.dumps(dict(coverage), indent=2) + "\n")
     return json_path, md_path

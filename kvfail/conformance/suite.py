@@ -9,11 +9,11 @@ fails. Putting that here keeps each scenario a short, readable story.
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -31,6 +31,7 @@ __all__ = [
     "ACTIVE_BUDGET",
     "ConformanceViolation",
     "ScenarioContext",
+    "SuiteSkip",
     "check_not_late",
 ]
 
@@ -61,9 +62,29 @@ DEADLINE_BUDGET_FLOOR_S = 5.0
 #: A report later than the declared deadline + max(this floor, the deadline) is late: a
 #: margin for the drain after the deadline and for a loaded machine, never a timing claim.
 DEADLINE_MARGIN_FLOOR_S = 3.0
-#: Request ids are unique in the process: a real P (possibly shared by several drivers)
-#: must never see an id twice.
-_RIDS = itertools.count(1)
+#: How a failure to build D starts (an error of the run, never a skip).
+ENGINE_BUILD_FAILED = "cannot build the engine"
+#: Run tags handed out in this process (see ``ScenarioContext.rid``): a real P, possibly
+#: shared by several drivers and sessions, must never see a request id twice.
+_TAGS: set[str] = set()
+#: The soak's seed when ``--kvfail-seed`` is not given.
+DEFAULT_SEED = 1729
+
+
+class SuiteSkip(pytest.skip.Exception):  # type: ignore[misc,name-defined]
+    """A skip the suite itself raised, naming what the connector or run lacks.
+
+    Why a type of its own: a driver is the connector author's code and runs inside the
+    scenario, so a skip's text proves nothing. The plugin accepts only this type, and
+    only when ``needs`` names what is really missing (see ``kvfail.conformance.hooks``);
+    any other skip or xfail in a scenario fails it.
+    """
+
+    def __init__(self, reason: str, needs: Sequence[str]) -> None:
+        super().__init__(reason)
+        #: Capability names (``Capabilities`` fields), or ``fault`` / ``layout`` /
+        #: ``driver`` for a fault point, a layout or a transport absent here.
+        self.needs = tuple(needs)
 
 
 class ConformanceViolation(AssertionError):
@@ -162,30 +183,33 @@ class ScenarioContext:
     #: ``--kvfail-require-drivers``: a connector that cannot be built here fails.
     require_drivers: bool = False
     engines: list[Engine] = field(default_factory=list)
+    #: ``--kvfail-seed``: what request ids, prompts and the soak's plan derive from.
+    seed: int | None = None
     _seq: int = 0
     _floor_s: float = 0.0
+    _tag: str = ""
 
     # ------------------------------------------------------------ gating
 
     def require(self, *names: str) -> None:
         """Skip (naming the capability) unless every capability in ``names`` holds."""
-        try:
-            self.caps.require(*names)
-        except CapabilityMissing as exc:
-            pytest.skip(str(exc))
+        for name in names:
+            why = self.caps.missing(name)
+            if why is not None:
+                raise SuiteSkip(why, (name,))
 
     def require_any(self, *names: str) -> None:
         """Skip unless at least one capability in ``names`` holds (naming all of them)."""
         missing = [self.caps.missing(n) for n in names]
         if all(missing):
-            pytest.skip("requires any of " + " | ".join(m for m in missing if m))
+            raise SuiteSkip("requires any of " + " | ".join(m for m in missing if m), names)
 
     def require_fault(self, *candidates: FaultPoint) -> FaultPoint:
         """The first advertised fault point of ``candidates``, else a skip naming them."""
         try:
             point = self.caps.require_fault(*candidates)
         except CapabilityMissing as exc:
-            pytest.skip(str(exc))
+            raise SuiteSkip(str(exc), ("fault",)) from None
         if point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
             # Reported by the deadline (C10) with its blocks held while P still writes
             # (C11): only vLLM's block pool can hold them. Without it no connector can
@@ -193,13 +217,15 @@ class ScenarioContext:
             compat.require("block_pool_binding", f"{self.scenario} ({point.value})")
         return point
 
-    def driver_unavailable(self, why: str) -> NoReturn:
-        """The connector cannot run here: a named skip, or a failure where the run
-        requires every driver (``--kvfail-require-drivers``, CI)."""
-        message = f"driver unavailable: {why}"
-        if self.require_drivers:
-            pytest.fail(f"{message} (--kvfail-require-drivers)", pytrace=False)
-        pytest.skip(message)
+    def require_layout(self, *names: str) -> None:
+        """Skip unless this run's layout is one of ``names`` (a scenario whose cost or
+        meaning belongs to one layout; the others cover it there)."""
+        if self.layout.name not in names:
+            raise SuiteSkip(
+                f"requires {' or '.join(names)} layout: this run's layout is "
+                f"{self.layout.name} (--layout {names[0]})",
+                ("layout",),
+            )
 
     def deadline_budget(self, deadline: float | None) -> float:
         """The suite's bounded wait for a load only a deadline can end (see
@@ -231,10 +257,10 @@ class ScenarioContext:
         """A fresh D engine for this scenario, closed at teardown; TP size and groups
         default to the scenario's layout (a scenario that needs one names it).
 
-        A connector whose module cannot be imported here (its transport library is not
-        installed) makes the driver unavailable (see :meth:`driver_unavailable`).
+        A connector that cannot be built (its module does not import, its constructor
+        raises, its build never ends) fails the scenario: a skip here would let a
+        connector that never runs pass.
         """
-        from kvfail.conformance.driver import DriverUnavailable
 
         groups = num_kv_cache_groups or self.layout.num_kv_cache_groups
         tp = tp_size or self.layout.tp_size
@@ -246,11 +272,10 @@ class ScenarioContext:
             engine = self.driver.build_engine(
                 self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline
             )
-        except DriverUnavailable as exc:
-            self.driver_unavailable(str(exc))
-        except ImportError as exc:
-            self.driver_unavailable(
-                f"{self.caps.connector} cannot be built here ({type(exc).__name__}: {exc})"
+        except Exception as exc:
+            pytest.fail(
+                f"{ENGINE_BUILD_FAILED}: {self.caps.connector} ({type(exc).__name__}: {exc})",
+                pytrace=False,
             )
         self.engines.append(engine)
         return engine
@@ -314,10 +339,36 @@ class ScenarioContext:
             state = [f"(the driver's stuck_state raised {exc!r})"]
         return [*state, "busiest processes: " + "; ".join(busiest_processes())]
 
+    @property
+    def seed_value(self) -> int:
+        return DEFAULT_SEED if self.seed is None else self.seed
+
     def rid(self, stem: str) -> str:
-        """A request id unique in this session: a real P must never see an id twice."""
+        """A request id that depends only on the seed, this scenario run (connector,
+        scenario, policy, layout) and its place in the scenario, never on what ran
+        before: a rerun with ``--kvfail-seed`` and ``-k`` adds the same ids, and so the
+        same prompts (they derive from the id). Unique in the process all the same (a real
+        P must never see an id twice): a scenario run seen again here gets a suffix."""
+        if not self._tag:
+            key = "|".join(
+                (
+                    str(self.seed_value),
+                    self.caps.connector_path,
+                    self.caps.driver,
+                    self.scenario,
+                    self.policy,
+                    self.layout.name,
+                )
+            )
+            base = hashlib.sha256(key.encode()).hexdigest()[:6]
+            tag, n = base, 1
+            while tag in _TAGS:
+                n += 1
+                tag = f"{base}.{n}"
+            _TAGS.add(tag)
+            self._tag = tag
         self._seq += 1
-        return f"{stem}-{self.policy}-{next(_RIDS)}"
+        return f"{stem}-{self.policy}-{self._tag}-{self._seq}"
 
     def add_loading(
         self, engine: Engine, request_id: str, *, fault: FaultPoint | None = None, **kwargs: Any

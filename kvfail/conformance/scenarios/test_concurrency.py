@@ -30,7 +30,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import check_not_late, deadline_findings, declared_text
+from kvfail.conformance.suite import (
+    DEFAULT_SEED,
+    check_not_late,
+    deadline_findings,
+    declared_text,
+)
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 
@@ -68,7 +73,7 @@ MIN_DELAY_STEPS = 2
 #: The soak: batches of loads through one D, each request with a fault drawn from a
 #: seeded plan. A batch's requests (2 blocks each per KV-cache group) fit D's 63 usable
 #: blocks with two groups.
-SOAK_SEED = 1729
+SOAK_SEED = DEFAULT_SEED
 SOAK_BATCHES = 15
 SOAK_BATCH = 14
 #: Faults that fail only their own request (never P, never another request of the same
@@ -466,25 +471,25 @@ def _rss_kib() -> int | None:
 @pytest.mark.guards("#50719", "#55870", "#32255")
 def test_soak_random_faults(kvfail: Any) -> None:
     """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
-    with a fault drawn from a seeded plan (``SOAK_SEED``, noted with the counts) over the
-    driver's per-request faults: a plain success, a failure of that request only, or an
-    abort while it waits. Bugs that one load never shows (a slot, a counter or a block
-    that leaks per failure, one failure lost per batch) add up here. Summed over every
-    request: all resolved, nothing leaked, each reported exactly once, never late, each
-    ends as its plan says (successes on P's bytes), and the KV-integrity oracle holds.
-    A batch that does not drain ends the soak (its findings are reported). Runs in the
-    tp1 layout only (the layouts' own scenarios cover TP 2 and two groups)."""
+    with a fault drawn from a seeded plan (``--kvfail-seed``, default ``SOAK_SEED``; noted
+    with the counts) over the driver's per-request faults: a plain success, a failure of
+    that request only, or an abort while it waits. Bugs that one load never shows (a
+    slot, a counter or a block that leaks per failure, one failure lost per batch) add up
+    here. Summed over every request: all resolved, nothing leaked, each reported exactly
+    once, never late, each ends as its plan says (successes on P's bytes), and the
+    KV-integrity oracle holds. A batch that does not drain ends the soak (its findings are
+    reported, with the seed that replays it). Runs in the tp1 layout only (the layouts'
+    own scenarios cover TP 2 and two groups)."""
     kvfail.require("remote_prefill", "async_load")
-    if kvfail.layout.name != "tp1":
-        # At TP 2 with two groups every request costs P and D twice the blocks and a real
-        # pair's rank processes; the soak's sums do not depend on the layout, its time does.
-        layout = kvfail.layout.name
-        pytest.skip(f"requires tp1 layout: this run's layout is {layout} (--layout tp1)")
-    rng = random.Random(SOAK_SEED)
+    # At TP 2 with two groups every request costs P and D twice the blocks and a real
+    # pair's rank processes; the soak's sums do not depend on the layout, its time does.
+    kvfail.require_layout("tp1")
+    seed = kvfail.seed_value
+    rng = random.Random(seed)
     plan = _soak_plan(kvfail, rng, SOAK_BATCHES * SOAK_BATCH)
     if all(p is None for p in plan):
         kvfail.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
-    kvfail.note("soak_seed", SOAK_SEED)
+    kvfail.note("soak_seed", seed)
     kvfail.note("soak_plan", dict(Counter("success" if p is None else p.value for p in plan)))
     engine = kvfail.engine()
     fault_of: dict[str, FaultPoint | None] = {}
@@ -539,4 +544,11 @@ def test_soak_random_faults(kvfail: Any) -> None:
                 found.append(f"C1 wrong bytes for a successful load in the soak: {mismatch}")
     for rid in aborted:
         found += _reports_after_free(engine, rid)
-    kvfail.assert_clean(found)
+    if found:
+        # The seed decides the plan, the request ids and so the prompts: the same run again.
+        replay = (
+            f"soak seed {seed}: replay with --kvfail-seed {seed} -k soak --connector "
+            f"{kvfail.node.callspec.params['kvfail_connector'] if kvfail.node else '...'} "
+            f"--policy {kvfail.policy} --layout {kvfail.layout.name}"
+        )
+        raise kvfail.violation(list(dict.fromkeys(found)), evidence=[replay])

@@ -346,8 +346,7 @@ def test_tp2_failure_on_one_rank(kvfail: Any) -> None:
     kvfail.require_fault(FaultPoint.TP_ONE_RANK)
     if kvfail.layout.tp_size < 2:
         # A real TP 2 P and D cost a minute or more; the scenario runs in the TP 2 layouts.
-        layout = kvfail.layout.name
-        pytest.skip(f"requires tp2 layout: this run's layout is {layout} (--layout tp2)")
+        kvfail.require_layout("tp2", "tp2-g2")
     engine = kvfail.engine()
     rid = kvfail.rid("tp")
     blocks = kvfail.add_loading(engine, rid, fault=FaultPoint.TP_ONE_RANK)
