@@ -482,8 +482,11 @@ class LoadTracker:
             if channel == "request":
                 failed.add(load.req_id)
             elif channel == "blocks":
-                narrowed = load.failed_blocks and not (load.all_blocks_failed or load.unfenced)
-                invalid.update(load.failed_blocks if narrowed else load.flat)
+                narrowed = load.failed_blocks
+                if narrowed and not (load.all_blocks_failed or load.unfenced):
+                    invalid.update(narrowed)
+                else:
+                    invalid.update(load.flat)
             else:
                 unreportable.add(load.req_id)
             if load.unfenced and self.quarantine:

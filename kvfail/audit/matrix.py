@@ -7,6 +7,11 @@ the default is ``.venv/``), and one interpreter can import only one vLLM, so the
 runs ``kvfail audit --format json`` in a child of each venv's Python (the same code as
 ``kvfail audit``; ``--quick`` unless ``--dynamic``) and joins the rows here.
 
+A release no venv here can hold (vLLM 0.33.0 ships for CUDA only) joins as a static column
+from its wheel: ``pip download --no-deps vllm==0.33.0 -d DIR``, then ``kvfail matrix
+--wheel DIR/vllm-0.33.0-*.whl`` (:mod:`kvfail.audit.wheel`: the sources are unpacked and
+read, never installed or imported; the dynamic tier is not run for it).
+
 This module imports no vLLM; it reads each venv's installed version from its package
 metadata, never by importing it.
 """
