@@ -145,3 +145,39 @@ def test_the_environment_switches_the_default(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(reporting.ENV, "per-block")
     with pytest.raises(ValueError, match="KVFAIL_REPORTING"):
         EngineSpec()
+
+
+def _rank_sees(view: Any) -> tuple[bool, bool, bool]:
+    """On the rank: does the base declare block ids, does compat see them, does the
+    rank's tracker report by request id."""
+    tracker = view.connector.failure_reporter
+    return (
+        METHOD in KVConnectorBase_V1.__dict__,
+        compat.routing(1).block_level,
+        tracker.request_level,
+    )
+
+
+def _fail_one_block(view: Any, rid: str) -> None:
+    view.connector.fail(rid, block_index=0)
+
+
+def test_rank_processes_run_in_the_same_mode(make_engine: Any) -> None:
+    """Real TP ranks (their own processes) take the mode from the spec, before their
+    connector is built, and fail by request id; the aggregated report carries no block."""
+    engine = make_engine(
+        engine_id="D-rl-ranks",
+        tp_size=2,
+        tp_mode="processes",
+        reporting="request-level",
+        extra_config={"toy_mode": "hold"},
+    )
+    assert [w.call(_rank_sees) for w in engine.workers] == [(False, False, True)] * 2
+    engine.add_request("bad", kv_transfer_params=PD)
+    engine.step()
+    for worker in engine.workers:
+        worker.call(_fail_one_block, "bad")
+    engine.step()
+    seen = engine.record.scheduler_reports()[-1]
+    assert seen.failed_recving == {"bad"} and not seen.invalid_block_ids
+    assert engine.status("bad") == RequestStatus.FINISHED_ERROR
