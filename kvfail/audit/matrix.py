@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvfail.audit.wheel import dist_version, unpack_sources
 from kvfail.compat import MISSING_FEATURE_MARK
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "run",
 ]
 
-_DIST = re.compile(r"^vllm(?:[-_]cpu)?-(?P<version>[0-9][^-]*)\.dist-info$")
 #: A child that has not answered in this long is stopped (the dynamic tier has its own
 #: budget, ``--budget-s``; this only bounds a hung child).
 _STATIC_TIMEOUT_S = 600.0
@@ -67,12 +67,6 @@ class Venv:
     @property
     def key(self) -> tuple[int, ...]:
         return _version_key(self.version)
-
-
-def dist_version(name: str) -> str | None:
-    """The vLLM version a ``*.dist-info`` folder name gives (None for another package)."""
-    match = _DIST.match(name)
-    return match.group("version") if match else None
 
 
 def _version_key(version: str) -> tuple[int, ...]:
@@ -669,8 +663,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _unpacked_wheels(wheels: Sequence[Path], into: Path) -> list[Venv]:
     """Each wheel's sources, as a row the static tier reads with this Python."""
-    from kvfail.audit.wheel import unpack_sources
-
     rows = []
     for i, wheel in enumerate(wheels):
         try:

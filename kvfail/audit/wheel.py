@@ -11,10 +11,20 @@ dist-info. Nothing from the wheel is executed, and its compiled parts stay in th
 
 from __future__ import annotations
 
+import re
 import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["unpack_sources"]
+__all__ = ["dist_version", "unpack_sources"]
+
+_DIST = re.compile(r"^vllm(?:[-_]cpu)?-(?P<version>[0-9][^-]*)\.dist-info$")
+
+
+def dist_version(name: str) -> str | None:
+    """The vLLM version a ``*.dist-info`` folder name gives (None for another package):
+    a venv's installed vLLM and a wheel's are named the same way."""
+    match = _DIST.match(name)
+    return match.group("version") if match else None
 
 
 def _wanted(name: str) -> bool:
@@ -28,8 +38,6 @@ def _wanted(name: str) -> bool:
 def unpack_sources(wheel: Path, dest: Path) -> str:
     """Unpack ``wheel``'s Python sources and dist-info into ``dest``; return the vLLM
     version its dist-info names. Raises ``ValueError`` for a file that is no vLLM wheel."""
-    from kvfail.audit.matrix import dist_version
-
     try:
         archive = zipfile.ZipFile(wheel)
     except (OSError, zipfile.BadZipFile) as exc:
