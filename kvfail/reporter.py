@@ -45,6 +45,7 @@ class FailureReporterMixin:
         name: str | None = None,
         default_deadline_s: float | None = None,
         request_level_channel: bool | None = None,
+        block_level_channel: bool | None = None,
         fence_retry_s: float = 0.0,
         clock: Clock = time.monotonic,
         quarantine: bool = False,
@@ -53,20 +54,28 @@ class FailureReporterMixin:
         """Set up the tracker. Refuses, here and not at the first failure, a KV layout
         whose failures this vLLM could not be told about.
 
-        ``request_level_channel``: None detects it from the installed vLLM.
+        ``request_level_channel`` / ``block_level_channel``: None takes them from
+        :func:`kvfail.compat.routing`, which detects them on the installed vLLM (block
+        level only where it exists and the layout has one group); True or False forces
+        that channel (tests, and a connector that knows better).
         ``quarantine``: the connector's scheduler half holds failed loads' blocks
         (:class:`kvfail.vllm_quarantine.QuarantineConnector`), so a load whose transfer
         may still write fails at once (see :meth:`load_failed`'s ``fenced``); ``rank``
         names this worker's TP rank in the quarantine notices.
         """
+        route = compat.routing(num_kv_cache_groups)
         if request_level_channel is None:
-            request_level_channel = compat.request_level_channel_available()
-        if num_kv_cache_groups > 1 and not request_level_channel:
+            request_level_channel = route.request_level
+        if block_level_channel is None:
+            block_level_channel = route.block_level
+        elif num_kv_cache_groups > 1:
+            block_level_channel = False  # never, whatever was asked (see routing)
+        if not (request_level_channel or block_level_channel):
             raise UnsupportedLayoutError(
-                f"{num_kv_cache_groups} KV-cache groups need the request-level failure "
+                f"{num_kv_cache_groups} KV-cache group(s) need the request-level failure "
                 "channel (get_transfer_results().failed_recving, vLLM >= 0.30), which the "
-                "installed vLLM lacks; block ids are not unique across groups, so block-"
-                "level reports would invalidate the wrong blocks. Use one KV-cache group "
+                f"installed vLLM lacks; block level is no way out here: "
+                f"{route.why_not_blocks or 'it was switched off'}. Use one KV-cache group "
                 "or upgrade vLLM."
             )
         override = type(self).kvfail_fence is not FailureReporterMixin.kvfail_fence
@@ -75,6 +84,7 @@ class FailureReporterMixin:
             name=name or type(self).__name__,
             default_deadline_s=default_deadline_s,
             request_level_available=request_level_channel,
+            block_level_available=block_level_channel,
             fence=self.kvfail_fence if override else None,
             fence_retry_s=fence_retry_s,
             clock=clock,
@@ -180,10 +190,23 @@ class FailureReporterMixin:
     # ---------------------------------------------------------------- per step
 
     def drain_step(self) -> StepReport:
-        """Drain once per step; invalid blocks wait for get_block_ids_with_load_errors()."""
+        """Drain once per step; invalid blocks wait for get_block_ids_with_load_errors().
+
+        Raises :class:`kvfail.compat.NoFailureChannelError` for a failed load that this
+        vLLM offers no channel for (see :class:`~kvfail.tracker.StepReport`). Why
+        raise: such a load could only be delivered as finished (the request would run
+        on KV that never arrived) or kept back for ever (its request would hang in
+        WAITING_FOR_REMOTE_KVS holding its blocks, in silence). An error from the
+        worker's completion poll stops the engine instead: vLLM's engine core fails
+        every request in flight with an error naming the cause, so no request is served
+        from missing KV and the operator learns which vLLM feature the deployment lacks
+        (docs/contract.md, "No failure channel").
+        """
         report = self.failure_reporter.drain()
         if report.invalid_block_ids:
             self._kvfail_invalid.update(report.invalid_block_ids)
+        if report.unreportable:
+            raise compat.NoFailureChannelError(report.unreportable, self.failure_reporter.name)
         return report
 
     def transfer_results(

@@ -77,9 +77,17 @@ class StepReport:
     failed_recving: AbstractSet[str]
     invalid_block_ids: AbstractSet[int]
     failures: tuple[tuple[str, Failure], ...] = ()
+    #: Failed loads no channel of this vLLM can carry (no block to name, no
+    #: ``failed_recving``): never to be delivered as finished (see the mixin).
+    unreportable: AbstractSet[str] = frozenset()
 
     def __bool__(self) -> bool:
-        return bool(self.finished_recving or self.failed_recving or self.invalid_block_ids)
+        return bool(
+            self.finished_recving
+            or self.failed_recving
+            or self.invalid_block_ids
+            or self.unreportable
+        )
 
 
 IDLE_REPORT: Final = StepReport(frozenset(), frozenset(), frozenset())
@@ -142,6 +150,7 @@ class LoadTracker:
         name: str = "connector",
         default_deadline_s: float | None = None,
         request_level_available: bool = True,
+        block_level_available: bool = True,
         fence: Fence | None = None,
         fence_retry_s: float = 0.0,
         clock: Clock = time.monotonic,
@@ -151,7 +160,10 @@ class LoadTracker:
         """``quarantine``: the scheduler side can hold a failed load's blocks
         (:mod:`kvfail.quarantine`), so a load whose transfer may still write is failed
         at once (request-level: recompute gets fresh blocks) and its blocks are held
-        until fenced. Without it, such a load is not delivered until it is fenced."""
+        until fenced. Without it, such a load is not delivered until it is fenced.
+
+        ``request_level_available`` / ``block_level_available``: which channels reach
+        the scheduler (:func:`kvfail.compat.routing` decides them for a layout)."""
         if num_kv_cache_groups < 1:
             raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
         if default_deadline_s is not None and not default_deadline_s > 0:
@@ -161,8 +173,8 @@ class LoadTracker:
         self.name = name
         self.num_kv_cache_groups = num_kv_cache_groups
         #: With several groups, block ids are only unique within a group, so a failed
-        #: request can only be named by id (C5).
-        self.request_level = num_kv_cache_groups > 1
+        #: request can only be named by id (C5); so too where block level is gone.
+        self.request_level = num_kv_cache_groups > 1 or not block_level_available
         self.request_level_available = request_level_available
         self.default_deadline_s = default_deadline_s
         self._fence = fence
@@ -459,34 +471,49 @@ class LoadTracker:
         self._compact_deadlines_locked()
         failed: set[str] = set()
         invalid: set[int] = set()
+        unreportable: set[str] = set()
         failures: list[tuple[str, Failure]] = []
-        request_level = self.request_level
         for load in ready:
             failure = load.failure
             if failure is None:
                 continue
             failures.append((load.req_id, failure))
-            if load.unfenced and self.quarantine:
-                # Request-level, so the scheduler drops everything the load computed and
-                # recomputes into fresh blocks, never into the held ones (C11). Without
-                # that channel every block of the load is named, and the scheduler half
-                # turns it into the same (kvfail.vllm_quarantine._RecordedLoads).
-                if self.request_level_available:
-                    failed.add(load.req_id)
+            channel = self._channel(load)
+            if channel == "request":
+                failed.add(load.req_id)
+            elif channel == "blocks":
+                narrowed = load.failed_blocks
+                if narrowed and not (load.all_blocks_failed or load.unfenced):
+                    invalid.update(narrowed)
                 else:
                     invalid.update(load.flat)
+            else:
+                unreportable.add(load.req_id)
+            if load.unfenced and self.quarantine:
                 self._quarantined[load.req_id] = load
                 self._notice_held.add(load.req_id)
                 self._stats.event("loads_quarantined")
-            elif request_level or load.request_level_only:
-                failed.add(load.req_id)
-            elif load.all_blocks_failed or not load.failed_blocks:
-                invalid.update(load.flat)
-            else:
-                invalid.update(load.failed_blocks)
         if len(failures) < len(ready):
             self._stats.event("loads_succeeded", len(ready) - len(failures))
-        return StepReport(finished, failed, invalid, tuple(failures))
+        if unreportable:
+            finished -= unreportable  # never delivered as finished: see StepReport
+        return StepReport(finished, failed, invalid, tuple(failures), frozenset(unreportable))
+
+    def _channel(self, load: _Load) -> str:
+        """The one per-load decision of how a failure reaches the scheduler: by request
+        id (``"request"``), by block (``"blocks"``), or by neither (``"none"``)."""
+        if load.unfenced and self.quarantine:
+            # Request-level, so the scheduler drops everything the load computed and
+            # recomputes into fresh blocks, never into the held ones (C11). Without that
+            # channel every block of the load is named, and the scheduler half turns it
+            # into the same (kvfail.vllm_quarantine._RecordedLoads).
+            if self.request_level_available:
+                return "request"
+            if not self.request_level:
+                return "blocks"
+        elif not (self.request_level or load.request_level_only):
+            return "blocks"
+        return "request" if self.request_level_available else "none"
 
     def _run_watchdog(self, log: _Pending) -> None:
         now = self._clock()

@@ -7,6 +7,11 @@ the default is ``.venv/``), and one interpreter can import only one vLLM, so the
 runs ``kvfail audit --format json`` in a child of each venv's Python (the same code as
 ``kvfail audit``; ``--quick`` unless ``--dynamic``) and joins the rows here.
 
+A release no venv here can hold (vLLM 0.33.0 ships for CUDA only) joins as a static column
+from its wheel: ``pip download --no-deps vllm==0.33.0 -d DIR``, then ``kvfail matrix
+--wheel DIR/vllm-0.33.0-*.whl`` (:mod:`kvfail.audit.wheel`: the sources are unpacked and
+read, never installed or imported; the dynamic tier is not run for it).
+
 This module imports no vLLM; it reads each venv's installed version from its package
 metadata, never by importing it.
 """
@@ -27,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvfail.audit.wheel import dist_version, unpack_sources
 from kvfail.compat import MISSING_FEATURE_MARK
 
 __all__ = [
@@ -42,7 +48,6 @@ __all__ = [
     "run",
 ]
 
-_DIST = re.compile(r"^vllm(?:[-_]cpu)?-(?P<version>[0-9][^-]*)\.dist-info$")
 #: A child that has not answered in this long is stopped (the dynamic tier has its own
 #: budget, ``--budget-s``; this only bounds a hung child).
 _STATIC_TIMEOUT_S = 600.0
@@ -55,6 +60,9 @@ class Venv:
 
     version: str
     python: Path
+    #: Sources unpacked from a wheel that cannot be installed here
+    #: (:mod:`kvfail.audit.wheel`): first on the child's ``PYTHONPATH``, static tier only.
+    source: Path | None = None
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -69,9 +77,9 @@ def venv_vllm_version(venv: Path) -> str | None:
     """The vLLM version installed in ``venv``, from its dist-info (no import)."""
     for site in sorted(venv.glob("lib/python*/site-packages")):
         for entry in site.iterdir():
-            match = _DIST.match(entry.name)
-            if match:
-                return match.group("version")
+            version = dist_version(entry.name)
+            if version:
+                return version
     return None
 
 
@@ -338,8 +346,11 @@ def run_version(
     log: TextIO | None = None,
 ) -> VersionRun:
     """Audit one venv in a child of its own Python; a failed child is an error row,
-    never a verdict about the connectors."""
+    never a verdict about the connectors. A wheel's sources (``venv.source``) get the
+    static tier only: nothing of theirs may run."""
     start = time.monotonic()
+    wheel_only = venv.source is not None
+    dynamic = dynamic and not wheel_only
     with tempfile.TemporaryDirectory(prefix="kvfail-matrix-") as tmp:
         out = Path(tmp) / "audit.json"
         cmd = audit_command(
@@ -354,8 +365,7 @@ def run_version(
         limit = _STATIC_TIMEOUT_S
         if dynamic:
             limit = (budget_s or 3600.0) + _DYNAMIC_SLACK_S
-        env = dict(os.environ)
-        env.pop("VIRTUAL_ENV", None)
+        env = child_env(venv, cwd)
         try:
             proc = subprocess.run(
                 cmd,
@@ -392,10 +402,26 @@ def run_version(
         venv.version,
         str(venv.python),
         elapsed,
-        dynamic_incomplete=report.get("dynamic_incomplete"),
+        dynamic_incomplete=(
+            "static tier only: read from the wheel's sources, not installed"
+            if wheel_only
+            else report.get("dynamic_incomplete")
+        ),
         cells=cells_from_audit(report),
-        features=venv_features(venv.python, cwd),
+        # compat would import vLLM: the venv's own, which is not the wheel's.
+        features=None if wheel_only else venv_features(venv.python, cwd),
     )
+
+
+def child_env(venv: Venv, cwd: Path | None) -> dict[str, str]:
+    """The audit child's environment: this one, without an activated venv; a wheel's
+    sources first on ``PYTHONPATH``, then the checkout (so kvfail is this one)."""
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    if venv.source is not None:
+        paths = [str(venv.source), str(cwd or Path.cwd()), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
 
 
 def build(
@@ -614,6 +640,16 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="where the venvs are (default: the kvfail checkout)",
     )
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="WHL",
+        help="also audit this vLLM wheel's connectors, static tier only, from its unpacked "
+        "sources (never installed or imported; e.g. one for an accelerator this machine "
+        "lacks, from `pip download --no-deps vllm==VERSION`); repeatable",
+    )
 
 
 def _default_root() -> Path:
@@ -621,12 +657,32 @@ def _default_root() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvfail-wheels-") as tmp:
+        return _run(args, _unpacked_wheels(getattr(args, "wheel", []), Path(tmp)))
+
+
+def _unpacked_wheels(wheels: Sequence[Path], into: Path) -> list[Venv]:
+    """Each wheel's sources, as a row the static tier reads with this Python."""
+    rows = []
+    for i, wheel in enumerate(wheels):
+        try:
+            version = unpack_sources(wheel, into / str(i))
+        except ValueError as exc:
+            raise SystemExit(f"kvfail matrix: --wheel {exc}") from None
+        rows.append(Venv(version, Path(sys.executable), source=into / str(i)))
+    return rows
+
+
+def _run(args: argparse.Namespace, wheels: list[Venv]) -> int:
     root = (args.root or _default_root()).resolve()
     matrix = Matrix(dynamic=args.dynamic, runs=[])
     for path in args.load:
         matrix = matrix.merged(Matrix.from_json(json.loads(path.read_text())))
-    if not args.load or args.vllm:
-        venvs = discover_venvs(root, args.vllm)
+    from_wheels = {w.version for w in wheels}
+    wanted = [v for v in args.vllm if v not in from_wheels]
+    if wheels or not args.load or args.vllm:
+        venvs = [] if args.vllm and not wanted else discover_venvs(root, wanted)
+        venvs = sorted([*venvs, *wheels], key=lambda v: v.key)
         if not venvs:
             print(
                 f"kvfail matrix: no venv with vLLM under {root}; run scripts/setup.sh",

@@ -49,7 +49,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from kvfail.harness.reporting import Reporting, from_env
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -132,6 +134,10 @@ class EngineSpec:
     #: the forward as vLLM's attention layers call them. Synchronous, layer-wise
     #: connectors (vLLM's ExampleConnector) load and save nothing without it.
     layer_forward_context: bool = False
+    #: ``"request-level"``: run the Scheduler as if block-level load-error reporting were
+    #: removed (vLLM PR #42461; :mod:`kvfail.harness.reporting`). Default: the
+    #: ``KVFAIL_REPORTING`` environment variable, else ``"block-level"`` (vLLM as is).
+    reporting: Reporting = field(default_factory=from_env)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_config", _frozen_mapping(self.extra_config))
@@ -147,6 +153,9 @@ class EngineSpec:
             raise ValueError(f"tp_mode must be 'simulated' or 'processes', got {self.tp_mode!r}")
         if self.layer_forward_context and self.tp_mode == "processes":
             raise ValueError("layer_forward_context is built for in-process ranks only")
+        if self.reporting not in get_args(Reporting):
+            modes = get_args(Reporting)
+            raise ValueError(f"reporting must be one of {modes}, got {self.reporting!r}")
         if self.num_blocks < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is vLLM's null block)")
 

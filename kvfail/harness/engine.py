@@ -68,7 +68,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -87,12 +86,15 @@ from kvfail.harness.hooks import (
     run_worker_hooks,
 )
 from kvfail.harness.ranks import RankCrash, RankProcess
+from kvfail.harness.reporting import hold as hold_reporting
+from kvfail.harness.reporting import scheduler_class
 from kvfail.rig import nixl_progress
 from kvfail.rig.shm import new_shm_ident, release_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 __all__ = [
     "Crash",
@@ -405,18 +407,24 @@ class Engine:
         self._next_id = 0
         _ensure_none_hash()
         ensure_world_of_one(self.vllm_config)
-        with set_current_vllm_config(self.vllm_config):
-            self.scheduler = Scheduler(
-                vllm_config=self.vllm_config,
-                kv_cache_config=self.kv_cache_config,
-                structured_output_manager=StructuredOutputManager(self.vllm_config),
-                block_size=spec.block_size,
-                log_stats=log_stats,
-            )
-            if spec.tp_mode == "processes":
-                self.workers: list[Worker] = self._start_rank_processes(rank_env)
-            else:
-                self.workers = [self._build_worker(r) for r in range(spec.tp_size)]
+        # Before any connector is built: each reads vLLM's interface at construction.
+        self._release_reporting = hold_reporting(spec.reporting)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                self.scheduler: Scheduler = scheduler_class(spec.reporting)(
+                    vllm_config=self.vllm_config,
+                    kv_cache_config=self.kv_cache_config,
+                    structured_output_manager=StructuredOutputManager(self.vllm_config),
+                    block_size=spec.block_size,
+                    log_stats=log_stats,
+                )
+                if spec.tp_mode == "processes":
+                    self.workers: list[Worker] = self._start_rank_processes(rank_env)
+                else:
+                    self.workers = [self._build_worker(r) for r in range(spec.tp_size)]
+        except BaseException:
+            self._release_reporting()
+            raise
         self.aggregator: KVOutputAggregator | None = None
         if spec.tp_size > 1:
             assert self.scheduler.connector is not None
@@ -679,6 +687,7 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
+        self._release_reporting()
 
     def __enter__(self) -> Engine:
         return self
@@ -714,7 +723,9 @@ class Engine:
                 forward = lambda: hook(self, worker, so)  # noqa: E731
             layers = self.layer_context(worker, so) if self.spec.layer_forward_context else None
             with _installed_as_transfer_group(worker.connector):
-                result = run_worker_hooks(worker.connector, so, self.vllm_config, forward, layers)
+                result = run_worker_hooks(
+                    worker.connector, so, self.vllm_config, forward, layers, self.spec.reporting
+                )
         if result.no_forward is not None:
             return result.no_forward
         if plan is not None and plan[0].collect is not None:

@@ -24,6 +24,8 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
+from kvfail.harness.reporting import Reporting, runner_view
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -126,6 +128,7 @@ def run_worker_hooks(
     vllm_config: VllmConfig,
     forward: Callable[[], Any] | None,
     layers: LayerContext | None = None,
+    reporting: Reporting = "block-level",
 ) -> StepResult:
     """Run one rank's connector hooks for ``so``; ``forward`` is called where the model
     would run (inside the connector's load/save window). Raises :class:`ForwardHookError`
@@ -133,7 +136,21 @@ def run_worker_hooks(
 
     With ``layers``, the forward context carries their attention metadata and layer
     objects, and each layer's ``wait_for_layer_load`` (before the forward) and
-    ``save_kv_layer`` (after it) are called, as vLLM's attention layers call them."""
+    ``save_kv_layer`` (after it) are called, as vLLM's attention layers call them.
+
+    ``reporting="request-level"``: the runner never asks the connector for block ids
+    (:func:`kvfail.harness.reporting.runner_view`)."""
+    with runner_view(connector, reporting):
+        return _run_worker_hooks(connector, so, vllm_config, forward, layers)
+
+
+def _run_worker_hooks(
+    connector: KVConnectorBase_V1,
+    so: SchedulerOutput,
+    vllm_config: VllmConfig,
+    forward: Callable[[], Any] | None,
+    layers: LayerContext | None,
+) -> StepResult:
     assert so.kv_connector_metadata is not None
     connector.handle_preemptions(so.kv_connector_metadata)
     if so.total_num_scheduled_tokens == 0:

@@ -45,6 +45,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvfail.faults.process import install_stack_dump
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
+from kvfail.harness.reporting import hold as hold_reporting
 from kvfail.rig import nixl_progress
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
@@ -160,7 +161,9 @@ def _rank_main(
                 if kind == "step":
                     _, so, apply, payload = message
                     forward = None if apply is None else functools.partial(apply, view, payload)
-                    reply: Any = ("ok", run_worker_hooks(view.connector, so, vllm_config, forward))
+                    mode = view.built.spec.reporting
+                    result = run_worker_hooks(view.connector, so, vllm_config, forward, None, mode)
+                    reply: Any = ("ok", result)
                 else:  # "call"
                     _, fn, args = message
                     reply = ("ok", fn(view, *args))
@@ -183,6 +186,7 @@ def _build_rank(spec: EngineSpec, rank: int, init_method: str) -> RankView:
     """What a real worker process does before serving: distributed init, the transfer
     group, KV tensors, ``register_kv_caches``."""
     nixl_progress.apply_from_env()
+    hold_reporting(spec.reporting)  # for the process's life, before the connector is built
     built = build_config(spec)
     vllm_config = built.vllm_config
     # vLLM's CpuWorker names the ranks' shared-memory group after the init port; the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import subprocess
 import sys
 import types
@@ -22,15 +23,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def _clear() -> None:
-    for fn in (
-        compat.transfer_results_class,
-        compat.output_has_failed_recving,
-        compat.block_pool_binding_available,
-        compat.kv_cache_manager_binding_available,
-        compat.get_finished_polled,
-        compat.nixl_failed_set_available,
-    ):
-        fn.cache_clear()
+    compat.reset_detection()
 
 
 @dataclasses.dataclass
@@ -55,6 +48,9 @@ class _Output030(_Output029):
 class _Base029:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
 
     def bind_gpu_block_pool(self, pool: object) -> None:
         pass
@@ -99,6 +95,8 @@ def test_features_follow_what_the_modules_offer_not_a_version(
         "kv_cache_manager_binding": request_level,
         "get_finished": True,
         "nixl_failed_set": False,  # no NIXL module faked
+        "block_level_channel": True,  # every release so far
+        "multi_group_blocks_refused": False,  # no scheduler module faked
     }
     assert compat.get_finished_polled() is (not request_level)
     want = _Results030 if request_level else compat.LegacyTransferResults
@@ -144,7 +142,7 @@ def test_require_names_the_missing_feature(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_finished_pair_is_the_older_get_finished_shape() -> None:
-    r = compat.LegacyTransferResults({"s"}, {"a", "f"}, {"f"})
+    r = compat.LegacyTransferResults({"s"}, {"a", "f"})
     assert compat.finished_pair(r) == ({"s"}, {"a", "f"})
     assert compat.finished_pair(compat.LegacyTransferResults()) == (None, None)
 
@@ -192,6 +190,124 @@ def test_without_request_channel_several_groups_are_refused(
     _fake_vllm(monkeypatch, request_level=False)
     with pytest.raises(UnsupportedLayoutError, match="request-level failure channel"):
         _Worker(groups=2)
+
+
+def test_without_request_channel_a_load_with_no_block_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0.29-shaped: a load whose block ids were all unusable can be failed neither by id
+    nor by block. It is never delivered as finished: the poll raises, naming the feature."""
+    _fake_vllm(monkeypatch, request_level=False)
+    w = _Worker()
+    w.track_load("bad", [-1])  # the tracker keeps it and fails it (bad input)
+    w.abandon_load("bad", Stage.PARAMS, "nothing to pull into")
+    with pytest.raises(compat.NoFailureChannelError, match="request_level_channel") as info:
+        w.get_finished(set())
+    assert info.value.req_ids == {"bad"} and info.value.feature == "request_level_channel"
+    assert compat.MISSING_FEATURE_MARK in str(info.value)
+    assert w.get_finished(set()) == (None, None)  # nothing was delivered as finished
+
+
+def test_the_older_poll_shape_refuses_failed_ids_instead_of_dropping_them() -> None:
+    with pytest.raises(compat.NoFailureChannelError) as info:
+        compat.finished_pair(compat.LegacyTransferResults(set(), {"a", "f"}, {"f"}))
+    assert info.value.req_ids == {"f"}
+
+
+# ----------------------------------------------------------- block level, by feature
+
+
+class _Base042461:
+    """A base as vLLM PR #42461 would leave it: no get_block_ids_with_load_errors."""
+
+    get_transfer_results = _Base030.get_transfer_results
+    bind_kv_cache_manager = _Base030.bind_kv_cache_manager
+
+
+def _refusing_handler(self: Any, invalid_block_ids: set[int], scheduled: Any) -> set[str]:
+    """Shaped like vLLM #56855's ``_handle_invalid_blocks``: an explicit refusal."""
+    if len(self.kv_cache_config.kv_cache_groups) > 1:
+        raise RuntimeError("block ids with several KV-cache groups")
+    return set()
+
+
+def _one_group_handler(self: Any, invalid_block_ids: set[int], scheduled: Any) -> set[str]:
+    """Shaped like an older one: it assumes a single group and would crash on two."""
+    (blocks,) = self.kv_cache_manager.get_block_ids("r")
+    return {str(b) for b in blocks if b in invalid_block_ids}
+
+
+def _fake_schedulers(monkeypatch: pytest.MonkeyPatch, handler: Any) -> None:
+    """A 0.32-shaped vLLM whose scheduler's ``_handle_invalid_blocks`` is ``handler``."""
+    scheduler = type("Scheduler", (), {"_handle_invalid_blocks": handler})
+    modules = {
+        compat._BASE: types.SimpleNamespace(
+            KVConnectorBase_V1=_Base030, KVConnectorTransferResults=_Results030
+        ),
+        compat._OUTPUTS: types.SimpleNamespace(KVConnectorOutput=_Output030),
+        compat._SCHEDULER: types.SimpleNamespace(Scheduler=scheduler),
+    }
+    monkeypatch.setattr(compat, "_module", modules.get)
+    _clear()
+
+
+def test_routing_uses_blocks_only_where_they_exist_and_one_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_schedulers(monkeypatch, _refusing_handler)
+    assert compat.routing(1) == compat.Routing(request_level=True, block_level=True)
+    several = compat.routing(2)
+    assert several.request_level and not several.block_level
+    assert "#56855" in several.why_not_blocks  # the scheduler's explicit refusal
+    assert compat.features()["multi_group_blocks_refused"]
+
+
+def test_an_older_scheduler_is_not_trusted_with_several_groups_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _fake_schedulers(monkeypatch, _one_group_handler)
+    assert not compat.multi_group_blocks_refused()
+    several = compat.routing(2)
+    assert not several.block_level and "crash" in several.why_not_blocks
+
+
+@pytest.mark.parametrize("gone", ["base_method", "output_field"])
+def test_without_the_block_channel_everything_goes_by_request(
+    monkeypatch: pytest.MonkeyPatch, gone: str
+) -> None:
+    """vLLM PR #42461's shape: either half of the block channel missing is no channel."""
+
+    @dataclasses.dataclass
+    class Output:
+        finished_recving: set[str] | None = None
+        failed_recving: set[str] | None = None
+
+    base = types.SimpleNamespace(
+        KVConnectorBase_V1=_Base042461 if gone == "base_method" else _Base030,
+        KVConnectorTransferResults=_Results030,
+    )
+    output = Output if gone == "output_field" else _Output030
+    modules = {compat._BASE: base, compat._OUTPUTS: types.SimpleNamespace(KVConnectorOutput=output)}
+    monkeypatch.setattr(compat, "_module", modules.get)
+    _clear()
+    assert not compat.features()["block_level_channel"]
+    route = compat.routing(1)
+    assert route.request_level and not route.block_level and "#42461" in route.why_not_blocks
+    w = _Worker()
+    w.track_load("r", [4, 5])
+    w.load_failed("r", Stage.TRANSFER, "x", block_ids=[5])  # narrowed: still by request
+    results = w.get_transfer_results(set())
+    assert (results.finished_recving, results.failed_recving) == ({"r"}, {"r"})
+    assert w.get_block_ids_with_load_errors() == set()
+
+
+def test_no_channel_at_all_is_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = types.SimpleNamespace(KVConnectorBase_V1=type("B", (), {}))
+    monkeypatch.setattr(compat, "_module", {compat._BASE: base}.get)
+    _clear()
+    assert not compat.routing(1).reportable
+    with pytest.raises(UnsupportedLayoutError, match="no block-level channel"):
+        _Worker()
 
 
 def test_with_request_channel_several_groups_fail_by_request(
@@ -271,6 +387,13 @@ def test_detection_matches_the_installed_vllm() -> None:
     )
     if has_results:
         assert compat.KVConnectorTransferResults is base.KVConnectorTransferResults
+    blocks = hasattr(base.KVConnectorBase_V1, "get_block_ids_with_load_errors")
+    assert compat.block_level_channel_available() is (blocks and "invalid_block_ids" in fields)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    refuses = "kv_cache_groups) > 1" in inspect.getsource(Scheduler._handle_invalid_blocks)
+    assert compat.multi_group_blocks_refused() is refuses
+    assert not compat.routing(2).block_level  # on every release
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="requires vllm: the harness's own modules import it")

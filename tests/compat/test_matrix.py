@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,51 @@ def test_a_connector_with_every_scenario_an_error_says_so_not_no_driver() -> Non
         "+1 error ? 3 not run"
     )
     assert m.Cell(present=True, dynamic=(0, 0, 0)).dynamic_text == "-"
+
+
+# ------------------------------------------------------------------ a wheel, read only
+
+
+def _fake_wheel(path: Path, version: str = "9.9.0") -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("vllm/__init__.py", "raise ImportError('never imported')\n")
+        zf.writestr("vllm/kv/connector.py", "class C:\n    pass\n")
+        zf.writestr("vllm/_C.abi3.so", b"\x7fELF")  # compiled parts stay in the zip
+        zf.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+        zf.writestr("../escape.py", "x = 1\n")
+    return path
+
+
+def test_a_wheel_gives_its_sources_and_version_and_nothing_else(tmp_path: Path) -> None:
+    from kvfail.audit.wheel import unpack_sources
+
+    out = tmp_path / "src"
+    assert unpack_sources(_fake_wheel(tmp_path / "v.whl"), out) == "9.9.0"
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == ["vllm-9.9.0.dist-info/METADATA", "vllm/__init__.py", "vllm/kv/connector.py"]
+    assert not (tmp_path / "escape.py").exists()
+    with pytest.raises(ValueError, match="not a readable wheel"):
+        unpack_sources(tmp_path / "src" / "vllm" / "__init__.py", tmp_path / "x")
+
+
+def test_a_wheel_row_is_static_only_with_its_sources_first_on_the_path(tmp_path: Path) -> None:
+    row = m.Venv("9.9.0", Path(sys.executable), source=tmp_path / "src")
+    env = m.child_env(row, tmp_path)
+    first, second = env["PYTHONPATH"].split(":")[:2]
+    assert (first, second) == (str(tmp_path / "src"), str(tmp_path))
+    venv_env = m.child_env(m.Venv("9.9.0", Path(sys.executable)), tmp_path)
+    assert venv_env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # a venv: as it is
+
+
+def test_a_wheel_is_read_by_the_static_tier_without_importing_it(tmp_path: Path) -> None:
+    """The audit child finds the wheel's vLLM first on its path and only parses it (its
+    ``__init__`` raises if imported); the row is the wheel's version, static only."""
+    wheel = _fake_wheel(tmp_path / "v.whl")
+    row = m._unpacked_wheels([wheel], tmp_path / "src")[0]
+    assert (row.version, row.source) == ("9.9.0", tmp_path / "src" / "0")
+    run = m.run_version(row, dynamic=True, cwd=Path(__file__).resolve().parents[2])
+    assert run.error is None, run.error
+    assert run.version == "9.9.0" and run.features is None
+    assert run.dynamic_incomplete and "static tier only" in run.dynamic_incomplete

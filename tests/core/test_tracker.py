@@ -566,3 +566,42 @@ def test_deadline_heap_shrinks_when_loads_leave_without_new_tracks() -> None:
         t.succeeded(f"r{i}")
     t.drain()
     assert len(t) == 0 and len(t._deadlines) <= 64
+
+
+# --------------------------------------------------------------- reporting channels
+
+
+def test_without_block_level_a_narrowed_failure_goes_by_request_id() -> None:
+    """Where block level is gone (vLLM PR #42461), even one lost block fails the whole
+    request by id: the scheduler then recomputes it all, never a kept prefix."""
+    t = make(block_level_available=False)
+    assert t.request_level
+    t.track("r1", [5, 6, 7])
+    t.failed("r1", Stage.TRANSFER, "block 6 lost", block_ids=[6])
+    report = t.drain()
+    assert report.finished_recving == {"r1"} and report.failed_recving == {"r1"}
+    assert not report.invalid_block_ids and not report.unreportable
+
+
+def test_without_the_request_channel_a_failure_goes_by_block() -> None:
+    t = make(request_level_available=False)
+    t.track("r1", [5, 6, 7])
+    t.failed("r1", Stage.TRANSFER, "block 6 lost", block_ids=[6])
+    report = t.drain()
+    assert report.finished_recving == {"r1"} and report.invalid_block_ids == {6}
+    assert not report.failed_recving and not report.unreportable
+
+
+def test_a_failure_no_channel_can_carry_is_never_delivered_as_finished() -> None:
+    """No usable block id and no request channel (vLLM < 0.30): the load is handed back
+    as unreportable, outside ``finished_recving`` (the mixin raises on it)."""
+    t = make(request_level_available=False)
+    t.track("bad", [-1, "x"])
+    t.track("ok", [3])
+    t.failed("bad", Stage.PARAMS, "nothing to pull into", peer=ALL_PEERS)
+    t.succeeded("ok")
+    report = t.drain()
+    assert report.unreportable == {"bad"} and report
+    assert report.finished_recving == {"ok"}
+    assert not report.failed_recving and not report.invalid_block_ids
+    assert t.failure_of("bad") is None and len(t) == 0  # delivered to the caller, once
