@@ -4,14 +4,13 @@ soak prints the command that replays it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.child_pytest import child_env, run_child_pytest
 
 #: Request ids of one scenario run after ``warm`` unrelated ones, in a fresh process.
 IDS = """
@@ -39,7 +38,7 @@ print(ctx("test_soak_random_faults").rid("soak"))
 
 
 def _ids(seed: int, warm: int) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-c", IDS, str(seed), str(warm)],
         env=env,
@@ -71,19 +70,14 @@ def test_a_failing_soak_prints_the_seed_that_replays_it(tmp_path: Path, vllm_loa
     from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
     control = "kvfail.conformance.negative:SwallowsFailure"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(
+    rc, log = run_child_pytest(
         [
-            *(sys.executable, "-m", "pytest", str(SCENARIOS / "test_concurrency.py")),
-            *("-q", "-p", "no:cacheprovider", "-k", "soak", "--kvfail-seed", "23"),
+            str(SCENARIOS / "test_concurrency.py"),
+            *("-k", "soak", "--kvfail-seed", "23"),
             *("--connector", control, "--policy", "fail", "--layout", "tp1"),
         ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        tmp_path,
+        600,
     )
-    log = done.stdout + done.stderr
-    assert done.returncode == pytest.ExitCode.TESTS_FAILED, log
+    assert rc == pytest.ExitCode.TESTS_FAILED, log
     assert f"soak seed 23: replay with --kvfail-seed 23 -k soak --connector {control}" in log

@@ -6,16 +6,14 @@ toy connector: one scenario passes, the next ends the run its way, and ``report.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.child_pytest import run_child_pytest
+
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 CONFTEST = """
 from kvfail.conformance.plugin import fallback_plugins
@@ -59,23 +57,18 @@ def test_the_report_survives_the_runs_end(tmp_path: Path, ending: str) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST.format(internal=internal))
     (tmp_path / "test_ends.py").write_text(SCENARIOS.format(ending=body))
     out = tmp_path / "report"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(
+    rc, log = run_child_pytest(
         [
-            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_ends.py"),
+            "test_ends.py",
             *("--connector", "toy", "--policy", "fail", "--layout", "tp1"),
             *("--kvfail-report", str(out)),
         ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        300,
     )
-    log = done.stdout + done.stderr
-    assert done.returncode != 0, log
+    assert rc != 0, log
     if ending == "internalerror":
-        assert "INTERNALERROR" in log and done.returncode == pytest.ExitCode.INTERNAL_ERROR, log
+        assert "INTERNALERROR" in log and rc == pytest.ExitCode.INTERNAL_ERROR, log
     records = json.loads((out / "report.json").read_text())
     outcomes = {r["scenario"]: r["outcome"] for r in records}
     assert outcomes.get("test_a") == "passed", (outcomes, log)
