@@ -409,13 +409,18 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
                 continue
             since = watched[req_id] = self._kvfail_watched.get(req_id, now)
             if probes.gone(addr, since=since, waiter=req_id):
-                self._kvfail_p_gone(req_id, addr)
+                self._kvfail_p_gone(
+                    req_id, f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
+                )
+            elif (unresolved := probes.unresolved(addr)) is not None:
+                # Not proof that P is gone, but no READ can reach it any more: the load
+                # fails, and its blocks wait for its READs to end, as for a gone P.
+                self._kvfail_p_gone(req_id, f"P's side channel host {unresolved}")
         for req_id in self._kvfail_watched.keys() - watched.keys():
             probes.forget(req_id)
         self._kvfail_watched = watched
 
-    def _kvfail_p_gone(self, req_id: str, addr: tuple[str, int]) -> None:
-        reason = f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
+    def _kvfail_p_gone(self, req_id: str, reason: str) -> None:
         if not self.failure_reporter.quarantine:
             self.load_failed(req_id, Stage.PEER_LOST, reason, settle=False)
             return
