@@ -30,12 +30,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["BlockQuarantine", "Hold", "QuarantineNotice"]
+__all__ = ["BlockQuarantine", "Hold", "QuarantineNotice", "hold_rank"]
 
 log = logging.getLogger("kvfail.quarantine")
 
-#: A quarantine is per (request id, rank): each TP rank's transfer writes its own shard.
+#: A quarantine is per (request id, worker): each worker's transfer writes its own part
+#: (its TP shard, its pipeline stage's layers). The int is :func:`hold_rank`'s.
 Hold = tuple[str, int]
+
+
+def hold_rank(tp_rank: int, tp_size: int, pp_rank: int = 0) -> int:
+    """A worker's name in the holds: unique over every TP rank of every pipeline stage.
+
+    vLLM merges the KV output of all TP x PP workers into one; keyed by the TP rank
+    alone, two stages would share one hold, and the first stage's release would free
+    blocks the other stage's transfer may still write."""
+    return pp_rank * max(1, tp_size) + tp_rank
 
 
 @dataclass

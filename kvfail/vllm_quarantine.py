@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfail import compat
-from kvfail.quarantine import BlockQuarantine, QuarantineNotice
+from kvfail.quarantine import BlockQuarantine, QuarantineNotice, hold_rank
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CAP_KEY", "DEFAULT_CAP_FRACTION", "KvfailWorkerMeta", "QuarantineConnector"]
+__all__ = [
+    "CAP_KEY",
+    "DEFAULT_CAP_FRACTION",
+    "KvfailWorkerMeta",
+    "QuarantineConnector",
+    "worker_hold_rank",
+]
 
 log = logging.getLogger("kvfail.quarantine")
 
@@ -69,6 +75,18 @@ class KvfailWorkerMeta(KVConnectorWorkerMetadata):
         elif other.inner is not None:
             self.inner = self.inner.aggregate(other.inner)
         return self
+
+
+def worker_hold_rank(vllm_config: Any, tp_rank: int) -> int:
+    """This worker's rank in quarantine notices (:func:`kvfail.quarantine.hold_rank`):
+    its TP rank within its pipeline stage, made unique across stages. Where vLLM's
+    parallel groups are not set up (one process plays a rank), the stage is 0."""
+    from vllm.distributed import parallel_state
+
+    pp_rank = 0
+    if parallel_state.model_parallel_is_initialized():
+        pp_rank = parallel_state.get_pp_group().rank_in_group
+    return hold_rank(tp_rank, vllm_config.parallel_config.tensor_parallel_size, pp_rank)
 
 
 def _cap_from(connector: Any, num_blocks: int) -> int:

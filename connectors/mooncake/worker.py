@@ -70,6 +70,7 @@ from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
+from kvfail.vllm_quarantine import worker_hold_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,7 +216,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             name=f"{type(self).__name__}[{engine_id}]",
             default_deadline_s=deadline,
             quarantine=compat.block_pool_binding_available(),
-            rank=self.tp_rank,
+            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
         self._xfer_resp_decoder = _ReplyDecoder(self._xfer_resp_decoder)
         #: Guards the task registry below; never held while calling the tracker.

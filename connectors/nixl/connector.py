@@ -71,7 +71,7 @@ from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
-from kvfail.vllm_quarantine import QuarantineConnector
+from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
             # A READ whose handle will not release is reported at the deadline anyway;
             # the scheduler half holds its blocks until the fence releases the handle.
             quarantine=compat.block_pool_binding_available(),
-            rank=self.tp_rank,
+            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
         # How often a P that loads wait on is probed; off (null or 0): a dead P is left
         # to UCX and the deadline.

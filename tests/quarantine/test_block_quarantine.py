@@ -111,3 +111,60 @@ def test_the_cap_says_when_to_stop_taking_remote_loads(sched: Scheduler) -> None
     q.apply(QuarantineNotice(released={("r1", 0)}))
     assert not q.full()
     assert not _quarantine(sched).full()  # no cap: never full
+
+
+def test_a_hold_covers_every_pipeline_stage_of_d(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D at PP 2, TP 1: both stages hold the load (each stage's P writes its layers).
+    vLLM merges every worker's output; with holds keyed by TP rank both stages were
+    ``(r, 0)``, and stage 0's release dropped the extra reference while stage 1's P
+    could still write. Each stage is named apart by the rank its worker uses."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    from kvfail.reporter import FailureReporterMixin
+    from kvfail.vllm_quarantine import KvfailWorkerMeta, worker_hold_rank
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    stages = []
+    for pp_rank in (0, 1):
+        monkeypatch.setattr(
+            parallel_state, "get_pp_group", lambda r=pp_rank: SimpleNamespace(rank_in_group=r)
+        )
+        worker = FailureReporterMixin()
+        worker.init_failure_reporter(
+            num_kv_cache_groups=1,
+            request_level_channel=True,
+            quarantine=True,
+            rank=worker_hold_rank(config, tp_rank=0),
+        )
+        stages.append(worker)
+
+    def step() -> None:
+        """One engine step: every worker drains; vLLM merges their metadata."""
+        metas = []
+        for worker in stages:
+            worker.drain_step()
+            metas.append(KvfailWorkerMeta(notice=worker.take_quarantine_notice()))
+        merged = metas[0]
+        for meta in metas[1:]:
+            merged.aggregate(meta)
+        q.apply(merged.notice)
+
+    q = _quarantine(sched)
+    ids = sched.allocate("r", 3)
+    for worker in stages:
+        worker.track_load("r", ids)
+        worker.load_failed("r", "transfer", "P may still write", fenced=False)
+    step()
+    sched.free("r")
+    assert q.is_held("r")
+    stages[0].load_fenced("r")  # stage 0's P is proven done; stage 1's is not
+    step()
+    assert q.is_held("r") and not set(ids) & sched.free_ids(), "freed with stage 1 writing"
+    stages[1].load_fenced("r")
+    step()
+    assert not q.is_held("r") and set(ids) <= sched.free_ids()
