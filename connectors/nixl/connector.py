@@ -69,6 +69,7 @@ from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
+from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
@@ -166,7 +167,9 @@ class LoggedFailureStages:
         self.load_failed(req_id, stage, reason, settle=False)  # type: ignore[attr-defined]
 
 
-class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker):
+class KvfailNixlWorker(
+    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
+):
     """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
 
     KVFAIL_LOG_STAGES = FAILURE_STAGES
@@ -328,6 +331,15 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
         self._pending_recv_notifs.pop(req_id, None)
         self._recv_failures.discard(req_id)
         return True
+
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        """The P a held READ reads from: the side channel its handshake used."""
+        meta = self._recving_metadata.get(req_id)
+        remote = None if meta is None else meta.remote
+        if remote is None:
+            return None
+        host, port = self._kvfail_side_channels.get(remote.engine_id, (remote.host, remote.port))
+        return f"{host}:{port}" if host and port else remote.engine_id or None
 
     def _release_if_ended(self, req_id: str, handle: Any) -> bool:
         """Release a handle that can no longer write; False keeps it (in flight, unknown

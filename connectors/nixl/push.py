@@ -40,8 +40,8 @@ after a thaw.
 
 Holds are bounded for visibility, not freed: past ``kvfail_max_hold_s`` (default
 :data:`MAX_HOLD_DEADLINES` deadlines) a hold without that evidence stays held, is counted
-(``holds_overdue``) and named once in a WARNING with its P; the quarantine cap bounds the
-blocks.
+(``kvfail_holds_overdue``) and logged once with its P (the scheduler side's WARNING
+names every lasting hold's P); the quarantine cap bounds the blocks.
 
 Nothing here copies upstream code or patches vLLM; the overridden methods are
 upstream's private ones (vLLM 0.32.0) and each calls upstream's version.
@@ -75,6 +75,7 @@ from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import seconds_from
+from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
@@ -145,7 +146,9 @@ class _Held:
         return f"{self.host}:{self.port}" if self.port else "an unknown P"
 
 
-class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker):
+class KvfailNixlPushWorker(
+    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker
+):
     """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
 
     KVFAIL_LOG_STAGES = PUSH_FAILURE_STAGES
@@ -274,7 +277,8 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
             return
         held.said_overdue = True
         self.kvfail_holds_overdue += 1
-        logger.warning(
+        # INFO: the scheduler side names every lasting hold's P in one WARNING.
+        logger.info(
             "kvfail: load %r held %.0f s (past kvfail_max_hold_s) for P %s: %d of %s "
             "completion notifications came and P's writers are not proven gone, so its "
             "blocks stay held (the quarantine cap bounds them)",
@@ -284,6 +288,10 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
             held.notified,
             "?" if held.owed is None else held.owed,
         )
+
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        held = self._kvfail_held.get(req_id)
+        return held.peer if held is not None and held.port else None
 
     def _forget(self, req_id: str) -> None:
         self._kvfail_held.pop(req_id, None)

@@ -267,7 +267,7 @@ def test_an_overdue_hold_stays_held_is_counted_and_named_once(
     sent: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Past ``kvfail_max_hold_s`` a live P's hold is not freed (nothing proves its
-    WRITE over): counted once, and one WARNING names the P."""
+    WRITE over): counted once, and logged once naming the P."""
     clock = _Clock()
     w = _worker(clock)
     w._kvfail_max_hold_s = 0.05
@@ -276,9 +276,13 @@ def test_an_overdue_hold_stays_held_is_counted_and_named_once(
         listener.listen()
         port = int(listener.getsockname()[1])
         _load_from(w, "r", port)
-        _held_after_deadline(w, clock, "r")
+        w._do_send_reg_notif("r", {})
+        _past_deadline(w, clock)
+        notice = w.take_quarantine_notice()
+        assert notice.held == {("r", 0)}
+        assert notice.peers == {"r": f"127.0.0.1:{port}"}  # the hold names its P
         time.sleep(0.1)
-        with caplog.at_level("WARNING", logger="kvfail.nixl.push"):
+        with caplog.at_level("INFO", logger="kvfail.nixl.push"):
             for _ in range(4):
                 assert w.kvfail_fence("r") is False
     assert w.failure_reporter.is_quarantined("r")

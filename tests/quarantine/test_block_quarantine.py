@@ -6,6 +6,8 @@ is what vLLM's allocator sees: a held block is never handed out by ``get_new_blo
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
@@ -168,3 +170,106 @@ def test_a_hold_covers_every_pipeline_stage_of_d(
     stages[1].load_fenced("r")
     step()
     assert not q.is_held("r") and set(ids) <= sched.free_ids()
+
+
+# ------------------------------------------------------------ holds visible and cheap
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_oldest_hold_and_held_loads_per_p_are_visible(
+    sched: Scheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = _Clock()
+    q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
+    assert q.oldest_age_s() == 0.0 and q.loads_by_peer() == {}
+    for req_id in ("a", "b", "c"):
+        sched.allocate(req_id, 1)
+    q.apply(QuarantineNotice(held={("a", 0)}, peers={"a": "p1:1"}))
+    clock.now += 10
+    q.apply(QuarantineNotice(held={("b", 0), ("c", 0)}, peers={"b": "p1:1"}))
+    assert q.loads_by_peer() == {"p1:1": 2, "unknown": 1}
+    assert q.oldest_age_s() == 10.0
+    with caplog.at_level("WARNING", logger="kvfail.quarantine"):
+        assert q.say_overdue(after_s=5.0) == ["a"]  # only the hold past the bound
+        assert q.say_overdue(after_s=5.0) == []  # said once
+        clock.now += 10
+        assert sorted(q.say_overdue(after_s=5.0)) == ["b", "c"]
+    named = [r.getMessage() for r in caplog.records if "has held" in r.getMessage()]
+    assert len(named) == 3 and "p1:1" in named[0]
+    q.apply(QuarantineNotice(released={("a", 0)}))
+    assert q.oldest_age_s() == 10.0 and q.loads_by_peer() == {"p1:1": 1, "unknown": 1}
+
+
+class _Upstream:
+    """What QuarantineConnector calls through to: an upstream scheduler half with no
+    push work of its own."""
+
+    def has_pending_push_work(self) -> bool:
+        return False
+
+    def build_connector_meta(self, scheduler_output: object) -> None:
+        return None
+
+    def get_kv_connector_stats(self) -> None:
+        return None
+
+
+def _scheduler_half(q: BlockQuarantine) -> object:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfail.vllm_quarantine import QuarantineConnector
+
+    class Half(QuarantineConnector, _Upstream):
+        role = KVConnectorRole.SCHEDULER
+
+    half = Half()
+    half._kvfail_quarantine = q
+    return half
+
+
+def test_d_idles_while_only_holds_remain(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only holds left, vLLM asks has_pending_push_work around each step and steps
+    again at once (a 1 ms pause): a busy loop. Now the first ask after each step pauses,
+    and the other asks of the same loop pass through (before: no pause at all)."""
+    import kvfail.vllm_quarantine as vq
+
+    pauses: list[float] = []
+    monkeypatch.setattr(vq.time, "sleep", pauses.append)
+    q = _quarantine(sched)
+    half: Any = _scheduler_half(q)
+    assert half.has_pending_push_work() is False and pauses == []  # nothing held
+    sched.allocate("r", 2)
+    q.apply(QuarantineNotice(held={("r", 0)}))
+    for step in range(1, 4):
+        assert half.has_pending_push_work() is True  # the loop's first ask: a pause
+        assert half.has_pending_push_work() is True  # same loop: no second pause
+        half.build_connector_meta(object())  # the step
+        assert pauses == [vq.HOLD_STEP_S] * step
+    q.apply(QuarantineNotice(released={("r", 0)}))
+    assert half.has_pending_push_work() is False
+
+
+def test_stats_carry_the_oldest_hold_and_held_loads_per_p(sched: Scheduler) -> None:
+    clock = _Clock()
+    q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
+    half: Any = _scheduler_half(q)
+    sched.allocate("r", 2)
+    q.apply(QuarantineNotice(held={("r", 0)}, peers={"r": "10.0.0.7:5600"}))
+    clock.now += 3
+    data = half.get_kv_connector_stats().data
+    assert data["kvfail.gauge.oldest_hold_age_seconds"] == 3.0
+    assert data["kvfail.gauge.held_loads.10.0.0.7:5600"] == 1
+    clock.now += 1  # still held: the age is sent again, though no level changed
+    assert half.get_kv_connector_stats().data["kvfail.gauge.oldest_hold_age_seconds"] == 4.0
+    q.apply(QuarantineNotice(released={("r", 0)}))
+    data = half.get_kv_connector_stats().data
+    assert data["kvfail.gauge.held_loads.10.0.0.7:5600"] == 0  # the P left: one 0
+    assert data["kvfail.gauge.oldest_hold_age_seconds"] == 0.0
+    assert half.get_kv_connector_stats() is None  # nothing held, nothing changed
