@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from connectors.config import NixlPullKvfailConfig, validate_extra_config
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
@@ -454,6 +455,7 @@ class KvfailNixlConnector(QuarantineConnector, KvfailMetricsConnector, NixlPullC
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        validate_extra_config(_extra(vllm_config), NixlPullKvfailConfig)
         # NixlPullConnector.__init__ would build upstream's worker, i.e. a second NIXL
         # agent; build the base and pick the two halves ourselves.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

@@ -69,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
 
+from connectors.config import NixlPushKvfailConfig, validate_extra_config
 from connectors.nixl.connector import LoggedFailureStages, _deadline_from, _extra
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
@@ -429,6 +430,7 @@ class KvfailNixlPushConnector(QuarantineConnector, KvfailMetricsConnector, NixlP
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        validate_extra_config(_extra(vllm_config), NixlPushKvfailConfig)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         # NixlPushConnector.__init__ would build upstream's worker (a second NIXL agent).
