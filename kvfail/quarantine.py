@@ -26,16 +26,35 @@ vLLM's ``BlockPool.touch`` / ``free_blocks`` (see :mod:`kvfail.vllm_quarantine`)
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["BlockQuarantine", "Hold", "QuarantineNotice"]
+__all__ = [
+    "UNKNOWN_PEER",
+    "BlockQuarantine",
+    "Hold",
+    "NamedHolds",
+    "QuarantineNotice",
+    "hold_rank",
+]
 
 log = logging.getLogger("kvfail.quarantine")
 
-#: A quarantine is per (request id, rank): each TP rank's transfer writes its own shard.
+#: A quarantine is per (request id, worker): each worker's transfer writes its own part
+#: (its TP shard, its pipeline stage's layers). The int is :func:`hold_rank`'s.
 Hold = tuple[str, int]
+
+
+def hold_rank(tp_rank: int, tp_size: int, pp_rank: int = 0) -> int:
+    """A worker's name in the holds: unique over every TP rank of every pipeline stage.
+
+    vLLM merges the KV output of all TP x PP workers into one; keyed by the TP rank
+    alone, two stages would share one hold, and the first stage's release would free
+    blocks the other stage's transfer may still write."""
+    return pp_rank * max(1, tp_size) + tp_rank
 
 
 @dataclass
@@ -47,10 +66,13 @@ class QuarantineNotice:
 
     held: set[Hold] = field(default_factory=set)
     released: set[Hold] = field(default_factory=set)
+    #: The P each held request's transfer came from, where the worker knows it.
+    peers: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: QuarantineNotice) -> QuarantineNotice:
         self.held |= other.held
         self.released |= other.released
+        self.peers.update(other.peers)
         return self
 
     def __bool__(self) -> bool:
@@ -65,10 +87,35 @@ class BlockPoolLike(Protocol):
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
 
 
+#: What a hold's P is called when no worker named it.
+UNKNOWN_PEER = "unknown"
+
+
+class NamedHolds:
+    """Mix in before :class:`kvfail.FailureReporterMixin`: each held request in a
+    notice is named by its P (:meth:`kvfail_peer_of`), so the scheduler side can count
+    held loads per P and name the P of a hold that lasts."""
+
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        """The P (host:port, or whatever names it) a held load's transfer came from."""
+        return None
+
+    def take_quarantine_notice(self) -> QuarantineNotice:
+        notice: QuarantineNotice = super().take_quarantine_notice()  # type: ignore[misc]
+        for req_id, _ in notice.held:
+            peer = self.kvfail_peer_of(req_id)
+            if peer:
+                notice.peers[req_id] = peer
+        return notice
+
+
 @dataclass
 class _Held:
     blocks: list[Any]
     ranks: set[int]
+    since: float
+    peer: str = UNKNOWN_PEER
+    said: bool = False
 
 
 class BlockQuarantine:
@@ -84,9 +131,11 @@ class BlockQuarantine:
         blocks_of: Callable[[str], Sequence[Any] | None],
         *,
         max_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
         self._blocks_of = blocks_of
+        self._clock = clock
         #: Beyond this many held blocks, D takes no new remote load (see :meth:`full`).
         self.max_blocks = max_blocks
         self._held: dict[str, _Held] = {}
@@ -101,14 +150,16 @@ class BlockQuarantine:
     def apply(self, notice: QuarantineNotice) -> None:
         """Take this step's holds, then its releases (a rank may do both in one step)."""
         for req_id, rank in sorted(notice.held):
-            self._hold(req_id, rank)
+            self._hold(req_id, rank, notice.peers.get(req_id))
         for req_id, rank in sorted(notice.released):
             self._release(req_id, rank)
 
-    def _hold(self, req_id: str, rank: int) -> None:
+    def _hold(self, req_id: str, rank: int, peer: str | None = None) -> None:
         entry = self._held.get(req_id)
         if entry is not None:
             entry.ranks.add(rank)
+            if peer and entry.peer == UNKNOWN_PEER:
+                entry.peer = peer
             return
         blocks = self._blocks_of(req_id)
         if blocks is None:
@@ -120,7 +171,7 @@ class BlockQuarantine:
             return
         real = [b for b in blocks if not getattr(b, "is_null", False)]
         self._pool.touch(real)
-        self._held[req_id] = _Held(real, {rank})
+        self._held[req_id] = _Held(real, {rank}, self._clock(), peer or UNKNOWN_PEER)
         self.blocks_held += len(real)
         self.holds += 1
         log.warning(
@@ -141,6 +192,37 @@ class BlockQuarantine:
         self.blocks_held -= len(entry.blocks)
         self.releases += 1
         log.info("kvfail: %s fenced; %d quarantined blocks freed", req_id, len(entry.blocks))
+
+    def oldest_age_s(self) -> float:
+        """How long the oldest hold has lasted (0 when nothing is held)."""
+        if not self._held:
+            return 0.0
+        return max(0.0, self._clock() - min(e.since for e in self._held.values()))
+
+    def loads_by_peer(self) -> dict[str, int]:
+        """Held loads per P."""
+        return dict(Counter(e.peer for e in self._held.values()))
+
+    def say_overdue(self, after_s: float) -> list[str]:
+        """One WARNING per hold, naming its P, once it has lasted ``after_s``; the
+        requests said now. Nothing is released: a hold ends only by its fence."""
+        now = self._clock()
+        said: list[str] = []
+        for req_id, entry in self._held.items():
+            if entry.said or now - entry.since < after_s:
+                continue
+            entry.said = True
+            said.append(req_id)
+            log.warning(
+                "kvfail: %s has held %d blocks for %.0f s, waiting for proof that P %s no "
+                "longer writes into them (%d holds from that P)",
+                req_id,
+                len(entry.blocks),
+                now - entry.since,
+                entry.peer,
+                sum(1 for e in self._held.values() if e.peer == entry.peer),
+            )
+        return said
 
     def full(self) -> bool:
         """Whether D should stop accepting remote loads: held blocks reached the cap."""

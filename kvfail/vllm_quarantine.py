@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfail import compat
-from kvfail.quarantine import BlockQuarantine, QuarantineNotice
+from kvfail.quarantine import BlockQuarantine, QuarantineNotice, hold_rank
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -42,7 +43,13 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CAP_KEY", "DEFAULT_CAP_FRACTION", "KvfailWorkerMeta", "QuarantineConnector"]
+__all__ = [
+    "CAP_KEY",
+    "DEFAULT_CAP_FRACTION",
+    "KvfailWorkerMeta",
+    "QuarantineConnector",
+    "worker_hold_rank",
+]
 
 log = logging.getLogger("kvfail.quarantine")
 
@@ -51,6 +58,13 @@ CAP_KEY = "kvfail_quarantine_max_blocks"
 #: Default cap, as a fraction of the KV cache's blocks: enough for a burst of slow Ps,
 #: while three quarters of the cache keep serving (beyond it, requests compute locally).
 DEFAULT_CAP_FRACTION = 0.25
+#: A hold lasting this many load deadlines is named in one WARNING with its P.
+WARN_AFTER_DEADLINES = 4
+#: ... and this long where the connector declares no deadline.
+WARN_AFTER_S = 120.0
+#: While only holds keep the engine stepping, at most one step per this many seconds:
+#: a release notice comes with a step, and nothing else needs one.
+HOLD_STEP_S = 0.05
 
 
 @dataclass
@@ -69,6 +83,18 @@ class KvfailWorkerMeta(KVConnectorWorkerMetadata):
         elif other.inner is not None:
             self.inner = self.inner.aggregate(other.inner)
         return self
+
+
+def worker_hold_rank(vllm_config: Any, tp_rank: int) -> int:
+    """This worker's rank in quarantine notices (:func:`kvfail.quarantine.hold_rank`):
+    its TP rank within its pipeline stage, made unique across stages. Where vLLM's
+    parallel groups are not set up (one process plays a rank), the stage is 0."""
+    from vllm.distributed import parallel_state
+
+    pp_rank = 0
+    if parallel_state.model_parallel_is_initialized():
+        pp_rank = parallel_state.get_pp_group().rank_in_group
+    return hold_rank(tp_rank, vllm_config.parallel_config.tensor_parallel_size, pp_rank)
 
 
 def _cap_from(connector: Any, num_blocks: int) -> int:
@@ -148,6 +174,11 @@ class QuarantineConnector:
     _kvfail_refused_loads: int = 0
     #: The levels last put in the stats: a level is sent only when it changes.
     _kvfail_levels_sent: tuple[int, int] = (0, 0)
+    #: Ps with held loads in the last stats sent (a P that left gets one 0).
+    _kvfail_peers_sent: frozenset[str] = frozenset()
+    #: Scheduler steps seen (``build_connector_meta``), and the step of the last pause.
+    _kvfail_steps: int = 0
+    _kvfail_paused_at: int = -1
 
     # ---------------------------------------------------------------- worker role
 
@@ -207,6 +238,8 @@ class QuarantineConnector:
         if isinstance(meta, KvfailWorkerMeta):
             if self._kvfail_quarantine is not None:
                 self._kvfail_quarantine.apply(meta.notice)
+                if self._kvfail_quarantine:
+                    self._kvfail_quarantine.say_overdue(self._kvfail_warn_after_s())
                 if recorded is not None:
                     recorded.drop_computed(req_id for req_id, _ in meta.notice.held)
             elif meta.notice.held:
@@ -221,11 +254,33 @@ class QuarantineConnector:
             recorded.reported(connector_output.finished_recving or ())
         super().update_connector_output(connector_output)  # type: ignore[misc]
 
+    def _kvfail_warn_after_s(self) -> float:
+        deadline = getattr(self, "kv_load_deadline_s", None)
+        if isinstance(deadline, int | float) and deadline > 0:
+            return WARN_AFTER_DEADLINES * float(deadline)
+        return WARN_AFTER_S
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        self._kvfail_steps += 1
+        return super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while blocks are held: only a step brings the
-        workers' release notices, and an engine with no requests does not step."""
-        quarantine = self._kvfail_quarantine
-        return bool(quarantine) or bool(super().has_pending_push_work())  # type: ignore[misc]
+        workers' release notices, and an engine with no requests does not step.
+
+        vLLM asks only when the scheduler has no request of its own, and then steps as
+        fast as it can (a 1 ms pause). With only holds left, that is a core spent on
+        steps that release nothing, so the first ask after each step pauses
+        :data:`HOLD_STEP_S` (a new request waits at most that long) and the others in
+        the same loop pass through."""
+        if super().has_pending_push_work():  # type: ignore[misc]
+            return True
+        if not self._kvfail_quarantine:
+            return False
+        if self._kvfail_paused_at != self._kvfail_steps:
+            self._kvfail_paused_at = self._kvfail_steps
+            time.sleep(HOLD_STEP_S)
+        return True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -258,11 +313,17 @@ class QuarantineConnector:
         if quarantine is None or getattr(self, "role", None) != KVConnectorRole.SCHEDULER:
             return stats  # type: ignore[no-any-return]
         levels = (quarantine.blocks_held, len(quarantine))
-        if levels == self._kvfail_levels_sent and not self._kvfail_refused_loads:
+        # While anything is held the oldest hold's age moves, so it is sent every time.
+        if not quarantine and levels == self._kvfail_levels_sent and not self._kvfail_refused_loads:
             return stats  # type: ignore[no-any-return]
         from kvfail.vllm_stats import KVFailStats, quarantine_gauges
 
-        ours = KVFailStats(data=quarantine_gauges(quarantine, self._kvfail_refused_loads))
+        peers = frozenset(quarantine.loads_by_peer())
+        data = quarantine_gauges(
+            quarantine, self._kvfail_refused_loads, self._kvfail_peers_sent - peers
+        )
+        ours = KVFailStats(data=data)
         self._kvfail_levels_sent = levels
+        self._kvfail_peers_sent = peers
         self._kvfail_refused_loads = 0
         return ours if stats is None else stats.aggregate(ours)

@@ -8,6 +8,7 @@ This module imports vLLM; ``import kvfail`` does not import it. A connector retu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +29,29 @@ QUARANTINE_GAUGES: dict[str, str] = {
     "quarantined_blocks": "KV blocks held out of the free pool because a failed load's "
     "transfer may still write into them (kvfail).",
     "quarantined_loads": "Failed loads whose blocks are quarantined (kvfail).",
+    "oldest_hold_age_seconds": "How long the oldest quarantined load has been held, in "
+    "seconds; 0 when nothing is held (kvfail).",
 }
+#: Gauge keys under this prefix are held loads per P, the P's name after the prefix.
+PEER_GAUGE_PREFIX = GAUGE_PREFIX + "held_loads."
+PEER_GAUGE_DOC = "Quarantined loads per P they were loaded from (kvfail)."
 
 
-def quarantine_gauges(quarantine: BlockQuarantine, refused_loads: int) -> dict[str, int]:
-    """The scheduler side's stats dict: the quarantine's levels, and the remote loads it
-    turned away (computed locally) since the last interval."""
-    data = {
+def quarantine_gauges(
+    quarantine: BlockQuarantine, refused_loads: int, gone_peers: Iterable[str] = ()
+) -> dict[str, int | float]:
+    """The scheduler side's stats dict: the quarantine's levels, the oldest hold's age,
+    held loads per P (0 for ``gone_peers``, Ps whose holds all ended since the last
+    dict), and the remote loads it turned away (computed locally) since the last one."""
+    data: dict[str, int | float] = {
         GAUGE_PREFIX + "quarantined_blocks": quarantine.blocks_held,
         GAUGE_PREFIX + "quarantined_loads": len(quarantine),
+        GAUGE_PREFIX + "oldest_hold_age_seconds": round(quarantine.oldest_age_s(), 1),
     }
+    for peer in gone_peers:
+        data[PEER_GAUGE_PREFIX + peer] = 0
+    for peer, loads in quarantine.loads_by_peer().items():
+        data[PEER_GAUGE_PREFIX + peer] = loads
     if refused_loads:
         data[PREFIX + "loads_refused_quarantine_full"] = refused_loads
     return data
@@ -120,10 +134,23 @@ class KvfailPromMetrics(KVConnectorPromMetrics):
             )
             for idx, values in per_engine_labelvalues.items():
                 self._gauges[(idx, name)] = gauge.labels(*values)
+        # Labelled by P as Ps appear in the stats.
+        self._per_peer = self._gauge_cls(
+            name="vllm:kvfail_held_loads",
+            documentation=PEER_GAUGE_DOC,
+            labelnames=[*labelnames, "peer"],
+        )
+        self._labelvalues = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             if not key.startswith(PREFIX) or (not value and not key.startswith(GAUGE_PREFIX)):
+                continue
+            if key.startswith(PEER_GAUGE_PREFIX):
+                values = self._labelvalues.get(engine_idx)
+                if values is not None:
+                    peer = key.removeprefix(PEER_GAUGE_PREFIX)
+                    self._per_peer.labels(*values, peer).set(value)
                 continue
             if key.startswith(GAUGE_PREFIX):
                 level = self._gauges.get((engine_idx, key.removeprefix(GAUGE_PREFIX)))

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     MooncakeConnector,
 )
 
+from connectors.config import MooncakeKvfailConfig, validate_extra_config
 from connectors.mooncake.scheduler import KvfailMooncakeScheduler
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.mooncake.worker import DEFAULT_DEADLINE_S, KvfailMooncakeWorker
@@ -47,6 +48,10 @@ class KvfailMooncakeConnector(QuarantineConnector, KvfailMetricsConnector, Moonc
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        validate_extra_config(
+            getattr(transfer, "kv_connector_extra_config", None), MooncakeKvfailConfig
+        )
         # Upstream's __init__ names its own worker class, and building that one starts a
         # TransferEngine and threads, so it cannot be built and then replaced. We run the
         # base initialiser and set the same three attributes with our classes.

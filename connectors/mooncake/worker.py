@@ -67,9 +67,12 @@ from vllm.logger import init_logger
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
+from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
+from kvfail.quarantine import NamedHolds
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
+from kvfail.vllm_quarantine import worker_hold_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -184,7 +187,7 @@ class _ReplyDecoder:
         return response
 
 
-class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
+class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWorker):
     """Upstream's ``MooncakeConnectorWorker`` reporting through kvfail's mixin.
 
     Extra config (``kv_connector_extra_config``):
@@ -215,7 +218,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
             name=f"{type(self).__name__}[{engine_id}]",
             default_deadline_s=deadline,
             quarantine=compat.block_pool_binding_available(),
-            rank=self.tp_rank,
+            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
         self._xfer_resp_decoder = _ReplyDecoder(self._xfer_resp_decoder)
         #: Guards the task registry below; never held while calling the tracker.
@@ -566,6 +569,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                 continue
             if state is not None:
                 state.reported.add(req_id)
+                state.answered.add(req_id)  # P replies only once its push is over
             reason = response.err_msg or "P reported the transfer failed"
             self.load_failed(req_id, Stage.PEER, reason, peer=peer)
         for req_id in response.ok_reqs or ():
@@ -574,6 +578,7 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
                 continue
             if state is not None:
                 state.reported.add(req_id)
+                state.answered.add(req_id)
             self.load_succeeded(req_id, peer=peer)
         if unknown:
             # Never passed on: the scheduler asserts on ids it does not know (C7).
@@ -618,7 +623,9 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         may_write = state.may_still_write(pulls) if self.failure_reporter.quarantine else set()
         for req_id in pulls.keys() - state.reported:
             state.reported.add(req_id)
-            if req_id in may_write:
+            # A load with no blocks (notify-only) has nothing to hold: the tracker never
+            # quarantines it, so a hold entry would never end.
+            if req_id in may_write and normalise_block_ids(pulls[req_id].local_block_ids).flat:
                 with self._mc_lock:
                     self._mc_held.setdefault(req_id, time.monotonic())
                 if self.load_failed(req_id, stage, reason, peer=state.peer, fenced=False):
@@ -703,7 +710,28 @@ class KvfailMooncakeWorker(FailureReporterMixin, MooncakeConnectorWorker):
         """The step's results from the mixin; finished sends from upstream's sender."""
         if self._mc_held and self._mc_max_hold_s is not None:
             self._mc_expire_holds()
-        return self.transfer_results(finished_sending=self._mc_take_finished_sending())
+        results = self.transfer_results(finished_sending=self._mc_take_finished_sending())
+        if self._mc_fenced_at or self._mc_held:
+            self._mc_forget_ended()
+        return results
+
+    def _mc_forget_ended(self) -> None:
+        """Drop bookkeeping of loads that ended another way than the one that pops it (a
+        hold released by P's death, a fence that never said True, a notify-only load):
+        a load neither tracked nor held keeps nothing here."""
+        tracker = self.failure_reporter
+        with self._mc_lock:
+            for table in (self._mc_fenced_at, self._mc_held):
+                for req_id in [
+                    r for r in table if not tracker.is_tracked(r) and not tracker.is_quarantined(r)
+                ]:
+                    del table[req_id]
+
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        """The P worker(s) a held load may still be pushed from."""
+        with self._mc_lock:
+            addrs = sorted(self._mc_unproven.get(req_id, ()))
+        return ",".join(addrs) or None
 
     def _mc_take_finished_sending(self) -> set[str]:
         """Upstream's producer bookkeeping, fetched with a bounded wait.

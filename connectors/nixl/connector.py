@@ -63,15 +63,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from connectors.config import NixlPullKvfailConfig, validate_extra_config
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
+from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
-from kvfail.vllm_quarantine import QuarantineConnector
+from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -166,7 +168,9 @@ class LoggedFailureStages:
         self.load_failed(req_id, stage, reason, settle=False)  # type: ignore[attr-defined]
 
 
-class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker):
+class KvfailNixlWorker(
+    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
+):
     """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
 
     KVFAIL_LOG_STAGES = FAILURE_STAGES
@@ -186,7 +190,7 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
             # A READ whose handle will not release is reported at the deadline anyway;
             # the scheduler half holds its blocks until the fence releases the handle.
             quarantine=compat.block_pool_binding_available(),
-            rank=self.tp_rank,
+            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
         # How often a P that loads wait on is probed; off (null or 0): a dead P is left
         # to UCX and the deadline.
@@ -329,6 +333,15 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
         self._recv_failures.discard(req_id)
         return True
 
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        """The P a held READ reads from: the side channel its handshake used."""
+        meta = self._recving_metadata.get(req_id)
+        remote = None if meta is None else meta.remote
+        if remote is None:
+            return None
+        host, port = self._kvfail_side_channels.get(remote.engine_id, (remote.host, remote.port))
+        return f"{host}:{port}" if host and port else remote.engine_id or None
+
     def _release_if_ended(self, req_id: str, handle: Any) -> bool:
         """Release a handle that can no longer write; False keeps it (in flight, unknown
         or refused)."""
@@ -409,13 +422,18 @@ class KvfailNixlWorker(LoggedFailureStages, FailureReporterMixin, NixlPullConnec
                 continue
             since = watched[req_id] = self._kvfail_watched.get(req_id, now)
             if probes.gone(addr, since=since, waiter=req_id):
-                self._kvfail_p_gone(req_id, addr)
+                self._kvfail_p_gone(
+                    req_id, f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
+                )
+            elif (unresolved := probes.unresolved(addr)) is not None:
+                # Not proof that P is gone, but no READ can reach it any more: the load
+                # fails, and its blocks wait for its READs to end, as for a gone P.
+                self._kvfail_p_gone(req_id, f"P's side channel host {unresolved}")
         for req_id in self._kvfail_watched.keys() - watched.keys():
             probes.forget(req_id)
         self._kvfail_watched = watched
 
-    def _kvfail_p_gone(self, req_id: str, addr: tuple[str, int]) -> None:
-        reason = f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
+    def _kvfail_p_gone(self, req_id: str, reason: str) -> None:
         if not self.failure_reporter.quarantine:
             self.load_failed(req_id, Stage.PEER_LOST, reason, settle=False)
             return
@@ -437,6 +455,7 @@ class KvfailNixlConnector(QuarantineConnector, KvfailMetricsConnector, NixlPullC
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        validate_extra_config(_extra(vllm_config), NixlPullKvfailConfig)
         # NixlPullConnector.__init__ would build upstream's worker, i.e. a second NIXL
         # agent; build the base and pick the two halves ourselves.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

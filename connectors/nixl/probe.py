@@ -13,15 +13,24 @@ SIGSTOPped P keeps its listening socket, so the kernel completes the connect (or
 a full accept queue, drops the SYN: a pending connect, which counts as nothing). No
 probe ever waits: a connect is started at one drain and read back at a later one, one
 socket per side channel however many loads wait on it.
+
+Addresses: an IPv4 or IPv6 literal (``::1`` or ``[::1]``) is connected to as is; a host
+name is resolved off the engine thread (a daemon thread per lookup, at most one per side
+channel at a time) before each round, since ``getaddrinfo`` blocks for as long as the
+resolver takes. A name that stops resolving proves nothing about P's process, so it
+never counts as gone; :meth:`SideChannelProbes.unresolved` says so, for the worker to
+report it (a pull fails its loads; a push hold stays, see the connector README).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -41,6 +50,52 @@ PROBE_CONFIRM_S: Final = 0.02
 _RST_ON_CLOSE: Final = struct.pack("ii", 1, 0)
 
 Address = tuple[str, int]
+#: What a connect is given: the socket family and its address tuple.
+Target = tuple[int, tuple[object, ...]]
+
+
+class _Lookup:
+    """One ``getaddrinfo`` on a daemon thread: the engine thread only reads its outcome.
+
+    A daemon thread, not a pool: a lookup stuck in the resolver must not hold up the
+    interpreter's exit, and at most one runs per side channel."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target: Target | None = None
+        self.error: str | None = None
+        self._done = threading.Event()
+        threading.Thread(
+            target=self._run, args=(host, port), name="kvfail-probe-dns", daemon=True
+        ).start()
+
+    def _run(self, host: str, port: int) -> None:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            if not infos:
+                raise socket.gaierror(f"no address for {host!r}")
+            family, _, _, _, sockaddr = infos[0]
+            self.target = (int(family), tuple(sockaddr))
+        except (OSError, UnicodeError) as exc:  # gaierror is an OSError
+            self.error = f"{host!r} does not resolve: {exc}"
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+def literal_target(addr: Address) -> Target | None:
+    """``addr`` as a connect target if its host is an IP literal (no lookup), else None."""
+    host = addr[0].strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.version == 6:
+        return socket.AF_INET6, (str(ip), int(addr[1]), 0, 0)
+    return socket.AF_INET, (str(ip), int(addr[1]))
 
 
 @dataclass
@@ -53,6 +108,12 @@ class _Probe:
     refusals: int = 0
     streak_since: float | None = None
     waiters: set[Hashable] = field(default_factory=set)
+    #: A host name's lookup in flight for this round (None for a literal address).
+    lookup: _Lookup | None = None
+    #: Why the last lookup of the host name failed (None: it resolved, or a literal),
+    #: and how many lookups in a row failed.
+    unresolved: str | None = None
+    unresolved_rounds: int = 0
 
 
 class SideChannelProbes:
@@ -83,15 +144,29 @@ class SideChannelProbes:
             self._close(probe)
             self._record(probe, answer, now)
         pause = PROBE_CONFIRM_S if probe.refusals else self.interval_s
-        if now - probe.started >= pause and not self._proven(probe, since):
+        if probe.lookup is None and now - probe.started >= pause and not self._proven(probe, since):
             probe.started = now
-            answer, probe.sock = _connect(addr)
-            if probe.sock is not None:  # on loopback the answer is usually there already
-                answer = _read(probe.sock)
-                if answer is not None:
-                    self._close(probe)
-            self._record(probe, answer, now)
+            target = literal_target(addr)
+            if target is None:
+                probe.lookup = _Lookup(addr[0], int(addr[1]))
+            else:
+                self._connect(probe, target, now)
+        if probe.lookup is not None and probe.lookup.done():
+            lookup, probe.lookup = probe.lookup, None
+            probe.unresolved = lookup.error
+            probe.unresolved_rounds = 0 if lookup.error is None else probe.unresolved_rounds + 1
+            if lookup.target is not None:
+                self._connect(probe, lookup.target, now)
         return self._proven(probe, since)
+
+    def unresolved(self, addr: Address) -> str | None:
+        """Why ``addr``'s host name failed to resolve at :attr:`refusals` lookups in a
+        row (one odd answer is not enough), else None. Not proof that P is gone: a
+        resolver can fail while P keeps running."""
+        probe = self._probes.get(addr)
+        if probe is None or probe.unresolved_rounds < self.refusals:
+            return None
+        return probe.unresolved
 
     def forget(self, waiter: Hashable) -> None:
         """Drop ``waiter`` everywhere; a probe nobody waits on is closed."""
@@ -110,6 +185,14 @@ class SideChannelProbes:
         return len(self._probes)
 
     # ------------------------------------------------------------------ internals
+
+    def _connect(self, probe: _Probe, target: Target, now: float) -> None:
+        answer, probe.sock = _connect(target)
+        if probe.sock is not None:  # on loopback the answer is usually there already
+            answer = _read(probe.sock)
+            if answer is not None:
+                self._close(probe)
+        self._record(probe, answer, now)
 
     def _proven(self, probe: _Probe, since: float) -> bool:
         return (
@@ -136,12 +219,20 @@ class SideChannelProbes:
             probe.sock = None
 
 
-def _connect(addr: Address) -> tuple[int | None, socket.socket | None]:
+def _connect(target: Target) -> tuple[int | None, socket.socket | None]:
     """Start a non-blocking connect: (None, the pending socket), or (its outcome, None)
-    when the kernel answered at once (0 accepted; loopback refuses at once)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    when the kernel answered at once (0 accepted; loopback refuses at once). The target
+    is already an address, so nothing here looks a name up."""
+    family, sockaddr = target
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:  # e.g. no IPv6 on this host: an answer that proves nothing
+        return (exc.errno or errno.EAFNOSUPPORT), None
     sock.setblocking(False)
-    code = sock.connect_ex(addr)
+    try:
+        code = sock.connect_ex(sockaddr)
+    except OSError as exc:
+        code = exc.errno or errno.EINVAL
     if code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
         return None, sock
     _close_rst(sock)

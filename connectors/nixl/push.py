@@ -27,11 +27,21 @@ mixin:
 * a completion notification for a load D already failed is counted as a late report
   and never passed to the scheduler (C7); it ends the hold.
 
-"P known dead" is its side channel refusing a TCP connection (nothing listens on the
-port that served the handshake: P's engine process is gone; a stopped P still accepts).
-P's own lease is no such bound: D cannot observe it, and on P it only drops requests not
-yet matched, never a WRITE already posted or one matched right after a thaw (see
-``README.md``).
+What ends a hold is evidence from the writers themselves (see ``README.md``, "What ends
+a hold"): a completion notification from every P rank that writes here (P's pipeline
+stages x P ranks per D rank, counted as upstream's worker counts them), or, for a P that
+runs as one process (TP 1, PP 1: its writer is the process that serves the side
+channel), that side channel refusing connections. A refusal proves only that the
+side channel's process closed its listener; where P's WRITEs come from other processes
+(its TP/PP workers) it proves nothing about them, so those holds wait for the
+notifications. P's own lease is no such bound either: D cannot observe it, and on P it
+only drops requests not yet matched, never a WRITE already posted or one matched right
+after a thaw.
+
+Holds are bounded for visibility, not freed: past ``kvfail_max_hold_s`` (default
+:data:`MAX_HOLD_DEADLINES` deadlines) a hold without that evidence stays held, is counted
+(``kvfail_holds_overdue``) and logged once with its P (the scheduler side's WARNING
+names every lasting hold's P); the quarantine cap bounds the blocks.
 
 Nothing here copies upstream code or patches vLLM; the overridden methods are
 upstream's private ones (vLLM 0.32.0) and each calls upstream's version.
@@ -59,14 +69,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
 
-from connectors.nixl.connector import FENCE_RETRY_S, LoggedFailureStages, _deadline_from
-from connectors.nixl.probe import SideChannelProbes
+from connectors.config import NixlPushKvfailConfig, validate_extra_config
+from connectors.nixl.connector import LoggedFailureStages, _deadline_from, _extra
+from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
+from kvfail.deadline import seconds_from
+from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
-from kvfail.vllm_quarantine import QuarantineConnector
+from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -92,6 +105,16 @@ PUSH_FAILURE_STAGES: Final[dict[str, Stage]] = {"push_reg_handshake_failed": Sta
 #: A handshake still pending then ends within zmq's receive timeout and re-queues the
 #: registration once; this outlasts that with room to spare, and bounds the memory.
 CLOSED_KEEP_S: Final = 120.0
+#: ``kv_connector_extra_config`` key: how long a hold may last before it is reported
+#: overdue (counted, and named once in a WARNING with its P). Never a release: past it a
+#: hold without evidence stays held (see the module docstring).
+MAX_HOLD_KEY: Final = "kvfail_max_hold_s"
+#: Its default, in load deadlines (a P that wrote late writes within a few deadlines).
+MAX_HOLD_DEADLINES: Final = 4
+#: How often a held load's fence is retried: a notification ends a hold by itself
+#: (:meth:`KvfailNixlPushWorker._late_notification`), so the retry only advances the
+#: probe and the overdue check, which the probe's own interval paces anyway.
+HOLD_RETRY_S: Final = PROBE_INTERVAL_S
 
 
 @dataclass
@@ -100,17 +123,33 @@ class _Held:
 
     host: str
     port: int
-    #: P's completion notifications still owed (one per P rank writing here); None until
-    #: the first arrives, as upstream learns P's TP size from it.
+    #: P's pipeline stages: each stage's ranks write their own layers and notify apart.
+    pp_size: int = 1
+    #: Whether a refused side channel proves P's writers gone: P is one process (TP 1,
+    #: PP 1), so the side channel's process is the writer.
+    refusal_proves: bool = False
+    #: P's completion notifications owed (one per P rank writing here); None until the
+    #: first arrives, as upstream learns P's TP size from it.
     owed: int | None = None
+    #: Notifications received, those before the fence included (upstream counted them).
     notified: int = 0
     done: bool = False
     #: When the hold began: a refusal seen before it may be about an earlier P on the
     #: same host and port, so it does not count for this load.
     since: float = field(default_factory=time.monotonic)
+    #: What was already said about this hold (each once).
+    said_overdue: bool = False
+    said_unresolved: bool = False
+    said_refused: bool = False
+
+    @property
+    def peer(self) -> str:
+        return f"{self.host}:{self.port}" if self.port else "an unknown P"
 
 
-class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker):
+class KvfailNixlPushWorker(
+    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker
+):
     """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
 
     KVFAIL_LOG_STAGES = PUSH_FAILURE_STAGES
@@ -119,20 +158,28 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._init_push_state()
+        deadline = _deadline_from(vllm_config)
+        self._init_push_state(
+            seconds_from(
+                _extra(vllm_config),
+                MAX_HOLD_KEY,
+                None if deadline is None else MAX_HOLD_DEADLINES * deadline,
+            )
+        )
         self.init_failure_reporter(
             num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
             name=f"KvfailNixlPushConnector[{engine_id}:tp{self.tp_rank}]",
             default_deadline_s=_deadline_from(vllm_config),
-            fence_retry_s=FENCE_RETRY_S,
+            fence_retry_s=HOLD_RETRY_S,
             # A push P may still make is reported at the deadline; the scheduler half
             # holds its blocks until P's write is provably over.
             quarantine=compat.block_pool_binding_available(),
-            rank=self.tp_rank,
+            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
 
-    def _init_push_state(self) -> None:
+    def _init_push_state(self, max_hold_s: float | None = None) -> None:
         """kvfail's own state (apart, so a unit test can build it without an agent)."""
+        self._kvfail_max_hold_s = max_hold_s
         # Registration state is shared by the writer thread (sends) and the engine
         # thread (fence); this lock makes "sent" and "never to be sent" exclusive.
         self._kvfail_reg_lock = threading.Lock()
@@ -142,6 +189,8 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         self._kvfail_probes = SideChannelProbes()
         #: Completion notifications for loads D already failed (C7: counted, not passed).
         self.kvfail_late_notifications = 0
+        #: Holds that passed ``kvfail_max_hold_s`` without evidence (since creation).
+        self.kvfail_holds_overdue = 0
 
     # ------------------------------------------------------------------ loads start
 
@@ -209,21 +258,41 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
                     del closed[old]
                 closed[req_id] = now
         meta = self._recving_metadata.pop(req_id, None)
-        self.consumer_notification_counts_by_req.pop(req_id, None)
+        # Notifications that came before the fence count toward what is owed.
+        notified = self.consumer_notification_counts_by_req.pop(req_id, 0)
         if not sent:
             return True
         held = self._kvfail_held.get(req_id)
         if held is None:
-            remote = None if meta is None else meta.remote
-            if remote is None or not remote.host or not remote.port:
-                held = _Held("", 0)  # nowhere to probe: only a notification ends it
-            else:
-                held = _Held(remote.host, int(remote.port))
-            self._kvfail_held[req_id] = held
+            held = self._kvfail_held[req_id] = _held_from(meta, notified)
         if held.done or self._p_dead(req_id, held):
             self._forget(req_id)
             return True
+        self._say_overdue(req_id, held)
         return False
+
+    def _say_overdue(self, req_id: str, held: _Held) -> None:
+        """Count, and name once, a hold past ``kvfail_max_hold_s``; it stays held."""
+        bound = self._kvfail_max_hold_s
+        if held.said_overdue or bound is None or time.monotonic() - held.since < bound:
+            return
+        held.said_overdue = True
+        self.kvfail_holds_overdue += 1
+        # INFO: the scheduler side names every lasting hold's P in one WARNING.
+        logger.info(
+            "kvfail: load %r held %.0f s (past kvfail_max_hold_s) for P %s: %d of %s "
+            "completion notifications came and P's writers are not proven gone, so its "
+            "blocks stay held (the quarantine cap bounds them)",
+            req_id,
+            time.monotonic() - held.since,
+            held.peer,
+            held.notified,
+            "?" if held.owed is None else held.owed,
+        )
+
+    def kvfail_peer_of(self, req_id: str) -> str | None:
+        held = self._kvfail_held.get(req_id)
+        return held.peer if held is not None and held.port else None
 
     def _forget(self, req_id: str) -> None:
         self._kvfail_held.pop(req_id, None)
@@ -234,12 +303,31 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
     # ------------------------------------------------------------------ P dead?
 
     def _p_dead(self, req_id: str, held: _Held) -> bool:
-        """Whether P's side channel refuses connections since the hold began (P's
-        process is gone; see :mod:`connectors.nixl.probe`). A stopped or slow P counts
-        as alive."""
+        """Whether P's writers are proven gone: its side channel refuses connections
+        since the hold began, and P is one process, so that is the writer's own listener
+        (see the module docstring). A stopped or slow P counts as alive; a name that no
+        longer resolves proves nothing (said once, the hold stays)."""
         if not held.port:
             return False
-        return self._kvfail_probes.gone((held.host, held.port), since=held.since, waiter=req_id)
+        addr = (held.host, held.port)
+        probes = self._kvfail_probes
+        if probes.gone(addr, since=held.since, waiter=req_id):
+            if held.refusal_proves:
+                return True
+            if not held.said_refused:
+                held.said_refused = True
+                logger.warning(
+                    "kvfail: P %s's side channel refuses connections, but P's WRITEs for "
+                    "%r come from %d pipeline stage(s) of other processes; the hold stays "
+                    "until their completion notifications",
+                    held.peer,
+                    req_id,
+                    held.pp_size,
+                )
+        elif (why := probes.unresolved(addr)) is not None and not held.said_unresolved:
+            held.said_unresolved = True
+            logger.warning("kvfail: held load %r: P's side channel host %s", req_id, why)
+        return False
 
     # ------------------------------------------------------------------ notifications
 
@@ -275,7 +363,9 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         if held is None or not tp_size.isdigit():
             return False
         if held.owed is None:
-            held.owed = max(1, int(tp_size) // self.world_size)
+            # As upstream's worker counts them: every pipeline stage of P, times the P
+            # ranks writing into this D rank (more than one when P's TP is larger).
+            held.owed = held.pp_size * max(1, int(tp_size) // self.world_size)
         held.notified += 1
         self.kvfail_late_notifications += 1
         self.load_succeeded(req_id)  # counted as a late report, never delivered
@@ -315,6 +405,19 @@ class KvfailNixlPushWorker(LoggedFailureStages, FailureReporterMixin, NixlPushCo
         super().shutdown()
 
 
+def _held_from(meta: Any, notified: int) -> _Held:
+    """The hold of a load whose registration went out, from its (popped) metadata."""
+    remote = None if meta is None else meta.remote
+    pp_size = max(1, int(getattr(meta, "pp_size", 1) or 1))
+    tp_size = max(1, int(getattr(meta, "tp_size", 1) or 1))
+    if remote is None or not remote.host or not remote.port:
+        held = _Held("", 0, pp_size)  # nowhere to probe: only notifications end it
+    else:
+        held = _Held(remote.host, int(remote.port), pp_size, tp_size * pp_size == 1)
+    held.notified = notified
+    return held
+
+
 class KvfailNixlPushConnector(QuarantineConnector, KvfailMetricsConnector, NixlPushConnector):
     """``NixlPushConnector`` with :class:`KvfailNixlPushWorker` as its worker.
 
@@ -327,6 +430,7 @@ class KvfailNixlPushConnector(QuarantineConnector, KvfailMetricsConnector, NixlP
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        validate_extra_config(_extra(vllm_config), NixlPushKvfailConfig)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         # NixlPushConnector.__init__ would build upstream's worker (a second NIXL agent).

@@ -136,3 +136,82 @@ def test_a_probe_whose_socket_is_numbered_past_fd_setsize_still_answers(
     finally:
         for s in held:
             s.close()
+
+
+# ---------------------------------------------------------------- IPv6 and host names
+
+#: A name that never resolves (RFC 6761 reserves ``.invalid``).
+UNRESOLVABLE = "kvfail-p-gone.invalid"
+
+
+def _v6_or_skip() -> socket.socket:
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    return sock
+
+
+def _wait_for_lookup(probes: SideChannelProbes, clock: Clock, addr: tuple[str, int]) -> None:
+    """Poll as drains would until the lookups in flight have answered (real threads,
+    so a bounded real wait; the fake clock still paces the rounds)."""
+    import time
+
+    end = time.monotonic() + 10.0
+    while probes.unresolved(addr) is None:
+        assert time.monotonic() < end, "the name's lookups never answered"
+        assert not probes.gone(addr, since=clock.now - 1, waiter="r")
+        clock.now += INTERVAL_S
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_side_channel_is_probed(host: str) -> None:
+    """A P on IPv6 loopback: listening, it is never gone; closed, it is gone (the probe
+    used an IPv4 socket, and ``connect_ex`` raised ``gaierror`` into D's drain)."""
+    listener = _v6_or_skip()
+    listener.listen(8)
+    port = int(listener.getsockname()[1])
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    try:
+        assert _steps_until_gone(probes, clock, (host, port), clock.now, limit=6) is None
+        assert probes.unresolved((host, port)) is None  # a literal is never looked up
+        listener.close()
+        since = clock.now
+        assert _steps_until_gone(probes, clock, (host, port), since, limit=10) is not None
+    finally:
+        listener.close()
+        probes.close()
+
+
+def test_a_host_name_is_resolved_off_the_drain() -> None:
+    """``localhost`` is looked up on a thread; the drain that starts the lookup does not
+    wait for it, and the answer is used at later drains: a closed port is found gone."""
+    import time
+
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = ("localhost", closed_port())
+    assert not probes.gone(addr, since=clock.now - 1, waiter="r")  # lookup started only
+    end = time.monotonic() + 10.0
+    while not probes.gone(addr, since=clock.now - 100, waiter="r"):
+        assert time.monotonic() < end, "a closed port named by a host name was never gone"
+        clock.now += INTERVAL_S
+        time.sleep(0.01)
+    assert probes.unresolved(addr) is None
+    probes.close()
+
+
+def test_a_name_that_stops_resolving_is_reported_never_gone() -> None:
+    """A name that does not resolve raises nothing into the drain, never proves P gone
+    (a resolver can fail while P runs), and is reported once lookups fail in a row."""
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = (UNRESOLVABLE, closed_port())
+    _wait_for_lookup(probes, clock, addr)
+    reason = probes.unresolved(addr)
+    assert reason is not None and UNRESOLVABLE in reason
+    assert not probes.gone(addr, since=clock.now - 100, waiter="r")
+    probes.close()

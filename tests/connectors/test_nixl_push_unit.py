@@ -149,3 +149,143 @@ def test_sent_load_is_released_once_ps_side_channel_refuses(sent: list[str]) -> 
         time.sleep(0.05)
     assert w.take_quarantine_notice().released == {("r", 0)}
     assert w.kvfail_late_notifications == 0
+
+
+# ------------------------------------------------ every writer, and only writers' evidence
+
+
+def _load_from(w: Any, req_id: str, port: int, *, host: str = "127.0.0.1", **p: int) -> None:
+    """A load from a P with the given TP/PP sizes (P's kv_transfer_params carry them)."""
+    w.track_load(req_id, [[3, 4, 5]])
+    remote = SimpleNamespace(host=host, port=port, engine_id="P")
+    w._recving_metadata[req_id] = SimpleNamespace(
+        local_block_ids=[[3, 4, 5]],
+        remote=remote,
+        tp_size=p.get("tp_size", 1),
+        pp_size=p.get("pp_size", 1),
+    )
+
+
+def _held_after_deadline(w: Any, clock: _Clock, req_id: str) -> None:
+    w._do_send_reg_notif(req_id, {})
+    report = _past_deadline(w, clock)
+    assert req_id in report.failed_recving
+    assert w.take_quarantine_notice().held == {(req_id, 0)}
+
+
+def test_a_hold_waits_for_every_pipeline_stage_of_p(sent: list[str]) -> None:
+    """P at PP 2 WRITEs from two stages, each with its own notification: the first must
+    not end the hold while the second stage may still write (released after one of
+    two before, as ``max(1, tp // world)`` ignored P's stages)."""
+    clock = _Clock()
+    w = _worker(clock)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        _load_from(w, "r", int(listener.getsockname()[1]), pp_size=2)
+        _held_after_deadline(w, clock, "r")
+        w._pending_completion_notifs.put(b"r:1")  # stage 0's WRITE is over
+        w._get_new_notifs()
+        w.drain_step()
+        assert w.failure_reporter.is_quarantined("r"), "released with stage 1 still writing"
+        assert w.take_quarantine_notice().released == set()
+        w._pending_completion_notifs.put(b"r:1")  # stage 1's
+        w._get_new_notifs()
+        w.drain_step()
+    assert not w.failure_reporter.is_quarantined("r")
+    assert w.take_quarantine_notice().released == {("r", 0)}
+    assert w._kvfail_held == {}
+
+
+def test_notifications_before_the_fence_count_toward_the_hold(sent: list[str]) -> None:
+    """Stage 0 notified while the load still waited (upstream counted it); the fence
+    keeps that count, so stage 1's late notification alone ends the hold."""
+    clock = _Clock()
+    w = _worker(clock)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        _load_from(w, "r", int(listener.getsockname()[1]), pp_size=2)
+        w.consumer_notification_counts_by_req["r"] = 1  # upstream's count, stage 0
+        _held_after_deadline(w, clock, "r")
+        w._pending_completion_notifs.put(b"r:1")
+        w._get_new_notifs()
+        w.drain_step()
+    assert not w.failure_reporter.is_quarantined("r")
+
+
+@pytest.mark.parametrize("sizes", [{"tp_size": 2}, {"pp_size": 2}])
+def test_a_refused_side_channel_does_not_end_a_hold_whose_writers_are_elsewhere(
+    sent: list[str], sizes: dict[str, int]
+) -> None:
+    """P's side channel is its scheduler's; at TP or PP > 1 its WRITEs come from worker
+    processes the refusal says nothing about. The hold stays until their notifications
+    (it was released at the second refusal before)."""
+    clock = _Clock()
+    w = _worker(clock)
+    _load_from(w, "r", _closed_port(), **sizes)
+    _held_after_deadline(w, clock, "r")
+    for _ in range(12):  # far more refusals than the probe needs to call P gone
+        clock.now += 1.0
+        w.drain_step()
+        time.sleep(0.02)
+        assert w.failure_reporter.is_quarantined("r")
+    owed = sizes.get("pp_size", 1) * sizes.get("tp_size", 1)
+    for _ in range(owed):
+        w._pending_completion_notifs.put(f"r:{sizes.get('tp_size', 1)}".encode())
+    w._get_new_notifs()
+    w.drain_step()
+    assert not w.failure_reporter.is_quarantined("r")
+
+
+def test_a_p_whose_name_stops_resolving_keeps_its_hold_and_the_drain_runs(
+    sent: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fence once raised ``gaierror`` (a blocking lookup on an IPv4 socket) at every
+    retry; now the lookup runs off the drain, the hold stays (no proof that P's writers
+    are gone), and it is said once."""
+    clock = _Clock()
+    w = _worker(clock)
+    _load_from(w, "r", 5555, host="kvfail-p-gone.invalid")
+    _held_after_deadline(w, clock, "r")
+    end = time.monotonic() + 10.0
+    with caplog.at_level("WARNING", logger="kvfail.nixl.push"):
+        while not any("does not resolve" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < end, "the failed lookup was never said"
+            clock.now += 1.0
+            assert w.kvfail_fence("r") is False  # raised gaierror before
+            time.sleep(0.02)
+        for _ in range(5):
+            clock.now += 1.0
+            assert w.kvfail_fence("r") is False
+    said = [r for r in caplog.records if "does not resolve" in r.getMessage()]
+    assert len(said) == 1
+    assert w.failure_reporter.is_quarantined("r")
+
+
+def test_an_overdue_hold_stays_held_is_counted_and_named_once(
+    sent: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past ``kvfail_max_hold_s`` a live P's hold is not freed (nothing proves its
+    WRITE over): counted once, and logged once naming the P."""
+    clock = _Clock()
+    w = _worker(clock)
+    w._kvfail_max_hold_s = 0.05
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = int(listener.getsockname()[1])
+        _load_from(w, "r", port)
+        w._do_send_reg_notif("r", {})
+        _past_deadline(w, clock)
+        notice = w.take_quarantine_notice()
+        assert notice.held == {("r", 0)}
+        assert notice.peers == {"r": f"127.0.0.1:{port}"}  # the hold names its P
+        time.sleep(0.1)
+        with caplog.at_level("INFO", logger="kvfail.nixl.push"):
+            for _ in range(4):
+                assert w.kvfail_fence("r") is False
+    assert w.failure_reporter.is_quarantined("r")
+    assert w.kvfail_holds_overdue == 1
+    said = [r.getMessage() for r in caplog.records if "kvfail_max_hold_s" in r.getMessage()]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0]

@@ -77,3 +77,29 @@ def test_connector_exposes_kvfail_counters(module: str) -> None:
     assert value("vllm:kvfail_loads_failed_total", stage="transfer") == 0
     assert value("vllm:kvfail_events_total", event="unknown_reports") == 2
     assert value("vllm:kvfail_events_total", event="loads_tracked") == 6
+
+
+def test_held_loads_per_p_and_the_oldest_hold_reach_prometheus() -> None:
+    from kvfail.vllm_stats import KvfailPromMetrics
+
+    registry = CollectorRegistry()
+    config = SimpleNamespace(kv_transfer_config=None)
+    metrics = KvfailPromMetrics(config, _metric_types(registry), LABELS, {0: ["tiny", "0"]})
+    metrics.observe(
+        {
+            "kvfail.gauge.oldest_hold_age_seconds": 12.5,
+            "kvfail.gauge.held_loads.10.0.0.7:5600": 3,
+        },
+        0,
+    )
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvfail_oldest_hold_age_seconds", labels) == 12.5
+    assert (
+        registry.get_sample_value("vllm:kvfail_held_loads", {**labels, "peer": "10.0.0.7:5600"})
+        == 3
+    )
+    metrics.observe({"kvfail.gauge.held_loads.10.0.0.7:5600": 0}, 0)  # that P's holds ended
+    assert (
+        registry.get_sample_value("vllm:kvfail_held_loads", {**labels, "peer": "10.0.0.7:5600"})
+        == 0
+    )

@@ -12,19 +12,26 @@ and, at each drain, checks what the tracker delivered against it:
   constant) for every kind of load: normal, narrowed, notify-only, aborted, and reports
   that arrive late, which are still recognised as late while recent.
 
+:class:`QuarantineMachine` drives the quarantine across D's TP x PP workers as vLLM steps
+them (hold, fence part of the ranks or stages, fence all, a fence answering False,
+release) and checks that no block a writer may still reach is ever free, and that every
+hold ends once the writes are over. With holds keyed by TP rank alone it finds a block
+freed while another stage may still write.
+
 ``HYPOTHESIS_PROFILE=slow`` runs many more examples.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfail import ALL_PEERS, LoadTracker, Stage
+from kvfail import ALL_PEERS, FailureReporterMixin, LoadTracker, Stage
 from kvfail.stages import Stage as StageEnum
 from kvfail.stats import EVENT_COUNTERS
 from tests.core.fakes import ManualClock
@@ -377,8 +384,205 @@ class HmaPropertyMachine(PropertyMachine):
     GROUPS = 2
 
 
+class _Block:
+    """A block of the model pool: only its reference count matters here."""
+
+    __slots__ = ("block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+
+
+class _Pool:
+    """What :class:`BlockQuarantine` needs of vLLM's ``BlockPool``."""
+
+    def touch(self, blocks: list[_Block]) -> None:
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: list[_Block]) -> None:
+        for b in blocks:
+            assert b.ref_cnt > 0, f"block {b.block_id} freed twice"
+            b.ref_cnt -= 1
+
+
+class _Worker(FailureReporterMixin):
+    """A worker whose fence is the machine's ground truth: True only when its write
+    is over (and the fence is not told to refuse)."""
+
+    def __init__(self, fence: Callable[[str], bool]) -> None:
+        self._truth = fence
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        return self._truth(req_id)
+
+
+#: D's workers: TP 2 x PP 2, each named as the connectors name it in holds.
+WORKERS = [(tp, pp) for pp in range(2) for tp in range(2)]
+Q_DEADLINE_S = 1.0
+
+
+class QuarantineMachine(RuleBasedStateMachine):
+    """D's TP x PP workers, each with its own tracker and quarantine, and the scheduler
+    side's :class:`BlockQuarantine` over a model pool, stepped as vLLM steps them:
+    every worker drains, their notices are merged, applied, and a request every worker
+    delivered is freed by the scheduler.
+
+    Ground truth: which (worker, request) transfers may still write. Safety, after every
+    rule: no block such a transfer may write has reference count 0 (it would be handed
+    to another request). Liveness (:meth:`everything_ends`): once every write is over
+    and the fences answer True, every hold ends and every block is free.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvfail.quarantine import BlockQuarantine, hold_rank
+
+        self.clock = ManualClock()
+        self.writing: set[tuple[int, str]] = set()
+        #: Failed unfenced: by the tracker's contract only ``load_fenced`` ends its hold
+        #: (the connector's proof); the fence covers loads the watchdog held.
+        self.unfenced: set[tuple[int, str]] = set()
+        self.fence_ok = [True] * len(WORKERS)
+        self.workers = []
+        for i, (tp, pp) in enumerate(WORKERS):
+            w = _Worker(lambda req, i=i: self.fence_ok[i] and (i, req) not in self.writing)
+            w.init_failure_reporter(
+                num_kv_cache_groups=1,
+                request_level_channel=True,
+                quarantine=True,
+                clock=self.clock,
+                default_deadline_s=Q_DEADLINE_S,
+                fence_retry_s=0.1,
+                rank=hold_rank(tp, 2, pp),
+            )
+            self.workers.append(w)
+        self.blocks: dict[str, list[_Block]] = {}
+        self.scheduled: set[str] = set()  # the scheduler still has the request
+        self.delivered: dict[str, set[int]] = {}
+        self.quarantine = BlockQuarantine(
+            _Pool(), lambda r: self.blocks.get(r) if r in self.scheduled else None
+        )
+        self.ids = itertools.count()
+        self.next_block = itertools.count()
+
+    def _live(self, data: st.DataObject) -> tuple[int, str] | None:
+        live = sorted(
+            (i, r)
+            for i, w in enumerate(self.workers)
+            for r in self.scheduled
+            if w.failure_reporter.is_tracked(r)
+        )
+        return data.draw(st.sampled_from(live)) if live else None
+
+    @rule()
+    def start(self) -> None:
+        req = f"q-{next(self.ids)}"
+        blocks = [_Block(next(self.next_block)) for _ in range(2)]
+        for b in blocks:
+            b.ref_cnt = 1  # the request's own reference
+        self.blocks[req] = blocks
+        self.scheduled.add(req)
+        self.delivered[req] = set()
+        for i, w in enumerate(self.workers):
+            assert w.track_load(req, [b.block_id for b in blocks])
+            self.writing.add((i, req))
+
+    @rule(data=st.data())
+    def succeed(self, data: st.DataObject) -> None:
+        picked = self._live(data)
+        if picked is not None:
+            self.writing.discard(picked)
+            self.workers[picked[0]].load_succeeded(picked[1])
+            self._proven(picked)  # a late success of a held load ends its write too
+
+    @rule(data=st.data(), fenced=st.booleans())
+    def fail(self, data: st.DataObject, fenced: bool) -> None:
+        """A failure; unfenced: the transfer may keep writing (a push P, a READ)."""
+        picked = self._live(data)
+        if picked is None:
+            return
+        if fenced:
+            self.writing.discard(picked)
+        else:
+            # The connector says the transfer may still write, whatever came before.
+            self.writing.add(picked)
+            self.unfenced.add(picked)
+        self.workers[picked[0]].load_failed(picked[1], Stage.TRANSFER, "x", fenced=fenced)
+
+    @rule(data=st.data())
+    def writes_end(self, data: st.DataObject) -> None:
+        """A transfer's writes are proven over: a load failed unfenced is told so
+        (``load_fenced``, the connector's proof); any other is left for the fence to
+        find at its next try."""
+        if not self.writing:
+            return
+        picked = data.draw(st.sampled_from(sorted(self.writing)))
+        self.writing.discard(picked)
+        self._proven(picked)
+
+    def _proven(self, picked: tuple[int, str]) -> None:
+        if picked in self.unfenced:
+            self.unfenced.discard(picked)
+            i, req = picked
+            tracker = self.workers[i].failure_reporter
+            if tracker.is_quarantined(req) or tracker.is_tracked(req):
+                self.workers[i].load_fenced(req)
+
+    @rule(worker=st.integers(0, len(WORKERS) - 1), ok=st.booleans())
+    def fence_answers(self, worker: int, ok: bool) -> None:
+        """False: a fence that cannot prove the write over (a release refused)."""
+        self.fence_ok[worker] = ok
+
+    @rule(seconds=st.floats(0.0, 2.0))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule()
+    def step(self) -> None:
+        from kvfail.quarantine import QuarantineNotice
+
+        merged = QuarantineNotice()
+        finished: list[tuple[int, frozenset[str]]] = []
+        for i, w in enumerate(self.workers):
+            report = w.drain_step()
+            finished.append((i, frozenset(report.finished_recving)))
+            merged.merge(w.take_quarantine_notice())
+        self.quarantine.apply(merged)  # before vLLM frees what the step finished
+        for i, done in finished:
+            for req in done:
+                self.delivered[req].add(i)
+                if len(self.delivered[req]) == len(self.workers) and req in self.scheduled:
+                    self.scheduled.discard(req)
+                    for b in self.blocks[req]:
+                        b.ref_cnt -= 1
+
+    @invariant()
+    def no_block_a_writer_may_reach_is_free(self) -> None:
+        for i, req in self.writing:
+            for b in self.blocks[req]:
+                assert b.ref_cnt > 0, f"{req}'s block {b.block_id} free while worker {i} may write"
+
+    @rule()
+    def everything_ends(self) -> None:
+        """Every write over, every fence True: within a few deadlines of steps every
+        load is delivered, every hold released and every block free."""
+        for picked in sorted(self.writing):
+            self.writing.discard(picked)
+            self._proven(picked)
+        self.fence_ok = [True] * len(WORKERS)
+        for _ in range(6):
+            self.clock.advance(Q_DEADLINE_S)
+            self.step()
+        assert not self.scheduled and len(self.quarantine) == 0
+        assert all(b.ref_cnt == 0 for blocks in self.blocks.values() for b in blocks)
+        assert all(len(w.failure_reporter) == 0 for w in self.workers)
+
+
 TestProperties = PropertyMachine.TestCase
 TestHmaProperties = HmaPropertyMachine.TestCase
+TestQuarantineProperties = QuarantineMachine.TestCase
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,8 @@ is what vLLM's allocator sees: a held block is never handed out by ``get_new_blo
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
@@ -111,3 +113,163 @@ def test_the_cap_says_when_to_stop_taking_remote_loads(sched: Scheduler) -> None
     q.apply(QuarantineNotice(released={("r1", 0)}))
     assert not q.full()
     assert not _quarantine(sched).full()  # no cap: never full
+
+
+def test_a_hold_covers_every_pipeline_stage_of_d(
+    sched: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D at PP 2, TP 1: both stages hold the load (each stage's P writes its layers).
+    vLLM merges every worker's output; with holds keyed by TP rank both stages were
+    ``(r, 0)``, and stage 0's release dropped the extra reference while stage 1's P
+    could still write. Each stage is named apart by the rank its worker uses."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    from kvfail.reporter import FailureReporterMixin
+    from kvfail.vllm_quarantine import KvfailWorkerMeta, worker_hold_rank
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    stages = []
+    for pp_rank in (0, 1):
+        monkeypatch.setattr(
+            parallel_state, "get_pp_group", lambda r=pp_rank: SimpleNamespace(rank_in_group=r)
+        )
+        worker = FailureReporterMixin()
+        worker.init_failure_reporter(
+            num_kv_cache_groups=1,
+            request_level_channel=True,
+            quarantine=True,
+            rank=worker_hold_rank(config, tp_rank=0),
+        )
+        stages.append(worker)
+
+    def step() -> None:
+        """One engine step: every worker drains; vLLM merges their metadata."""
+        metas = []
+        for worker in stages:
+            worker.drain_step()
+            metas.append(KvfailWorkerMeta(notice=worker.take_quarantine_notice()))
+        merged = metas[0]
+        for meta in metas[1:]:
+            merged.aggregate(meta)
+        q.apply(merged.notice)
+
+    q = _quarantine(sched)
+    ids = sched.allocate("r", 3)
+    for worker in stages:
+        worker.track_load("r", ids)
+        worker.load_failed("r", "transfer", "P may still write", fenced=False)
+    step()
+    sched.free("r")
+    assert q.is_held("r")
+    stages[0].load_fenced("r")  # stage 0's P is proven done; stage 1's is not
+    step()
+    assert q.is_held("r") and not set(ids) & sched.free_ids(), "freed with stage 1 writing"
+    stages[1].load_fenced("r")
+    step()
+    assert not q.is_held("r") and set(ids) <= sched.free_ids()
+
+
+# ------------------------------------------------------------ holds visible and cheap
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_oldest_hold_and_held_loads_per_p_are_visible(
+    sched: Scheduler, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = _Clock()
+    q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
+    assert q.oldest_age_s() == 0.0 and q.loads_by_peer() == {}
+    for req_id in ("a", "b", "c"):
+        sched.allocate(req_id, 1)
+    q.apply(QuarantineNotice(held={("a", 0)}, peers={"a": "p1:1"}))
+    clock.now += 10
+    q.apply(QuarantineNotice(held={("b", 0), ("c", 0)}, peers={"b": "p1:1"}))
+    assert q.loads_by_peer() == {"p1:1": 2, "unknown": 1}
+    assert q.oldest_age_s() == 10.0
+    with caplog.at_level("WARNING", logger="kvfail.quarantine"):
+        assert q.say_overdue(after_s=5.0) == ["a"]  # only the hold past the bound
+        assert q.say_overdue(after_s=5.0) == []  # said once
+        clock.now += 10
+        assert sorted(q.say_overdue(after_s=5.0)) == ["b", "c"]
+    named = [r.getMessage() for r in caplog.records if "has held" in r.getMessage()]
+    assert len(named) == 3 and "p1:1" in named[0]
+    q.apply(QuarantineNotice(released={("a", 0)}))
+    assert q.oldest_age_s() == 10.0 and q.loads_by_peer() == {"p1:1": 1, "unknown": 1}
+
+
+class _Upstream:
+    """What QuarantineConnector calls through to: an upstream scheduler half with no
+    push work of its own."""
+
+    def has_pending_push_work(self) -> bool:
+        return False
+
+    def build_connector_meta(self, scheduler_output: object) -> None:
+        return None
+
+    def get_kv_connector_stats(self) -> None:
+        return None
+
+
+def _scheduler_half(q: BlockQuarantine) -> object:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvfail.vllm_quarantine import QuarantineConnector
+
+    class Half(QuarantineConnector, _Upstream):
+        role = KVConnectorRole.SCHEDULER
+
+    half = Half()
+    half._kvfail_quarantine = q
+    return half
+
+
+def test_d_idles_while_only_holds_remain(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only holds left, vLLM asks has_pending_push_work around each step and steps
+    again at once (a 1 ms pause): a busy loop. Now the first ask after each step pauses,
+    and the other asks of the same loop pass through (before: no pause at all)."""
+    import kvfail.vllm_quarantine as vq
+
+    pauses: list[float] = []
+    monkeypatch.setattr(vq.time, "sleep", pauses.append)
+    q = _quarantine(sched)
+    half: Any = _scheduler_half(q)
+    assert half.has_pending_push_work() is False and pauses == []  # nothing held
+    sched.allocate("r", 2)
+    q.apply(QuarantineNotice(held={("r", 0)}))
+    for step in range(1, 4):
+        assert half.has_pending_push_work() is True  # the loop's first ask: a pause
+        assert half.has_pending_push_work() is True  # same loop: no second pause
+        half.build_connector_meta(object())  # the step
+        assert pauses == [vq.HOLD_STEP_S] * step
+    q.apply(QuarantineNotice(released={("r", 0)}))
+    assert half.has_pending_push_work() is False
+
+
+def test_stats_carry_the_oldest_hold_and_held_loads_per_p(sched: Scheduler) -> None:
+    clock = _Clock()
+    q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
+    half: Any = _scheduler_half(q)
+    sched.allocate("r", 2)
+    q.apply(QuarantineNotice(held={("r", 0)}, peers={"r": "10.0.0.7:5600"}))
+    clock.now += 3
+    data = half.get_kv_connector_stats().data
+    assert data["kvfail.gauge.oldest_hold_age_seconds"] == 3.0
+    assert data["kvfail.gauge.held_loads.10.0.0.7:5600"] == 1
+    clock.now += 1  # still held: the age is sent again, though no level changed
+    assert half.get_kv_connector_stats().data["kvfail.gauge.oldest_hold_age_seconds"] == 4.0
+    q.apply(QuarantineNotice(released={("r", 0)}))
+    data = half.get_kv_connector_stats().data
+    assert data["kvfail.gauge.held_loads.10.0.0.7:5600"] == 0  # the P left: one 0
+    assert data["kvfail.gauge.oldest_hold_age_seconds"] == 0.0
+    assert half.get_kv_connector_stats() is None  # nothing held, nothing changed
