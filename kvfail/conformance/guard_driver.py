@@ -105,3 +105,21 @@ class GuardDriver:
 
 
 Driver.register(GuardDriver)  # a Driver by its whole API, the inner's
+
+
+def guard_control_driver(name: str, cls: type) -> GuardDriver | None:
+    """The driver for a guard class named by ``module:Class`` (a negative control): the
+    driver of the inner it names in ``kvfail_control_inner``, with D wrapped by ``cls``.
+    None for any other class."""
+    inner = getattr(cls, "kvfail_control_inner", None)
+    try:
+        from connectors.guard import KvfailGuardConnector
+    except Exception:  # the guard cannot be imported here: not a guard class either
+        return None
+    if not isinstance(inner, str) or not issubclass(cls, KvfailGuardConnector):
+        return None
+    from kvfail.conformance.resolve import resolve
+
+    return GuardDriver(
+        name, resolve(inner), guard_connector=cls.__name__, guard_module=cls.__module__
+    )

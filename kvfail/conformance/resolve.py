@@ -48,6 +48,11 @@ def _import_class(path: str) -> type:
 
 
 def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
+    from kvfail.conformance.guard_driver import guard_control_driver
+
+    guarded = guard_control_driver(name, cls)  # a broken guard: its inner's driver
+    if guarded is not None:
+        return guarded  # type: ignore[return-value]
     from kvfail.conformance.mooncake_driver import MooncakeDriver, mooncake_bases
     from kvfail.conformance.toy_driver import ToyDriver
     from kvfail.harness.toy import ToyConnector
