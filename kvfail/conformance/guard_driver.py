@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec
     from kvfail.harness.engine import Engine
 
-__all__ = ["GUARD_CONNECTOR", "GUARD_MODULE", "GUARD_PREFIX", "GuardDriver", "guard_spec"]
+__all__ = [
+    "GUARD_CONNECTOR",
+    "GUARD_MODULE",
+    "GUARD_PREFIX",
+    "GuardDriver",
+    "control_inner",
+    "guard_spec",
+]
 
 GUARD_PREFIX = "guard:"
 GUARD_CONNECTOR = "KvfailGuardConnector"
@@ -107,10 +114,10 @@ class GuardDriver:
 Driver.register(GuardDriver)  # a Driver by its whole API, the inner's
 
 
-def guard_control_driver(name: str, cls: type) -> GuardDriver | None:
-    """The driver for a guard class named by ``module:Class`` (a negative control): the
-    driver of the inner it names in ``kvfail_control_inner``, with D wrapped by ``cls``.
-    None for any other class."""
+def control_inner(cls: type) -> str | None:
+    """For a guard class named by ``module:Class`` (a negative control), the
+    ``--connector`` value of the inner it names in ``kvfail_control_inner``, whose driver
+    runs it wrapped; None for any other class."""
     inner = getattr(cls, "kvfail_control_inner", None)
     try:
         from connectors.guard import KvfailGuardConnector
@@ -118,8 +125,4 @@ def guard_control_driver(name: str, cls: type) -> GuardDriver | None:
         return None
     if not isinstance(inner, str) or not issubclass(cls, KvfailGuardConnector):
         return None
-    from kvfail.conformance.resolve import resolve
-
-    return GuardDriver(
-        name, resolve(inner), guard_connector=cls.__name__, guard_module=cls.__module__
-    )
+    return inner

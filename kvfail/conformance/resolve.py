@@ -48,11 +48,14 @@ def _import_class(path: str) -> type:
 
 
 def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
-    from kvfail.conformance.guard_driver import guard_control_driver
+    from kvfail.conformance.guard_driver import GuardDriver, control_inner
 
-    guarded = guard_control_driver(name, cls)  # a broken guard: its inner's driver
-    if guarded is not None:
-        return guarded  # type: ignore[return-value]
+    inner = control_inner(cls)  # a broken guard: its inner's driver, D wrapped by it
+    if inner is not None:
+        wrapped = GuardDriver(
+            name, resolve(inner), guard_connector=cls.__name__, guard_module=cls.__module__
+        )
+        return wrapped  # type: ignore[return-value]
     from kvfail.conformance.mooncake_driver import MooncakeDriver, mooncake_bases
     from kvfail.conformance.toy_driver import ToyDriver
     from kvfail.harness.toy import ToyConnector
