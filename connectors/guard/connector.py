@@ -49,7 +49,6 @@ from connectors.guard.passthrough import PassThroughConnector
 from connectors.guard.peer import peer_address, peer_refuses
 from connectors.guard.stats import GuardPromMetrics, GuardStats
 from kvfail import compat
-from kvfail.quarantine import QuarantineNotice
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import KvfailWorkerMeta, QuarantineConnector, _cap_from
@@ -351,7 +350,7 @@ class KvfailGuardConnector(
         self._delivered_failed = set()
         if not notice:
             return inner
-        return KvfailWorkerMeta(notice=QuarantineNotice(notice.held, notice.released), inner=inner)
+        return KvfailWorkerMeta(notice=notice, inner=inner)
 
     def _guard_own_stats(self) -> KVFailStats | None:
         """The worker's counters for this interval (the scheduler half adds the
