@@ -186,3 +186,21 @@ def test_bad_key_stops_the_engine_from_being_built(make_engine: Any) -> None:
             connector_module="connectors.guard",
             extra_config={"inner": TOY, "deadline_sec": 3},
         )
+
+
+def test_deadline_failure_of_a_load_whose_p_refuses_is_not_held(guarded: Any) -> None:
+    """P's advertised address refuses connections: proven gone, nothing to hold."""
+    import socket
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    host, port = probe.getsockname()
+    probe.close()
+    engine = guarded(engine_id="G-gone", deadline_s=0.2)
+    params = {**PD, "remote_bootstrap_addr": f"{host}:{port}"}
+    req = engine.add_request("gone", kv_transfer_params=params, max_tokens=2)
+    engine.run_until(lambda _: req.is_finished(), max_steps=400, timeout_s=20.0, poll_s=0.01)
+    assert req.status == RequestStatus.FINISHED_ERROR
+    quarantine = engine.scheduler.connector.quarantine
+    assert quarantine is not None and not quarantine.is_held("gone") and quarantine.holds == 0
+    assert oracles.check_all(engine, failed=True) == []
