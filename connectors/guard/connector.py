@@ -210,6 +210,10 @@ class KvfailGuardConnector(
         if load_async is None or num_external_tokens <= 0:
             return
         groups = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
+        if not any(groups):
+            # Tokens are promised, so blocks wait for them: a load tracked with none
+            # would be taken for notify-only and never reported (the request stranded).
+            groups = tuple(tuple(g) for g in blocks.get_block_ids())
         if load_async:
             self._new_loads[request.request_id] = GuardLoad(groups, address)
         else:
