@@ -16,8 +16,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 #: A violation's prefix in a scenario's failure message ("C9 leak: ...").
-FINDING = re.compile(r"\b(C\d+(?:/C\d+)*) ([a-z][a-z /-]*?):")
-CASE = re.compile(r"^(?P<scenario>\w+)\[[^\]]*?-(?P<policy>fail|recompute)\]$")
+FINDING = re.compile(r"\b(C\d+(?:/C\d+)*) ([A-Za-z][A-Za-z /-]*?):")
+CASE = re.compile(r"^(?P<scenario>\w+)\[.*?-(?P<policy>fail|recompute)(?:-(?P<case>.+))?\]$")
 
 
 def outcomes(path: Path) -> dict[tuple[str, str], tuple[str, list[str]]]:
@@ -27,7 +27,8 @@ def outcomes(path: Path) -> dict[tuple[str, str], tuple[str, list[str]]]:
         match = CASE.match(case.get("name", ""))
         if match is None:
             continue
-        key = (match["scenario"], match["policy"])
+        scenario = match["scenario"] + (f"[{match['case']}]" if match["case"] else "")
+        key = (scenario, match["policy"])
         failure = case.find("failure")
         if failure is None:
             failure = case.find("error")

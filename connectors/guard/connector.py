@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +142,7 @@ class KvfailGuardConnector(
         self.kv_load_deadline_s = config.deadline_s
         self._guard_inner_cls = inner_cls
         # Scheduler half: what get_num_new_matched_tokens promised, and this step's loads.
-        self._matched: dict[str, bool] = {}
+        self._matched: dict[str, tuple[bool, int]] = {}
         self._new_loads: dict[str, GuardLoad] = {}
         self._sync_blocks: set[int] = set()
         # Worker half: loads bound but not started, and what each tracked load holds.
@@ -195,7 +195,7 @@ class KvfailGuardConnector(
     ) -> tuple[int | None, bool]:
         tokens, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if tokens:
-            self._matched[request.request_id] = load_async
+            self._matched[request.request_id] = (load_async, num_computed_tokens)
         else:
             self._matched.pop(request.request_id, None)
         return tokens, load_async
@@ -206,18 +206,29 @@ class KvfailGuardConnector(
         params = request.kv_transfer_params
         address = peer_address(params)  # read first: the inner may rewrite the params
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        load_async = self._matched.pop(request.request_id, None)
-        if load_async is None or num_external_tokens <= 0:
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None or num_external_tokens <= 0:
             return
-        groups = tuple(tuple(g) for g in blocks.get_unhashed_block_ids_all_groups())
-        if not any(groups):
-            # Tokens are promised, so blocks wait for them: a load tracked with none
-            # would be taken for notify-only and never reported (the request stranded).
-            groups = tuple(tuple(g) for g in blocks.get_block_ids())
+        load_async, num_local = matched
+        groups = self._external_blocks(blocks, num_local, num_external_tokens)
         if load_async:
             self._new_loads[request.request_id] = GuardLoad(groups, address)
         else:
             self._sync_blocks.update(b for g in groups for b in g)
+
+    def _external_blocks(
+        self, blocks: KVCacheBlocks, num_local: int, num_external: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The blocks the external tokens go into, per KV-cache group: from the first
+        block past the local hit to the one holding the last external token (a failure
+        names at least every block that may be missing, and no locally computed one)."""
+        specs = self._kv_cache_config.kv_cache_groups if self._kv_cache_config else ()
+        out = []
+        for index, group in enumerate(blocks.blocks):
+            size = specs[index].kv_cache_spec.block_size if index < len(specs) else 1
+            first, end = num_local // size, -(-(num_local + num_external) // size)
+            out.append(tuple(b.block_id for b in group[first:end] if not b.is_null))
+        return tuple(out)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GuardMetadata:
         meta = GuardMetadata(
@@ -255,12 +266,28 @@ class KvfailGuardConnector(
         for req_id, load in starting.items():
             if self.track_load(req_id, load.groups, peers=1):
                 self._loads[req_id] = load
+        self._inner_load_step(
+            "start_load_kv", starting, self._guard_inner.start_load_kv, forward_context, **kwargs
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._inner_load_step(
+            "wait_for_layer_load", {}, self._guard_inner.wait_for_layer_load, layer_name
+        )
+
+    def _inner_load_step(
+        self, what: str, started: Mapping[str, GuardLoad], call: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        """One call into the inner's load path. A raise there would end the engine, and
+        a synchronous load it cut short would run on whatever its blocks hold: the loads
+        started in this call, and every block of this step's synchronous loads, are
+        reported failed instead."""
         try:
-            self._guard_inner.start_load_kv(forward_context, **kwargs)
+            call(*args, **kwargs)
         except Exception as exc:
-            # A raise here would end the engine; the loads started now are failed instead.
-            logger.exception("kvfail guard: the inner connector's start_load_kv raised")
-            self.fail_loads(starting, Stage.INTERNAL, f"inner start_load_kv raised: {exc!r}")
+            logger.exception("kvfail guard: the inner connector's %s raised", what)
+            self.fail_loads(started, Stage.INTERNAL, f"inner {what} raised: {exc!r}")
+            self._kvfail_invalid.update(self._step_sync_blocks)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """The inner's results and failed blocks, read together, turned into tracker
