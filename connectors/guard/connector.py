@@ -106,6 +106,13 @@ def inner_class_and_config(vllm_config: VllmConfig) -> tuple[type, VllmConfig, G
     )
     inner_config = copy.copy(vllm_config)
     inner_config.kv_transfer_config = inner_transfer
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if scheduler is not None and not KVConnectorFactory.supports_hma_config(inner_transfer):
+        # vLLM keeps the hybrid KV-cache manager on for the guard (it supports HMA); an
+        # inner without HMA support sees the setting it would have had alone. Several
+        # groups with such an inner are refused in the guard's __init__.
+        inner_config.scheduler_config = copy.copy(scheduler)
+        inner_config.scheduler_config.disable_hybrid_kv_cache_manager = True
     return KVConnectorFactory.get_connector_class(inner_transfer), inner_config, config
 
 
@@ -131,7 +138,8 @@ class KvfailGuardConnector(
     ) -> None:
         inner_cls, inner_config, config = inner_class_and_config(vllm_config)
         groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups > 1 and not supports_hma(inner_cls):
+        inner_hma = not inner_config.scheduler_config.disable_hybrid_kv_cache_manager
+        if groups > 1 and not (supports_hma(inner_cls) and inner_hma):
             raise ValueError(
                 f"KvfailGuardConnector: {groups} KV-cache groups, but the inner connector "
                 f"{inner_cls.__name__} does not support HMA"
