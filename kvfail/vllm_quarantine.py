@@ -205,7 +205,7 @@ class QuarantineConnector:
             return blocks or None
 
         self._kvfail_quarantine = BlockQuarantine(
-            pool, blocks_of, max_blocks=_cap_from(self, pool.num_gpu_blocks)
+            pool, blocks_of, max_blocks=self.kvfail_quarantine_cap(pool.num_gpu_blocks)
         )
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
@@ -217,7 +217,7 @@ class QuarantineConnector:
         self._kvfail_quarantine = BlockQuarantine(
             gpu_block_pool,
             recorded.blocks_of,
-            max_blocks=_cap_from(self, gpu_block_pool.num_gpu_blocks),
+            max_blocks=self.kvfail_quarantine_cap(gpu_block_pool.num_gpu_blocks),
         )
 
     def update_state_after_alloc(
@@ -226,6 +226,11 @@ class QuarantineConnector:
         super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
         if self._kvfail_recorded is not None:
             self._kvfail_recorded.allocated(request, blocks, num_external_tokens)
+
+    def kvfail_quarantine_cap(self, num_blocks: int) -> int:
+        """The most blocks held at once, for a pool of ``num_blocks``: read from
+        :data:`CAP_KEY`; a connector with its own configuration overrides this."""
+        return _cap_from(self, num_blocks)
 
     @property
     def quarantine(self) -> BlockQuarantine | None:

@@ -1,6 +1,8 @@
 """Which driver runs a ``--connector`` value: a name registered in the ``kvfail.drivers``
 entry-point group (kvfail's own drivers are registered there exactly as a third party's
-are), ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class``.
+are), ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class``; any of
+them after ``guard:`` runs that driver with D's connector wrapped by kvfail's guard
+(:mod:`kvfail.conformance.guard_driver`).
 
 Why a module of its own: :mod:`kvfail.conformance.driver` is the base API every driver
 imports, so it must import no driver; this module is the one place that maps a connector
@@ -46,6 +48,14 @@ def _import_class(path: str) -> type:
 
 
 def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
+    from kvfail.conformance.guard_driver import GuardDriver, control_inner
+
+    inner = control_inner(cls)  # a broken guard: its inner's driver, D wrapped by it
+    if inner is not None:
+        wrapped = GuardDriver(
+            name, resolve(inner), guard_connector=cls.__name__, guard_module=cls.__module__
+        )
+        return wrapped  # type: ignore[return-value]
     from kvfail.conformance.mooncake_driver import MooncakeDriver, mooncake_bases
     from kvfail.conformance.toy_driver import ToyDriver
     from kvfail.harness.toy import ToyConnector
@@ -101,8 +111,11 @@ def spec_problem(spec: str) -> str | None:
     cheap, imports nothing, so a typo stops the run before any vLLM import."""
     accepted = (
         f"accepted: one of {registered()} (a {ENTRY_POINT_GROUP!r} entry point), "
-        "vllm:<RegistryName> or module:Class"
+        "vllm:<RegistryName> or module:Class, each also after guard:"
     )
+    if spec.startswith("guard:"):
+        inner = spec.removeprefix("guard:")
+        return spec_problem(inner) if inner else f"no connector after 'guard:'; {accepted}"
     if spec in _entry_point_drivers():
         return None
     if spec.startswith("vllm:"):
@@ -117,10 +130,15 @@ def resolve(spec: str) -> Driver:
     """Turn a ``--connector`` value into a driver.
 
     A ``kvfail.drivers`` entry-point name (``toy``, ``mooncake``, ``nixl``, ...) |
-    ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory`` registry) | ``module:Class``.
-    A registered name wins over the other forms (``vllm:MooncakeConnector`` is one).
+    ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory`` registry) | ``module:Class`` |
+    ``guard:`` followed by any of these. A registered name wins over the other forms
+    (``vllm:MooncakeConnector`` is one).
     Raises :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
     """
+    if spec.startswith("guard:"):
+        from kvfail.conformance.guard_driver import GuardDriver
+
+        return GuardDriver(spec, resolve(spec.removeprefix("guard:")))  # type: ignore[return-value]
     entry_points = _entry_point_drivers()
     if spec in entry_points:
         factory = entry_points[spec].load()

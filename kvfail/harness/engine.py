@@ -109,6 +109,7 @@ __all__ = [
     "Worker",
     "ensure_world_of_one",
     "prompt_tokens",
+    "rewriting_specs",
 ]
 
 WorkerBuild = Literal["direct", "transfer_group"]
@@ -116,6 +117,24 @@ WorkerBuild = Literal["direct", "transfer_group"]
 #: Token ids below this are never generated (0-2 are pad/bos/eos in the shipped models),
 #: so a request ends by ``max_tokens`` and never by an accidental EOS.
 FIRST_FREE_TOKEN = 3
+
+
+#: Rewrites applied to every spec an :class:`Engine` is built from, innermost last (see
+#: :func:`rewriting_specs`). Module-level, not a context variable: a driver may build its
+#: engines in a helper thread.
+_SPEC_REWRITES: list[Callable[[EngineSpec], EngineSpec]] = []
+
+
+@contextlib.contextmanager
+def rewriting_specs(rewrite: Callable[[EngineSpec], EngineSpec]) -> Iterator[None]:
+    """Build every engine made meanwhile from ``rewrite(spec)``: the one place a wrapping
+    driver (``kvfail.conformance.guard_driver``) changes the D engines another driver
+    builds, however that driver reaches ``Engine``."""
+    _SPEC_REWRITES.append(rewrite)
+    try:
+        yield
+    finally:
+        _SPEC_REWRITES.remove(rewrite)
 
 
 # --------------------------------------------------------------------------- records
@@ -388,6 +407,8 @@ class Engine:
         log_stats: bool = True,
         rank_env: Mapping[str, str] | None = None,
     ) -> None:
+        for rewrite in _SPEC_REWRITES:
+            spec = rewrite(spec)
         if worker_build == "transfer_group" and spec.tp_size != 1:
             raise ValueError("worker_build='transfer_group' supports tp_size=1 only")
         if spec.tp_mode == "processes" and not isinstance(forward, (SplitForward, type(None))):
