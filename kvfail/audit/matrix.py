@@ -126,6 +126,11 @@ class Cell:
     dynamic_failures: dict[str, str] = field(default_factory=dict)
     #: MUST/SHOULD levels of the failed static checks, by check id.
     levels: dict[str, str] = field(default_factory=dict)
+    #: The audit's coverage of the row (``driver``, ``not_applicable``, ``blocked``,
+    #: ``driver_not_built``, ``not_run``, ``unknown``) and its reason: why a row without
+    #: dynamic verdicts has none (None in results saved before it was recorded).
+    coverage: str | None = None
+    coverage_reason: str = ""
 
     @property
     def static_text(self) -> str:
@@ -170,6 +175,8 @@ class VersionRun:
     cells: dict[str, Cell] = field(default_factory=dict)
     #: :func:`kvfail.compat.features` in that venv: why a clause can read differently.
     features: dict[str, bool] | None = None
+    #: The audit's ``dynamic_tier``: ``ran``, or why not (``skipped (--quick)``).
+    dynamic_tier: str | None = None
 
 
 @dataclass
@@ -236,6 +243,11 @@ class Matrix:
                 elapsed_s=old.elapsed_s + r.elapsed_s,
                 error=r.error if not r.cells else None,
                 features=r.features or old.features,
+                dynamic_tier=(
+                    "ran"
+                    if "ran" in (old.dynamic_tier, r.dynamic_tier)
+                    else r.dynamic_tier or old.dynamic_tier
+                ),
                 dynamic_incomplete="; ".join(
                     x for x in (old.dynamic_incomplete, r.dynamic_incomplete) if x
                 )
@@ -252,7 +264,8 @@ def cells_from_audit(report: dict[str, Any]) -> dict[str, Cell]:
         if not row.get("installed", True):
             cells[row["name"]] = Cell(present=False)
             continue
-        cell = Cell()
+        coverage = row.get("coverage") or {}
+        cell = Cell(coverage=coverage.get("kind"), coverage_reason=coverage.get("reason", ""))
         bad = ran = not_run = errors = 0
         any_dynamic = False
         for f in row.get("findings", []):
@@ -410,6 +423,7 @@ def run_version(
         cells=cells_from_audit(report),
         # compat would import vLLM: the venv's own, which is not the wheel's.
         features=None if wheel_only else venv_features(venv.python, cwd),
+        dynamic_tier=report.get("dynamic_tier"),
     )
 
 
@@ -516,72 +530,11 @@ def render_table(matrix: Matrix, fmt: str = "table") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _score(cell: Cell, dynamic_part: bool) -> float | None:
-    """0 (all honoured) .. 1 (all broken); None for no result (drawn grey)."""
-    if not cell.present:
-        return None
-    if dynamic_part:
-        if cell.dynamic is None or cell.dynamic[1] == 0:
-            return None
-        return cell.dynamic[0] / cell.dynamic[1]
-    if not cell.static_checked:
-        return None
-    return len(cell.static_fail) / cell.static_checked
-
-
 def render_heatmap(matrix: Matrix, path: Path) -> None:
-    """Draw the table as a heat map (PNG): one column per version (two, static and
-    dynamic, with ``--dynamic``), colour = share of checks / scenarios failed."""
-    try:
-        import matplotlib
+    """Draw the matrix as a PNG (:mod:`kvfail.audit.heatmap`: one colour per verdict)."""
+    from kvfail.audit.heatmap import render
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import LinearSegmentedColormap
-    except ImportError as exc:  # pragma: no cover - dev requirement
-        raise SystemExit(
-            f"kvfail matrix: --heatmap needs matplotlib (requirements/dev.txt): {exc}"
-        ) from None
-    if not matrix.connectors:
-        raise SystemExit("kvfail matrix: nothing to draw (no version produced a report)")
-    parts = [False, True] if matrix.dynamic else [False]
-    cols = [(v, p) for v in matrix.versions for p in parts]
-    names = matrix.connectors
-    grid: list[list[float]] = []
-    texts: list[list[str]] = []
-    for name in names:
-        row: list[float] = []
-        trow: list[str] = []
-        for version, dyn in cols:
-            cell = matrix.cell(name, version)
-            score = _score(cell, dyn)
-            row.append(float("nan") if score is None else score)
-            if not cell.present:
-                trow.append("absent")
-            elif dyn:
-                trow.append(cell.dynamic_text.replace(" not run", " n/r"))
-            else:
-                trow.append("ok" if not cell.static_fail else f"{len(cell.static_fail)} fail")
-        grid.append(row)
-        texts.append(trow)
-    cmap = LinearSegmentedColormap.from_list("kvfail", ["#2e9d4f", "#f2c14e", "#c8372d"])
-    cmap.set_bad("#d9d9d9")
-    width = 2.2 + 1.25 * len(cols)
-    height = 1.2 + 0.32 * len(names)
-    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
-    ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
-    labels = [f"{v}\n{'dynamic' if d else 'static'}" if matrix.dynamic else v for v, d in cols]
-    ax.set_xticks(range(len(cols)), labels, fontsize=8)
-    ax.xaxis.tick_top()
-    ax.set_yticks(range(len(names)), names, fontsize=8)
-    for i, trow in enumerate(texts):
-        for j, text in enumerate(trow):
-            ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color="black")
-    ax.set_title("kvfail audit by vLLM version (green: honoured, red: broken)", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    render(matrix, path)
 
 
 # ------------------------------------------------------------------ command line
