@@ -12,11 +12,14 @@ without a verdict says why where the data knows (a footnote under the picture).
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvfail.compat import MISSING_FEATURE_MARK
 
 if TYPE_CHECKING:
     from kvfail.audit.matrix import Cell, Matrix, VersionRun
@@ -30,7 +33,7 @@ class Category(Enum):
     PASS = "pass"
     FAIL = "fail"
     UNKNOWN = "unknown (?: not decided)"
-    BLOCKED = "blocked (cannot run here)"
+    BLOCKED = "blocked (cannot be judged here)"
     NOT_APPLICABLE = "not applicable"
     NOT_RUN = "not run"
 
@@ -47,6 +50,8 @@ COLOURS: dict[Category, tuple[str, str]] = {
 }
 
 _IDS_WIDTH = 26  # characters of failed check ids under a static count
+#: How :class:`kvfail.compat.MissingFeatureError` names its feature in a summary.
+_MISSING = re.compile(r"\((\w+)\), " + re.escape(MISSING_FEATURE_MARK))
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,17 @@ def _extras(errors: int, not_run: int) -> str:
     return "\n" + " ".join(parts) if parts else ""
 
 
+def _blocked_reason(cell: Cell) -> str | None:
+    """The features the unjudged scenarios needed, as their errors name them."""
+    if not cell.dynamic_errors:
+        return None
+    named = {
+        m.group(1) for summary in cell.dynamic_failures.values() for m in _MISSING.finditer(summary)
+    }
+    what = ", ".join(sorted(named)) or "named in the audit's report"
+    return f"scenarios need a feature this vLLM lacks (MissingFeatureError): {what}"
+
+
 def _tier_not_run(run_: VersionRun) -> str | None:
     """Why the dynamic tier did not run on this version at all (None: it ran, or the
     saved results do not say)."""
@@ -123,18 +139,14 @@ def dynamic_cell(cell: Cell, run_: VersionRun | None) -> HeatCell:
         return HeatCell(Category.NOT_APPLICABLE, "absent")
     if cell.dynamic is not None:
         bad, ran, not_run = cell.dynamic
-        errors = cell.dynamic_errors
+        errors, blocked = cell.dynamic_errors, _blocked_reason(cell)
         if bad:
-            return HeatCell(Category.FAIL, f"{bad}/{ran} FAIL{_extras(errors, not_run)}")
+            return HeatCell(Category.FAIL, f"{bad}/{ran} FAIL{_extras(errors, not_run)}", blocked)
         if ran:
-            return HeatCell(Category.PASS, f"{ran}/{ran} ok{_extras(errors, not_run)}")
+            return HeatCell(Category.PASS, f"{ran}/{ran} ok{_extras(errors, not_run)}", blocked)
         if errors:
-            # Every scenario ended in a missing feature: the tool could not judge it.
-            return HeatCell(
-                Category.BLOCKED,
-                f"{errors} blocked{_extras(0, not_run)}",
-                "the scenario needs a feature this vLLM lacks (MissingFeatureError)",
-            )
+            # Every scenario ended in a missing feature: the tool could not judge one.
+            return HeatCell(Category.BLOCKED, f"{errors} blocked{_extras(0, not_run)}", blocked)
         reason = run_.dynamic_incomplete if run_ is not None else None
         return HeatCell(Category.NOT_RUN, f"{not_run} not run", reason or "no scenario finished")
     if cell.coverage == "not_applicable":

@@ -16,6 +16,7 @@ import pytest
 
 from kvfail.audit import heatmap as h
 from kvfail.audit import matrix as m
+from kvfail.compat import MISSING_FEATURE_MARK as MARK
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None, reason="requires matplotlib (dev.txt)"
@@ -39,6 +40,13 @@ def _dyn(bad: int, total: int) -> list[dict[str, Any]]:
     return [_f(f"dyn:s{i}", "fail" if i < bad else "pass", "DYNAMIC") for i in range(total)]
 
 
+def _gap(check: str) -> dict[str, Any]:
+    """A scenario that ended in MissingFeatureError: the tool could not judge it."""
+    found = _f(check, "unknown", "DYNAMIC")
+    found["summary"] = f"the harness needs get_transfer_results (request_level_channel), {MARK}"
+    return found
+
+
 STATIC_OK = [_f("reports", "pass"), _f("deadline", "pass")]
 NEW = {
     "dynamic_tier": "ran",
@@ -51,6 +59,8 @@ NEW = {
         _row("StaticFail", [_f("reports", "fail"), _f("hma", "fail"), _f("x", "pass")]),
         _row("Blocked", STATIC_OK, "blocked", "package 'lmcache' is not installed"),
         _row("NeverLoads", STATIC_OK, "not_applicable", "never loads external KV"),
+        _row("PartlyJudged", [*STATIC_OK, *_dyn(0, 4), _gap("dyn:two_groups")]),
+        _row("NoneJudged", [*STATIC_OK, _gap("dyn:a"), _gap("dyn:b")]),
     ],
 }
 OLD = {
@@ -125,6 +135,17 @@ def test_cells_without_a_verdict_say_why() -> None:
         )
 
 
+def test_scenarios_the_tool_could_not_judge_are_blocked_naming_the_feature() -> None:
+    g = _grid()
+    why = "MissingFeatureError): request_level_channel"
+    partly = g["PartlyJudged", "0.32.0", True]
+    assert partly.category is h.Category.PASS and partly.text == "4/4 ok\n+1 blocked"
+    assert why in str(partly.reason)
+    none = g["NoneJudged", "0.32.0", True]
+    assert none.category is h.Category.BLOCKED and none.text == "2 blocked"
+    assert why in str(none.reason)
+
+
 def test_a_wheel_column_gives_the_wheels_reason() -> None:
     wheel = m.VersionRun(
         "0.33.0",
@@ -161,7 +182,7 @@ def test_the_png_draws_every_row_each_colour_by_category_and_the_counts(tmp_path
     out = tmp_path / "heat.png"
     fig.savefig(out)
     names = [t.get_text() for t in ax.get_yticklabels()]
-    assert names == mx.connectors and len(names) == 6  # every row of the input
+    assert names == mx.connectors and len(names) == 8  # every row of the input
     assert [t.get_text() for t in ax.get_xticklabels()][:2] == [
         "vLLM 0.29.0\nstatic",
         "vLLM 0.29.0\ndynamic",
