@@ -330,7 +330,7 @@ class ExampleDriver(Driver["_StoreHandle"]):
     def integrity_findings(self, engine: Engine) -> list[str]:
         return list(self.handle(engine).wrong.values())
 
-    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
         return self.handle(engine).wrong.get(request_id)
 
     def after_scenario(self) -> None:

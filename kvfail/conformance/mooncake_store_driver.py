@@ -381,7 +381,7 @@ class MooncakeStoreDriver(ExampleDriver):
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
         """What the integrity oracle saw while ``request_id`` ran (None: every loaded
         position held P's pattern at every step)."""
-        return self.used_wrong_bytes(engine, request_id)
+        return self.wrong_bytes_finding(engine, request_id)
 
     def _await_lookup(self, engine: Engine, request_id: str) -> None:
         """Step D until its asynchronous lookup of ``request_id`` has answered, and no

@@ -128,7 +128,7 @@ def _wrong_bytes(scenario: ScenarioContext, engine: Any, rids: list[str]) -> lis
     """C1: no failed load may be run on as if it succeeded (bytes that are not P's)."""
     if not scenario.caps.byte_verification:
         return []
-    found = (scenario.driver.used_wrong_bytes(engine, rid) for rid in rids)
+    found = (scenario.driver.wrong_bytes_finding(engine, rid) for rid in rids)
     return [f"C1 wrong bytes reported as success: {w}" for w in found if w is not None]
 
 

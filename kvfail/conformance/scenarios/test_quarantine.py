@@ -199,7 +199,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
 
         def written(e: Any) -> bool:
             reused.update(mine & _blocks_of(e, fillers))
-            late = scenario.driver.late_write(e, rid)
+            late = scenario.driver.late_write_finding(e, rid)
             if late is not None:
                 landed.append(late)
             return late is not None
@@ -253,7 +253,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             )
     found += check_not_late(engine, rid, blocks)
     if scenario.caps.byte_verification:
-        wrong = scenario.driver.used_wrong_bytes(engine, rid)
+        wrong = scenario.driver.wrong_bytes_finding(engine, rid)
         if wrong is not None:
             found.append(f"C1 wrong bytes reported as success: {wrong}")
     expect = True if must_fail and (failed or stranded) else None

@@ -134,7 +134,7 @@ def _wrong_bytes(scenario: ScenarioContext, engine: Any, rid: str) -> list[str]:
     """C1: a failed load must not be run on as if it succeeded (bytes that are not P's)."""
     if not scenario.caps.byte_verification:
         return []
-    wrong = scenario.driver.used_wrong_bytes(engine, rid)
+    wrong = scenario.driver.wrong_bytes_finding(engine, rid)
     return [] if wrong is None else [f"C1 wrong bytes reported as success: {wrong}"]
 
 
