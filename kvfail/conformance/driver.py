@@ -11,7 +11,8 @@ are earned from what the driver advertises).
 
 This module is the API only: it imports no driver. Each in-tree driver has its own module
 (``toy_driver``, ``generic_driver``, ``pair_driver`` with ``mooncake_driver`` and
-``nixl_driver`` on it, ``nixl_push_driver``, ``example_driver``), and every one a
+``nixl_driver`` on it, ``nixl_push_driver``, ``store_driver``
+(vLLM's ExampleConnector, and the base of the other store drivers)), and every one a
 ``--connector`` name reaches is registered in the entry-point group ``kvfail.drivers``,
 the same group an out-of-tree driver uses: the entry-point name is the ``--connector``
 value, and the loaded object is called with that value and returns a :class:`Driver`

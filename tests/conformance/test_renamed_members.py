@@ -33,3 +33,13 @@ def test_a_driver_with_the_new_names_is_left_alone() -> None:
 
     assert NewNames.wrong_bytes_finding is vars(NewNames)["wrong_bytes_finding"]
     assert not any(hasattr(NewNames, old) for old in RENAMED)
+
+
+def test_the_old_store_driver_module_serves_installed_entry_points() -> None:
+    """Entry-point metadata installed before the move names ``example_driver``: it must load
+    the very factories ``store_driver`` holds."""
+    from kvfail.conformance import example_driver, store_driver
+
+    assert example_driver.__all__ == store_driver.__all__
+    for name in store_driver.__all__:
+        assert getattr(example_driver, name) is getattr(store_driver, name), name
