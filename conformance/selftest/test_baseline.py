@@ -111,29 +111,29 @@ _SCENARIOS = """
 from kvfail.conformance.suite import ConformanceViolation
 
 
-def test_pass(kvfail):
+def test_pass(scenario):
     pass
 
 
-def test_c1(kvfail):
+def test_c1(scenario):
     # The peer's output is evidence, never a finding: its C7 must not count.
     evidence = ["[P pid 1] C7: ERROR a line the peer printed"]
     raise ConformanceViolation("test_c1", ["C1 unreported: r's load failed"], evidence)
 
 
-def test_c1_and_c7(kvfail):
+def test_c1_and_c7(scenario):
     raise ConformanceViolation("test_c1_and_c7", ["C1 unreported: r", "C7: phantom report"])
 
 
-def test_c1_wrong_kv(kvfail):
+def test_c1_wrong_kv(scenario):
     raise ConformanceViolation("test_c1_wrong_kv", ["C1 wrong KV: r ran on bytes P never sent"])
 
 
-def test_skips(kvfail):
-    kvfail.require_layout("tp2")
+def test_skips(scenario):
+    scenario.require_layout("tp2")
 
 
-def test_error(kvfail):
+def test_error(scenario):
     raise RuntimeError("the harness broke")
 """
 

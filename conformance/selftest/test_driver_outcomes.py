@@ -7,6 +7,7 @@ named skip, and a failure where the run requires every driver (the project's own
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ import pytest
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 _SCENARIO = """
-def test_one(kvfail):
-    kvfail.engine()
+def test_one(scenario):
+    scenario.engine()
 """
 
 
@@ -77,3 +78,18 @@ def test_an_absent_transport_fails_where_drivers_are_required(
     outcome, text = _outcome(pytester, "--kvfail-require-drivers")
     assert outcome == "failed", text
     assert "its transport library is not installed here (--kvfail-require-drivers)" in text
+
+
+def test_the_old_fixture_name_is_the_same_scenario(pytester: pytest.Pytester) -> None:
+    """``kvfail``, the fixture's old name, still runs a scenario written against it: it is
+    the very context ``scenario`` gives, and the run records it as a scenario."""
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_old="def test_old(kvfail, scenario):\n    assert kvfail is scenario\n")
+    out = pytester.path / "report"
+    rec = pytester.inline_run(
+        "--connector", "toy", "--policy", "fail", "--layout", "tp1", "-p", "no:cacheprovider",
+        "--kvfail-report", str(out),
+    )  # fmt: skip
+    rec.assertoutcome(passed=1)
+    records = json.loads((out / "report.json").read_text())
+    assert [(r["scenario"], r["outcome"]) for r in records] == [("test_old", "passed")]

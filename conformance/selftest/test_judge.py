@@ -27,16 +27,16 @@ import pytest
 
 
 @pytest.mark.clauses("C1")
-def test_load(kvfail):
-    engine = kvfail.engine()
-    kvfail.add_loading(engine, kvfail.rid("x"))
+def test_load(scenario):
+    engine = scenario.engine()
+    scenario.add_loading(engine, scenario.rid("x"))
 
 
-def test_layout(kvfail):
-    kvfail.require_layout("tp2")
+def test_layout(scenario):
+    scenario.require_layout("tp2")
 
 
-def test_forged(kvfail):
+def test_forged(scenario):
     from kvfail.conformance.suite import SuiteSkip
 
     raise SuiteSkip("requires remote_prefill: forged", ("remote_prefill",))
@@ -203,7 +203,7 @@ def pytest_runtest_makereport(item, call):
 """
 
 _CRASH = """
-def test_crash(kvfail):
+def test_crash(scenario):
     raise RuntimeError("the connector crashed")
 """
 

@@ -36,30 +36,30 @@ def rig():
     raise GAP
 
 
-def test_raised(kvfail):
+def test_raised(scenario):
     raise GAP
 
 
-def test_wrapped(kvfail):
+def test_wrapped(scenario):
     try:
         raise GAP
     except MissingFeatureError as exc:
         raise RuntimeError("the engine could not be built") from exc
 
 
-def test_as_skip(kvfail):
+def test_as_skip(scenario):
     pytest.skip(f"requires async_load: {GAP}")
 
 
-def test_in_a_finding(kvfail):
+def test_in_a_finding(scenario):
     raise ConformanceViolation("test_in_a_finding", [f"C11 crash: {GAP}"])
 
 
-def test_in_setup(kvfail, rig):
+def test_in_setup(scenario, rig):
     pass
 
 
-def test_pass(kvfail):
+def test_pass(scenario):
     pass
 """
 

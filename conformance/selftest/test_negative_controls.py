@@ -283,14 +283,14 @@ def test_unexplained_skip_fails_the_run(pytester: pytest.Pytester) -> None:
         test_skips="""
 import pytest
 
-def test_hidden(kvfail):
+def test_hidden(scenario):
     pytest.skip("flaky network")
 
-def test_dressed_up(kvfail):
+def test_dressed_up(scenario):
     pytest.skip("requires sync_load: a free-text reason is not the suite's")
 
-def test_named(kvfail):
-    kvfail.require("sync_load")
+def test_named(scenario):
+    scenario.require("sync_load")
 """
     )
     result = pytester.runpytest_inprocess(
@@ -303,8 +303,8 @@ def test_named(kvfail):
 
 
 _ONE_SCENARIO = """
-def test_which(kvfail):
-    kvfail.note("connector", kvfail.driver.name)
+def test_which(scenario):
+    scenario.note("connector", scenario.driver.name)
 """
 
 

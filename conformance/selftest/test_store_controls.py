@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-import kvfail.conformance.example_driver
 import kvfail.conformance.mooncake_store_driver
-import kvfail.conformance.multi_driver  # noqa: F401 - loaded before the inner session
+import kvfail.conformance.multi_driver
 import kvfail.conformance.negative as negative
+import kvfail.conformance.store_driver  # noqa: F401 - these three loaded before the inner session
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 STORE = SCENARIOS / "test_store_faults.py"

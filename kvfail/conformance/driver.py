@@ -11,7 +11,8 @@ are earned from what the driver advertises).
 
 This module is the API only: it imports no driver. Each in-tree driver has its own module
 (``toy_driver``, ``generic_driver``, ``pair_driver`` with ``mooncake_driver`` and
-``nixl_driver`` on it, ``nixl_push_driver``, ``example_driver``), and every one a
+``nixl_driver`` on it, ``nixl_push_driver``, ``store_driver``
+(vLLM's ExampleConnector, and the base of the other store drivers)), and every one a
 ``--connector`` name reaches is registered in the entry-point group ``kvfail.drivers``,
 the same group an out-of-tree driver uses: the entry-point name is the ``--connector``
 value, and the loaded object is called with that value and returns a :class:`Driver`
@@ -20,6 +21,7 @@ value, and the loaded object is called with that value and returns a :class:`Dri
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -99,6 +101,11 @@ class DriverUnavailable(Exception):
 #: The handle type a driver keeps per D engine (see :meth:`Driver.new_handle`).
 H = TypeVar("H", bound=EngineHandle)
 
+#: Optional members renamed to say they return a finding (a reason, or None), not a yes/no:
+#: a driver written against the old name is served under the new one, so its oracle is not
+#: silently left at the default.
+RENAMED = {"used_wrong_bytes": "wrong_bytes_finding", "late_write": "late_write_finding"}
+
 
 class Driver(ABC, Generic[H]):
     """One connector under test, and the means to provoke its faults.
@@ -117,6 +124,17 @@ class Driver(ABC, Generic[H]):
     #: ``slow_peer_past_deadline``: seconds after D added the load at which the slow P
     #: answers and writes; None: only once the load was reported (P never answers first).
     slow_peer_delay_s: float | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in RENAMED.items():
+            if old in vars(cls) and new not in vars(cls):
+                warnings.warn(
+                    f"{cls.__qualname__}.{old} is deprecated: name it {new}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                setattr(cls, new, vars(cls)[old])
 
     def unavailable(self) -> str | None:
         """None when the driver can run, else why not (printed in every skip)."""
@@ -281,7 +299,7 @@ class Driver(ABC, Generic[H]):
         """
         raise NotImplementedError(f"driver {self.name!r} cannot verify bytes")
 
-    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
         """After any load: why D ran ``request_id`` on KV that is not P's, else None.
 
         Unlike :meth:`verify_bytes`, a request that was recomputed locally is fine: this is
@@ -294,7 +312,7 @@ class Driver(ABC, Generic[H]):
         """Seconds from adding ``request_id`` to its first report, when the driver timed it."""
         return None
 
-    def late_write(self, engine: Engine, request_id: str) -> str | None:
+    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         """``slow_peer_past_deadline``: None until the slow P's late write for
         ``request_id`` has happened, then what it did (for the report). Only called for a
         load armed with that fault, by a driver that advertises it."""

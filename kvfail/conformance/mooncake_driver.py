@@ -54,7 +54,7 @@ class MooncakeDriver(PairDriver):
       for :attr:`slow_peer_delay_s` (the deadline the scenario asks D for, plus
       :attr:`SLOW_PEER_PAST_S`); P's own expiry is held off meanwhile, so P really
       pushes into D's blocks then, whatever D did (Mooncake is P-push: D has no handle
-      on that write). :meth:`late_write` asks P whether each of its ranks pushed;
+      on that write). :meth:`late_write_finding` asks P whether each of its ranks pushed;
     * driver-side abort and empty pulls.
 
     P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
@@ -300,7 +300,7 @@ class MooncakeDriver(PairDriver):
             engine.abort(request_id)
         # The others were armed before the request was added (see arm()).
 
-    def late_write(self, engine: Engine, request_id: str) -> str | None:
+    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         """Whether P's delayed push for ``request_id`` ran on every P rank (asked of P
         at most every :attr:`LATE_POLL_S`); then which ranks' push wrote into D."""
         fault = self.handle(engine).active.get(request_id)

@@ -21,7 +21,7 @@ What runs, all on 127.0.0.1:
   the connector): the lookup answers in one step and the load starts in the next, so a
   fault can come between them, as it does when a store fails under a running D.
 
-Both forwards write the per-token pattern of :mod:`kvfail.conformance.example_driver`, so
+Both forwards write the per-token pattern of :mod:`kvfail.conformance.store_driver`, so
 the integrity oracle tells whether D ran on P's bytes. One save call records a
 ``torch.cuda.Event``, which CPU torch cannot build: P's steps run with a no-op event (rig
 patch ``cpu_cuda_event``; D, a consumer, never saves).
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Declared
-from kvfail.conformance.example_driver import ExampleDriver, write_pattern
+from kvfail.conformance.store_driver import ExampleDriver, write_pattern
 from kvfail.faults.points import FaultPoint
 from kvfail.rig.environ import environ_set
 
@@ -381,7 +381,7 @@ class MooncakeStoreDriver(ExampleDriver):
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
         """What the integrity oracle saw while ``request_id`` ran (None: every loaded
         position held P's pattern at every step)."""
-        return self.used_wrong_bytes(engine, request_id)
+        return self.wrong_bytes_finding(engine, request_id)
 
     def _await_lookup(self, engine: Engine, request_id: str) -> None:
         """Step D until its asynchronous lookup of ``request_id`` has answered, and no

@@ -10,12 +10,12 @@ The children are two vLLM ExampleConnectors, each with its own directory on disk
 and child 1). P is a harness engine running a MultiConnector over the same two children,
 so the real save path writes every prompt into both directories; D's MultiConnector finds
 the prompt in child 0 first, so child 0 loads and child 1 is the bystander. Both forwards
-write the pattern of :mod:`kvfail.conformance.example_driver`, so the integrity oracle
+write the pattern of :mod:`kvfail.conformance.store_driver`, so the integrity oracle
 tells which bytes D ran on.
 
 Fault points (all on disk, before D steps):
 
-* the store faults of :data:`~kvfail.conformance.example_driver.STORE_FAULTS`, on the
+* the store faults of :data:`~kvfail.conformance.store_driver.STORE_FAULTS`, on the
   loading child's entry (child 0);
 * ``store_bystander_damaged``: child 1's entry keeps its format but holds other bytes:
   a parent that loads only from the child it chose runs on P's bytes;
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Declared
-from kvfail.conformance.example_driver import STORE_FAULTS, ExampleDriver, damage
+from kvfail.conformance.store_driver import STORE_FAULTS, ExampleDriver, damage
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class MultiDriver(ExampleDriver):
 
     def _producer(self) -> Engine:
         if self._p is None:
-            from kvfail.conformance.example_driver import write_pattern
+            from kvfail.conformance.store_driver import write_pattern
             from kvfail.harness.engine import Engine
 
             self._p = Engine(self._spec("fail", "producer"), forward=write_pattern)
@@ -200,7 +200,7 @@ def make_kvfail_children_driver(name: str) -> MultiDriver:
     """Entry point ``kvfail.drivers`` ``multi-example``: vLLM's MultiConnector over two
     of kvfail's ``KvfailExampleConnector`` children, so a child's reported failure has
     to reach the parent's own report (``get_block_ids_with_load_errors``)."""
-    from kvfail.conformance.example_driver import require_kvfail_example
+    from kvfail.conformance.store_driver import require_kvfail_example
 
     cls = require_kvfail_example()
     return MultiDriver(name, child=(cls.__name__, cls.__module__))

@@ -31,7 +31,7 @@ are real with NIXL here:
   D (a cold D's READ would wait for the handshake, and nothing would be posted). At the
   thaw the driver digests the load's blocks on every D rank, lets P run
   :attr:`NixlDriver.LATE_SETTLE_S` without stepping D, and digests them again: what
-  changed meanwhile only the transfer wrote (:meth:`NixlDriver.late_write` says where);
+  changed meanwhile only the transfer wrote (:meth:`NixlDriver.late_write_finding` says where);
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
   silently, the handshake fails at its 5 s ``RCVTIMEO``;
 * ``unknown_engine``: P's real params naming another engine id;
@@ -410,7 +410,7 @@ class NixlDriver(PairDriver):
         at = time.monotonic() + (self.NET_DELAY_S if seconds is None else seconds)
         self._thaw_at[id(producer)] = (producer, at)
 
-    def late_write(self, engine: Engine, request_id: str) -> str | None:
+    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         """Once the stopped P was thawed and had :attr:`LATE_SETTLE_S` to answer the READ:
         on which D ranks the load's blocks changed meanwhile (D not stepping)."""
         fault = self.handle(engine).active.get(request_id)

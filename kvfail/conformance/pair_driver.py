@@ -489,7 +489,7 @@ class PairDriver(Driver[PairHandle]):
         ranks = sorted(int(k.removeprefix("rank")) for k in rec.mismatches)
         return f"{request_id} was computed locally on rank(s) {ranks}: nothing was loaded"
 
-    def used_wrong_bytes(self, engine: Engine, request_id: str) -> str | None:
+    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
         rec = self._pair_of(engine).records.get(request_id)
         if rec is None:
             return None

@@ -23,6 +23,7 @@ from kvfail.conformance.hooks.lifecycle import (
     pytest_runtest_protocol,
     pytest_sessionfinish,
     pytest_unconfigure,
+    scenario,
 )
 from kvfail.conformance.hooks.lifecycle import release as _release
 from kvfail.conformance.hooks.options import DEFAULT_CONNECTOR, drivers_required, pytest_addoption
@@ -52,6 +53,7 @@ __all__ = [
     "pytest_sessionfinish",
     "pytest_terminal_summary",
     "pytest_unconfigure",
+    "scenario",
 ]
 
 

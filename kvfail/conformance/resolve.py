@@ -96,7 +96,7 @@ def _driver_for_class(name: str, cls: type, registry_name: str | None = None) ->
     multi = multi_base()
     if multi is not None and issubclass(cls, multi) and cls is not multi:
         return MultiDriver(name, connector_cls=cls)  # a subclass: a negative control
-    from kvfail.conformance.example_driver import ExampleDriver, example_base
+    from kvfail.conformance.store_driver import ExampleDriver, example_base
 
     example = example_base()
     if example is not None and issubclass(cls, example) and cls is not example:

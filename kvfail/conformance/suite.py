@@ -1,5 +1,5 @@
 """What a scenario test gets: the driver, the capabilities, the policy, bounded waits and
-the oracles, behind one object (the ``kvfail`` fixture).
+the oracles, behind one object (the ``scenario`` fixture).
 
 Why one object: every scenario must end with the same checks (liveness, policy outcome,
 no leaks, exactly once, no crash, no re-advertised hit), every wait must be bounded by
@@ -170,7 +170,7 @@ def deadline_findings(
 
 @dataclass
 class ScenarioContext:
-    """The ``kvfail`` fixture: one connector under one policy for one scenario."""
+    """The ``scenario`` fixture: one connector under one policy for one scenario."""
 
     driver: Driver
     caps: Capabilities

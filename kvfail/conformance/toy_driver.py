@@ -346,7 +346,7 @@ class ToyDriver(Driver["_ToyHandle"]):
             f"{engine.record.steps - late.left_at} steps after the load stopped waiting"
         )
 
-    def late_write(self, engine: Engine, request_id: str) -> str | None:
+    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         fault = self.handle(engine).active.get(request_id)
         late = None if fault is None else fault.state
         return late.done if isinstance(late, _ToyLateWrite) else None

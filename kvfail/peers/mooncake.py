@@ -297,7 +297,7 @@ class MooncakePair(PeerPair):
         """Replace a killed (or any) P with a fresh process on a new bootstrap port.
 
         ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
-        next call that needs P waits for it to be ready (:meth:`_producer`).
+        next call that needs P waits for it to be ready (:meth:`producer`).
         """
         if self.p is not None and self.owns_p:
             self.p.close()
@@ -314,7 +314,8 @@ class MooncakePair(PeerPair):
         """What P is started with (a key for sharing one P between pairs)."""
         return dict(self._p_kwargs)
 
-    def _producer(self) -> ProducerHandle:
+    def producer(self) -> ProducerHandle:
+        """P, once ready (``restart_p(wait=False)`` may have left it starting)."""
         producer: ProducerHandle = self._ready_producer()
         return producer
 
@@ -328,14 +329,14 @@ class MooncakePair(PeerPair):
     ) -> None:
         """P answers D's next pull of ``req_id`` with ``fault`` (``INJECTABLE``), on
         every P rank or only on ``ranks`` (a ``delay`` fault: ``delay_s`` late)."""
-        self._producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
+        self.producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
 
     # ------------------------------------------------------------------ requests
 
     def prefill(self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None) -> dict:
         """P's half only; returns the params D would get (apply a fault to them, then
         :meth:`add`)."""
-        return self._producer().prefill(req_id, prompt_len, prompt_seed or req_id)
+        return self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
     def run(
         self,
@@ -383,7 +384,7 @@ class MooncakePair(PeerPair):
     def bootstrap_proxy(self) -> FaultProxy:
         """A started :class:`FaultProxy` in front of P's bootstrap server (closed by
         :meth:`close`); use :meth:`via_proxy` on params to route D's query through it."""
-        proxy = FaultProxy(self._producer().bootstrap_port, name="mooncake-bootstrap").start()
+        proxy = FaultProxy(self.producer().bootstrap_port, name="mooncake-bootstrap").start()
         self._proxies.append(proxy)
         return proxy
 

@@ -587,6 +587,7 @@ class NixlPair(PeerPair):
         return NixlProducerHandle(**self._p_kwargs)
 
     def producer(self) -> NixlProducerHandle:
+        """P, once ready (``restart_p(wait=False)`` may have left it starting)."""
         producer: NixlProducerHandle = self._ready_producer()
         return producer
 

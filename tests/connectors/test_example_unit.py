@@ -26,7 +26,7 @@ from connectors.example.connector import (
     read_verified,
     write_digest,
 )
-from kvfail.conformance.example_driver import damage
+from kvfail.conformance.store_driver import damage
 from kvfail.faults.points import FaultPoint
 
 

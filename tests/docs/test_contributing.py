@@ -118,9 +118,9 @@ RECIPES = [
                 f'''
 
                 @pytest.mark.clauses("{SCENARIO_CLAUSE}")
-                def test_scratch_scenario(kvfail: Any) -> None:
+                def test_scratch_scenario(scenario: ScenarioContext) -> None:
                     """A scenario made by following CONTRIBUTING.md."""
-                    kvfail.require_fault(FaultPoint.SCRATCH_POINT)
+                    scenario.require_fault(FaultPoint.SCRATCH_POINT)
                 '''
             ),
             CONTRACT: _contract_lists(SCENARIO_CLAUSE, "Scenarios", "test_scratch_scenario"),

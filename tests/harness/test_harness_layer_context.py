@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 import torch
 
-from kvfail.conformance.example_driver import write_pattern, wrong_positions
+from kvfail.conformance.store_driver import write_pattern, wrong_positions
 
 pytestmark = pytest.mark.vllm
 

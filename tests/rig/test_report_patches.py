@@ -1,6 +1,6 @@
 """The conformance plugin lists the rig patches a run applied, from every process.
 
-A scenario whose ``kvfail`` fixture records one patch itself and has a child process
+A scenario whose ``scenario`` fixture records one patch itself and has a child process
 record another (as a P or a TP rank process would) runs in a real pytest session; its
 terminal summary, ``report.json`` and ``rig_patches.json`` must all name both. The
 session resolves the toy driver, which imports vLLM, so it runs in a child process.
@@ -29,12 +29,12 @@ CHILD = "from kvfail.rig import patches; patches.record('nixl_progress_delay', '
 
 
 @pytest.fixture
-def kvfail(kvfail_connector, kvfail_policy, kvfail_layout):
+def scenario(kvfail_connector, kvfail_policy, kvfail_layout):
     rig_patches.record("cpu_accelerator_index", "answered 0 1x")
     subprocess.run([sys.executable, "-c", CHILD], check=True, timeout=120)
 
 
-def test_patched(kvfail):
+def test_patched(scenario):
     pass
 """
 

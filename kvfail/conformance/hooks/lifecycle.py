@@ -3,8 +3,9 @@ connector x policy x layout, hand each its context, stop each driver after its l
 scenario, apply the coverage gate, and close every peer.
 
 Why parametrised here (SQLAlchemy's ``--dburi``): the scenarios are written once, so an
-out-of-tree connector runs the same suite with one flag. Hooks are inert for tests that do
-not use the ``kvfail`` fixture, so loading the plugin globally changes no other test run.
+out-of-tree connector runs the same suite with one flag. Hooks are inert for tests
+that use neither the ``scenario`` fixture nor its old name ``kvfail``, so loading the
+plugin globally changes no other test run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import gc
 import os
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -29,6 +30,9 @@ from kvfail.conformance.hooks.state import (
 from kvfail.conformance.layout import DEFAULT_LAYOUT, POLICIES, Layout, parse_layout_policies
 from kvfail.conformance.report import RECORDS_FILE
 from kvfail.conformance.resolve import spec_problem
+
+if TYPE_CHECKING:
+    from kvfail.conformance.suite import ScenarioContext
 
 #: ``KVFAIL_P_PRESTART=0`` leaves the P zygote to start when a driver first wants P.
 _PRESTART_ENV = "KVFAIL_P_PRESTART"
@@ -128,13 +132,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def kvfail(
+def scenario(
     request: pytest.FixtureRequest,
     kvfail_connector: str,
     kvfail_policy: str,
     kvfail_layout: Layout,
-) -> Iterator[Any]:
-    """The scenario context (see ``kvfail.conformance.suite.ScenarioContext``)."""
+) -> Iterator[ScenarioContext]:
+    """The scenario context: one connector under one policy and layout for one scenario."""
     from kvfail.conformance.suite import ScenarioContext, SuiteSkip
 
     state = request.config.stash[STATE]
@@ -163,6 +167,13 @@ def kvfail(
     finally:
         phases = request.node.stash.get(PHASES, [])
         ctx.close(failed=any(report.failed for _, report in phases))
+
+
+@pytest.fixture
+def kvfail(scenario: ScenarioContext) -> ScenarioContext:
+    """Deprecated alias of ``scenario`` (its old name), kept so scenarios written against
+    it still run; new scenarios take ``scenario``."""
+    return scenario
 
 
 def pytest_collection_modifyitems(

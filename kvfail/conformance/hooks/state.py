@@ -178,8 +178,11 @@ SKIP_NEEDS = pytest.StashKey[tuple[str, ...]]()
 
 
 def is_suite_item(item: pytest.Item) -> bool:
-    """A conformance scenario (it takes the ``kvfail`` fixture); other tests are left alone."""
-    return "kvfail" in getattr(item, "fixturenames", ())
+    """A conformance scenario (it takes the ``scenario`` fixture, or its deprecated alias
+    ``kvfail``); other tests are left alone. ``scenario`` alone is a common name, so a test
+    counts only when the suite's ``kvfail_connector`` parameter comes with it."""
+    names = getattr(item, "fixturenames", ())
+    return "kvfail" in names or ("scenario" in names and "kvfail_connector" in names)
 
 
 def item_key(item: pytest.Item) -> tuple[str, str, str, str] | None:

@@ -32,6 +32,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance.suite import (
     DEFAULT_SEED,
+    ScenarioContext,
     check_not_late,
     deadline_findings,
     declared_text,
@@ -85,11 +86,11 @@ SOAK_FAILS_FALLBACK = FaultPoint.PEER_ERROR_RESPONSE
 SOAK_WEIGHTS = {"success": 5, "fail": 3, "abort": 2}
 
 
-def _rids(kvfail: Any, stem: str, n: int = MANY) -> list[str]:
-    return [kvfail.rid(stem) for _ in range(n)]
+def _rids(scenario: ScenarioContext, stem: str, n: int = MANY) -> list[str]:
+    return [scenario.rid(stem) for _ in range(n)]
 
 
-def _start_loads(kvfail: Any, engine: Any, rids: list[str]) -> dict[str, list[int]]:
+def _start_loads(scenario: ScenarioContext, engine: Any, rids: list[str]) -> dict[str, list[int]]:
     """Step until every request in ``rids`` has entered WAITING_FOR_REMOTE_KVS (the
     engine's record: over a real transport a load may end within the step that starts
     it). Returns the block ids each held while it waited, read while it still did (none
@@ -97,7 +98,7 @@ def _start_loads(kvfail: Any, engine: Any, rids: list[str]) -> dict[str, list[in
     blocks: dict[str, list[int]] = {rid: [] for rid in rids}
 
     def entered(e: Any) -> bool:
-        kvfail.driver.observe(e)
+        scenario.driver.observe(e)
         waiting = e.waiting_for_remote()
         for rid in rids:
             if rid in waiting and not blocks[rid]:
@@ -113,7 +114,7 @@ def _start_loads(kvfail: Any, engine: Any, rids: list[str]) -> dict[str, list[in
     # all had (a failure reported on a channel the layout forbids, C5) is the oracles' to
     # judge, under its own clause.
     if missing:
-        kvfail.assert_clean(
+        scenario.assert_clean(
             [f"C12 setup: {missing} never entered WAITING_FOR_REMOTE_KVS ({result})"]
         )
     return blocks
@@ -123,11 +124,11 @@ def _not_late(engine: Any, blocks: dict[str, list[int]]) -> list[str]:
     return [v for rid, ids in blocks.items() for v in check_not_late(engine, rid, ids)]
 
 
-def _wrong_bytes(kvfail: Any, engine: Any, rids: list[str]) -> list[str]:
+def _wrong_bytes(scenario: ScenarioContext, engine: Any, rids: list[str]) -> list[str]:
     """C1: no failed load may be run on as if it succeeded (bytes that are not P's)."""
-    if not kvfail.caps.byte_verification:
+    if not scenario.caps.byte_verification:
         return []
-    found = (kvfail.driver.used_wrong_bytes(engine, rid) for rid in rids)
+    found = (scenario.driver.wrong_bytes_finding(engine, rid) for rid in rids)
     return [f"C1 wrong bytes reported as success: {w}" for w in found if w is not None]
 
 
@@ -141,72 +142,72 @@ def _failed_at(engine: Any, rids: list[str]) -> dict[str, list[int]]:
     return steps
 
 
-def _note_failure_steps(kvfail: Any, engine: Any, rids: list[str]) -> None:
+def _note_failure_steps(scenario: ScenarioContext, engine: Any, rids: list[str]) -> None:
     """Record in how many distinct steps the failures reached the scheduler (report only)."""
     steps = {s for found in _failed_at(engine, rids).values() for s in found}
-    kvfail.note("failure_steps", len(steps))
+    scenario.note("failure_steps", len(steps))
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
 @pytest.mark.guards("#50719", "#55870")
-def test_many_loads_fail_in_one_step(kvfail: Any) -> None:
+def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
     """``MANY`` loads from one P, each failed by the first fault of ``ALL_FAIL`` the
     driver has (a real P's error reply to the batched pull, params naming an unknown
     engine; the toy fails them all before one step, so one drain carries every failure).
     Every one is reported failed, exactly once, paired with finished_recving, and ends as
     the policy says; none is lost behind the first failure of the step; nothing leaks."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(*ALL_FAIL)
-    engine = kvfail.engine()
-    rids = _rids(kvfail, "fail-many")
-    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(*ALL_FAIL)
+    engine = scenario.engine()
+    rids = _rids(scenario, "fail-many")
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in rids:
-        kvfail.driver.provoke(engine, rid, point)
-    kvfail.run(engine)
-    _note_failure_steps(kvfail, engine, rids)
-    extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
-    kvfail.check(engine, rids, failed=True, extra=extra)
+        scenario.driver.provoke(engine, rid, point)
+    scenario.run(engine)
+    _note_failure_steps(scenario, engine, rids)
+    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    scenario.check(engine, rids, failed=True, extra=extra)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C11")
 @pytest.mark.guards("#50719", "#55870", "HF3FS")
-def test_failures_and_successes_same_step(kvfail: Any) -> None:
+def test_failures_and_successes_same_step(scenario: ScenarioContext) -> None:
     """``MANY`` loads from one P started together; every other one fails (a fault that
     names one request: P's reply names the failed ones and serves the rest of the same
     pull, or one request's params name an unknown engine), the others succeed, in the
     same step where the driver can choose (the toy). Failures are reported failed and end
     as the policy says; successes are successes: never reported failed, and
     (``byte_verification``) run on P's bytes."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(*ONE_OF_MANY)
-    engine = kvfail.engine()
-    rids = _rids(kvfail, "mixed")
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(*ONE_OF_MANY)
+    engine = scenario.engine()
+    rids = _rids(scenario, "mixed")
     bad, good = rids[::2], rids[1::2]
     for rid in rids:  # interleaved, all added before D steps: one batch
         fault = point if rid in bad else None
-        kvfail.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+        scenario.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in bad:
-        kvfail.driver.provoke(engine, rid, point)
+        scenario.driver.provoke(engine, rid, point)
     for rid in good:
-        kvfail.driver.settle(engine, rid)
-    kvfail.run(engine)
-    _note_failure_steps(kvfail, engine, bad)
-    extra = [*_wrong_bytes(kvfail, engine, bad), *_not_late(engine, blocks)]
+        scenario.driver.settle(engine, rid)
+    scenario.run(engine)
+    _note_failure_steps(scenario, engine, bad)
+    extra = [*_wrong_bytes(scenario, engine, bad), *_not_late(engine, blocks)]
     falsely = _failed_at(engine, good)
     extra += [
         f"C8 false failure: {rid} loaded well but a failure reached the scheduler at "
         f"step(s) {steps}"
         for rid, steps in falsely.items()
     ]
-    if kvfail.caps.byte_verification:
+    if scenario.caps.byte_verification:
         for rid in good:
-            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            mismatch = scenario.driver.verify_bytes(engine, rid)
             if mismatch:
                 extra.append(f"C1 wrong bytes for a successful load next to failures: {mismatch}")
-    extra += kvfail.violations(engine, good, failed=False)
-    kvfail.check(engine, bad, failed=True, extra=extra)
+    extra += scenario.violations(engine, good, failed=False)
+    scenario.check(engine, bad, failed=True, extra=extra)
 
 
 def _reports_after_free(engine: Any, rid: str) -> list[str]:
@@ -232,62 +233,62 @@ def _reports_after_free(engine: Any, rid: str) -> list[str]:
 
 @pytest.mark.clauses("C7", "C8", "C9", "C10")
 @pytest.mark.guards("#32255", "#56089", "#46240", "vllm-ascend#7878")
-def test_failure_races_abort(kvfail: Any) -> None:
+def test_failure_races_abort(scenario: ScenarioContext) -> None:
     """``MANY`` loads from one P, all to fail; half are aborted before their failure is
     provoked, half after it (the toy: both orders before one step; a real transport: the
     second half once the failures had time to reach D). Each request's blocks are held
     until its finished_recving and then all freed, it is reported exactly once, never
     after the scheduler freed it (C7), and no aborted request produces a token."""
-    kvfail.require("remote_prefill", "async_load")
-    kvfail.require_fault(FaultPoint.ABORT_WHILE_WAITING)
-    point = kvfail.require_fault(*ALL_FAIL)
-    engine = kvfail.engine()
-    rids = _rids(kvfail, "race")
+    scenario.require("remote_prefill", "async_load")
+    scenario.require_fault(FaultPoint.ABORT_WHILE_WAITING)
+    point = scenario.require_fault(*ALL_FAIL)
+    engine = scenario.engine()
+    rids = _rids(scenario, "race")
     abort_first, fail_first = rids[::2], rids[1::2]
-    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in abort_first:
-        kvfail.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
+        scenario.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
     for rid in rids:
-        kvfail.driver.provoke(engine, rid, point)
-    if kvfail.driver.poll_s:
+        scenario.driver.provoke(engine, rid, point)
+    if scenario.driver.poll_s:
         time.sleep(RACE_SETTLE_S)
     for rid in fail_first:
-        kvfail.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
-    kvfail.run(engine)
-    found = kvfail.violations(engine, rids, failed=None, policy_outcome=False)
+        scenario.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
+    scenario.run(engine)
+    found = scenario.violations(engine, rids, failed=None, policy_outcome=False)
     found += _not_late(engine, blocks)
     for rid in rids:
         found += _reports_after_free(engine, rid)
         tokens = [t for o in engine.record.outputs_for(rid) for t in o.new_token_ids]
         if tokens:
             found.append(f"C9: aborted {rid} generated {len(tokens)} tokens")
-    kvfail.assert_clean(found)
+    scenario.assert_clean(found)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9", "C10")
 @pytest.mark.guards("#50719", "#26171")
-def test_many_loads_peer_killed(kvfail: Any) -> None:
+def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     """``MANY`` loads in flight from one P when it is SIGKILLed (after it prefilled them
     all, before a cold D pulled): one event fails every load. Each is reported failed
     exactly once, paired with finished_recving, and ends as the policy says; none is
     stranded because the connector reported only the first failure of the peer."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(FaultPoint.KILL_BEFORE_PULL)
-    engine = kvfail.engine()
-    rids = _rids(kvfail, "killed-many")
-    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.KILL_BEFORE_PULL)
+    engine = scenario.engine()
+    rids = _rids(scenario, "killed-many")
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in rids:
-        kvfail.driver.provoke(engine, rid, point)
-    kvfail.run(engine)
-    _note_failure_steps(kvfail, engine, rids)
-    kvfail.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
+        scenario.driver.provoke(engine, rid, point)
+    scenario.run(engine)
+    _note_failure_steps(scenario, engine, rids)
+    scenario.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
 @pytest.mark.guards("#50719", "#26171")
-def test_two_peers_one_killed(kvfail: Any) -> None:
+def test_two_peers_one_killed(scenario: ScenarioContext) -> None:
     """One D with loads in flight from TWO P processes at once, ``MANY // 2`` from each;
     one P is SIGKILLed (after it prefilled its share, before D pulled) while the other
     lives and serves its own. Every load from the dead P is reported failed exactly once,
@@ -296,84 +297,86 @@ def test_two_peers_one_killed(kvfail: Any) -> None:
     failed (C8). A connector that fails every peer's loads when one peer dies, or loses
     track of one peer's failures, breaks here; nothing may be stranded or leak, and every
     oracle holds over all requests."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(FaultPoint.KILL_ONE_PEER)
-    engine = kvfail.engine()
-    live = _rids(kvfail, "two-p-live", MANY // 2)
-    dead = _rids(kvfail, "two-p-killed", MANY // 2)
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.KILL_ONE_PEER)
+    engine = scenario.engine()
+    live = _rids(scenario, "two-p-live", MANY // 2)
+    dead = _rids(scenario, "two-p-killed", MANY // 2)
     rids = [*live, *dead]
     # The second P's share first: starting that P takes seconds, and a real P holds what
     # it prefilled only for a bounded time, so the live P prefills last, right before D
     # pulls. Both shares are then in flight in D together.
-    kvfail.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
-    kvfail.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+    scenario.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
+    scenario.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in dead:
-        kvfail.driver.provoke(engine, rid, point)
+        scenario.driver.provoke(engine, rid, point)
     for rid in live:
-        kvfail.driver.settle(engine, rid)
-    kvfail.run(engine)
-    _note_failure_steps(kvfail, engine, dead)
+        scenario.driver.settle(engine, rid)
+    scenario.run(engine)
+    _note_failure_steps(scenario, engine, dead)
     # The live P's false failures first: its loads' policy outcomes follow from them.
     found = [
         f"C8 false failure: {rid} loaded from the live P, but a failure reached the "
         f"scheduler at step(s) {steps}"
         for rid, steps in sorted(_failed_at(engine, live).items())
     ]
-    if kvfail.caps.byte_verification and engine.crashed is None:  # a dead D ran nothing
+    if scenario.caps.byte_verification and engine.crashed is None:  # a dead D ran nothing
         for rid in live:
-            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            mismatch = scenario.driver.verify_bytes(engine, rid)
             if mismatch:
                 found.append(f"C1 wrong bytes for a load from the live P: {mismatch}")
-    found += [*_wrong_bytes(kvfail, engine, dead), *_not_late(engine, blocks)]
-    found += kvfail.violations(engine, rids, failed=None, policy_outcome=False)
+    found += [*_wrong_bytes(scenario, engine, dead), *_not_late(engine, blocks)]
+    found += scenario.violations(engine, rids, failed=None, policy_outcome=False)
     if engine.crashed is None:
         for rid in live:
             found += oracles.check_policy_outcome(engine, rid, failed=False)
         for rid in dead:
             found += oracles.check_policy_outcome(engine, rid, failed=True)
-    kvfail.assert_clean(found)
+    scenario.assert_clean(found)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
 @pytest.mark.guards("#35943", "#50754")
-def test_many_loads_peer_frozen(kvfail: Any) -> None:
+def test_many_loads_peer_frozen(scenario: ScenarioContext) -> None:
     """``MANY`` loads in flight from one P when it is SIGSTOPped (after it prefilled them
     all): its sockets stay open and nothing answers, so only D's own deadline can end
     them, and it must end every one, not only the first it notices. Each is reported
     failed by the deadline the connector declares (+ a margin), exactly once, paired with
     finished_recving, and ends as the policy says; nothing leaks. The suite's wait is
     bounded as for one frozen load; the failures' step counts are noted, never asserted."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(FaultPoint.FREEZE_PEER)
-    engine = kvfail.engine(deadline=True)
-    deadline = kvfail.declared_deadline_s(engine)
-    rids = _rids(kvfail, "frozen-many")
-    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.FREEZE_PEER)
+    engine = scenario.engine(deadline=True)
+    deadline = scenario.declared_deadline_s(engine)
+    rids = _rids(scenario, "frozen-many")
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
     for rid in rids:
-        kvfail.driver.provoke(engine, rid, point)
-    budget = kvfail.deadline_budget(deadline)
-    kvfail.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
-    kvfail.run(engine, timeout_s=budget)
-    _note_failure_steps(kvfail, engine, rids)
-    extra = [*_wrong_bytes(kvfail, engine, rids), *_not_late(engine, blocks)]
+        scenario.driver.provoke(engine, rid, point)
+    budget = scenario.deadline_budget(deadline)
+    scenario.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
+    scenario.run(engine, timeout_s=budget)
+    _note_failure_steps(scenario, engine, rids)
+    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
     stranded = [rid for rid in rids if rid in engine.waiting_for_remote()]
-    times = [t for t in (kvfail.driver.detection_s(engine, rid) for rid in rids) if t is not None]
+    times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
     if times:
-        kvfail.note("detected_s", round(max(times), 3))
+        scenario.note("detected_s", round(max(times), 3))
     extra += deadline_findings(rids, stranded, times, deadline, budget)
-    kvfail.check(engine, rids, failed=True, extra=extra)
+    scenario.check(engine, rids, failed=True, extra=extra)
 
 
-def _failed_early(kvfail: Any, engine: Any, rids: list[str], deadline: float | None) -> list[str]:
+def _failed_early(
+    scenario: ScenarioContext, engine: Any, rids: list[str], deadline: float | None
+) -> list[str]:
     """C10: a load reported failed while its peer was alive and answering late, before
     the deadline its connector declares (or at all, if it declares none): a deadline
     bounds a silent peer, it is no licence to fail a slow one. A failure after the
     declared deadline is still a false failure here (the answer was due well before)."""
     out = []
     for rid, steps in sorted(_failed_at(engine, rids).items()):
-        seconds = kvfail.driver.detection_s(engine, rid)
+        seconds = scenario.driver.detection_s(engine, rid)
         when = "" if seconds is None else f", {seconds:.2f} s after it was added"
         if deadline is None or seconds is None or seconds < deadline:
             out.append(
@@ -394,51 +397,51 @@ def _waited_steps(engine: Any, rid: str) -> int:
 
 @pytest.mark.clauses("C1", "C8", "C10", "C11")
 @pytest.mark.guards("#35943", "#50754")
-def test_slow_peer_not_failed_before_deadline(kvfail: Any) -> None:
+def test_slow_peer_not_failed_before_deadline(scenario: ScenarioContext) -> None:
     """``MANY`` loads from one slow but ALIVE P (``net_delay``: its answer comes after
     several D steps, well below the deadline D's connector declares). D cannot tell it
     from a frozen P until its deadline, and must not guess: no load may be failed early
     (C10), every one succeeds on P's bytes (``byte_verification``) and ends as a success.
     D loads once first (warm), so only the peer's delay is timed. Each must have waited
     at least ``MIN_DELAY_STEPS`` steps, or the delay held nothing."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(FaultPoint.NET_DELAY)
-    engine = kvfail.engine(deadline=True)
-    deadline = kvfail.declared_deadline_s(engine)
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.NET_DELAY)
+    engine = scenario.engine(deadline=True)
+    deadline = scenario.declared_deadline_s(engine)
     # Warm: a cold D's own set-up (bootstrap, first connection) is not the peer's delay.
-    kvfail.warm_up(engine)
-    rids = _rids(kvfail, "slow")
-    kvfail.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(kvfail, engine, rids)
-    kvfail.wait_floor(getattr(kvfail.driver, "NET_DELAY_S", 0.0))  # P's own delay
-    kvfail.run(engine, timeout_s=kvfail.deadline_budget(deadline))
+    scenario.warm_up(engine)
+    rids = _rids(scenario, "slow")
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = _start_loads(scenario, engine, rids)
+    scenario.wait_floor(getattr(scenario.driver, "NET_DELAY_S", 0.0))  # P's own delay
+    scenario.run(engine, timeout_s=scenario.deadline_budget(deadline))
     failed = _failed_at(engine, rids)
-    extra = [*_failed_early(kvfail, engine, rids, deadline), *_not_late(engine, blocks)]
+    extra = [*_failed_early(scenario, engine, rids, deadline), *_not_late(engine, blocks)]
     waited = {rid: _waited_steps(engine, rid) for rid in rids}
-    kvfail.note("waited_steps", min(waited.values()))
-    times = [t for t in (kvfail.driver.detection_s(engine, rid) for rid in rids) if t is not None]
+    scenario.note("waited_steps", min(waited.values()))
+    times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
     if times:
-        kvfail.note("answered_s", round(max(times), 3))
+        scenario.note("answered_s", round(max(times), 3))
     short = sorted(rid for rid, n in waited.items() if n < MIN_DELAY_STEPS and rid not in failed)
     if short:
         extra.append(
             f"C10 setup: net_delay did not hold {short}: they waited fewer than "
             f"{MIN_DELAY_STEPS} steps, so an early failure could not show"
         )
-    if kvfail.caps.byte_verification:
+    if scenario.caps.byte_verification:
         for rid in rids:
-            mismatch = None if rid in failed else kvfail.driver.verify_bytes(engine, rid)
+            mismatch = None if rid in failed else scenario.driver.verify_bytes(engine, rid)
             if mismatch:
                 extra.append(f"C1 wrong bytes for a slow peer's load: {mismatch}")
     # The early failures first: the policy outcome of a failed load follows from them.
-    kvfail.assert_clean([*extra, *kvfail.violations(engine, rids, failed=False)])
+    scenario.assert_clean([*extra, *scenario.violations(engine, rids, failed=False)])
 
 
-def _soak_plan(kvfail: Any, rng: random.Random, n: int) -> list[FaultPoint | None]:
+def _soak_plan(scenario: ScenarioContext, rng: random.Random, n: int) -> list[FaultPoint | None]:
     """``n`` faults drawn with ``SOAK_WEIGHTS`` over what the driver advertises (None: a
     plain success). Only faults that fail their own request: none kills or freezes the
     P every request shares, none fails a whole pull next to good requests."""
-    faults = kvfail.caps.faults
+    faults = scenario.caps.faults
     fails = [p for p in SOAK_FAILS if p in faults]
     if not fails and SOAK_FAILS_FALLBACK in faults:
         fails = [SOAK_FAILS_FALLBACK]
@@ -469,7 +472,7 @@ def _rss_kib() -> int | None:
 
 @pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
 @pytest.mark.guards("#50719", "#55870", "#32255")
-def test_soak_random_faults(kvfail: Any) -> None:
+def test_soak_random_faults(scenario: ScenarioContext) -> None:
     """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
     with a fault drawn from a seeded plan (``--kvfail-seed``, default ``SOAK_SEED``; noted
     with the counts) over the driver's per-request faults: a plain success, a failure of
@@ -480,53 +483,53 @@ def test_soak_random_faults(kvfail: Any) -> None:
     KV-integrity oracle holds. A batch that does not drain ends the soak (its findings are
     reported, with the seed that replays it). Runs in the tp1 layout only (the layouts'
     own scenarios cover TP 2 and two groups)."""
-    kvfail.require("remote_prefill", "async_load")
+    scenario.require("remote_prefill", "async_load")
     # At TP 2 with two groups every request costs P and D twice the blocks and a real
     # pair's rank processes; the soak's sums do not depend on the layout, its time does.
-    kvfail.require_layout("tp1")
-    seed = kvfail.seed_value
+    scenario.require_layout("tp1")
+    seed = scenario.seed_value
     rng = random.Random(seed)
-    plan = _soak_plan(kvfail, rng, SOAK_BATCHES * SOAK_BATCH)
+    plan = _soak_plan(scenario, rng, SOAK_BATCHES * SOAK_BATCH)
     if all(p is None for p in plan):
-        kvfail.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
-    kvfail.note("soak_seed", seed)
-    kvfail.note("soak_plan", dict(Counter("success" if p is None else p.value for p in plan)))
-    engine = kvfail.engine()
+        scenario.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
+    scenario.note("soak_seed", seed)
+    scenario.note("soak_plan", dict(Counter("success" if p is None else p.value for p in plan)))
+    engine = scenario.engine()
     fault_of: dict[str, FaultPoint | None] = {}
     found: list[str] = []
     batches = 0
     rss: list[int | None] = []  # this process's RSS after each batch: reported, not judged
     for start in range(0, len(plan), SOAK_BATCH):
-        batch = {kvfail.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
+        batch = {scenario.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
         fault_of.update(batch)
         for rid, point in batch.items():  # all added before D steps: one batch
             armed = None if point is FaultPoint.ABORT_WHILE_WAITING else point
-            kvfail.driver.add_remote_requests(engine, [rid], fault=armed, prompt_len=PROMPT_LEN)
-        blocks = _start_loads(kvfail, engine, list(batch))
+            scenario.driver.add_remote_requests(engine, [rid], fault=armed, prompt_len=PROMPT_LEN)
+        blocks = _start_loads(scenario, engine, list(batch))
         for rid, point in batch.items():
             if point is None:
-                kvfail.driver.settle(engine, rid)
+                scenario.driver.settle(engine, rid)
             elif point is FaultPoint.ABORT_WHILE_WAITING:
-                kvfail.driver.provoke(engine, rid, point)
-                kvfail.driver.settle(engine, rid)  # the load itself still ends
+                scenario.driver.provoke(engine, rid, point)
+                scenario.driver.settle(engine, rid)  # the load itself still ends
             else:
-                kvfail.driver.provoke(engine, rid, point)
+                scenario.driver.provoke(engine, rid, point)
         batches += 1
-        drained = kvfail.run(engine).ok
+        drained = scenario.run(engine).ok
         rss.append(_rss_kib())
         # Now, before later batches reuse these blocks (a report naming them then is theirs).
         found += _not_late(engine, blocks)
         if not drained:
             break
-    kvfail.note("soak_batches", batches)
+    scenario.note("soak_batches", batches)
     if len(rss) > 1 and None not in rss:  # D's memory after the first batch vs the last
-        kvfail.note("soak_rss_growth_kib", rss[-1] - rss[0])
+        scenario.note("soak_rss_growth_kib", rss[-1] - rss[0])
     rids = list(fault_of)
     good = [rid for rid in rids if fault_of[rid] is None]
     bad = [rid for rid in rids if fault_of[rid] not in (None, FaultPoint.ABORT_WHILE_WAITING)]
     aborted = [rid for rid in rids if fault_of[rid] is FaultPoint.ABORT_WHILE_WAITING]
-    found += kvfail.violations(engine, rids, failed=None, policy_outcome=False)
-    found += _wrong_bytes(kvfail, engine, bad)
+    found += scenario.violations(engine, rids, failed=None, policy_outcome=False)
+    found += _wrong_bytes(scenario, engine, bad)
     if engine.crashed is None:
         for rid in good:
             found += oracles.check_policy_outcome(engine, rid, failed=False)
@@ -537,9 +540,9 @@ def test_soak_random_faults(kvfail: Any) -> None:
         f"step(s) {steps}"
         for rid, steps in sorted(_failed_at(engine, good).items())
     ]
-    if kvfail.caps.byte_verification:
+    if scenario.caps.byte_verification:
         for rid in good:
-            mismatch = kvfail.driver.verify_bytes(engine, rid)
+            mismatch = scenario.driver.verify_bytes(engine, rid)
             if mismatch:
                 found.append(f"C1 wrong bytes for a successful load in the soak: {mismatch}")
     for rid in aborted:
@@ -548,7 +551,7 @@ def test_soak_random_faults(kvfail: Any) -> None:
         # The seed decides the plan, the request ids and so the prompts: the same run again.
         replay = (
             f"soak seed {seed}: replay with --kvfail-seed {seed} -k soak --connector "
-            f"{kvfail.node.callspec.params['kvfail_connector'] if kvfail.node else '...'} "
-            f"--policy {kvfail.policy} --layout {kvfail.layout.name}"
+            f"{scenario.node.callspec.params['kvfail_connector'] if scenario.node else '...'} "
+            f"--policy {scenario.policy} --layout {scenario.layout.name}"
         )
-        raise kvfail.violation(list(dict.fromkeys(found)), evidence=[replay])
+        raise scenario.violation(list(dict.fromkeys(found)), evidence=[replay])

@@ -32,6 +32,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 from kvfail.conformance.suite import (
     MIN_STEPS,
     REAL_BUDGET_S,
+    ScenarioContext,
     check_not_late,
     deadline_findings,
     declared_text,
@@ -71,7 +72,7 @@ RETURN_WAIT_S = 15.0
 
 
 def _step_until(
-    kvfail: Any,
+    scenario: ScenarioContext,
     engine: Any,
     done: Callable[[Any], bool],
     *,
@@ -81,7 +82,7 @@ def _step_until(
 ) -> Any:
     """Step D until ``done(engine)``, bounded by ``timeout_s``; the driver observes each
     step (timestamps, the integrity oracle's release watch, a toy P's late write)."""
-    driver = kvfail.driver
+    driver = scenario.driver
 
     def predicate(e: Any) -> bool:
         driver.observe(e)
@@ -104,7 +105,9 @@ def _blocks_of(engine: Any, rids: list[str]) -> set[tuple[int, int]]:
     }
 
 
-def _await_blocks_back(kvfail: Any, engine: Any, want: int) -> tuple[int, float, bool]:
+def _await_blocks_back(
+    scenario: ScenarioContext, engine: Any, want: int
+) -> tuple[int, float, bool]:
     """Step D as vLLM's engine loop would, until its free block count is back to
     ``want``, at most ``RETURN_WAIT_S``; returns (free blocks, seconds waited, whether D
     went idle first). Idle: ``scheduler.has_requests()`` is false, so vLLM would not step
@@ -120,14 +123,14 @@ def _await_blocks_back(kvfail: Any, engine: Any, want: int) -> tuple[int, float,
         if engine.is_idle():
             return pool.get_num_free_blocks(), time.monotonic() - start, True
         engine.step()
-        kvfail.driver.observe(engine)
+        scenario.driver.observe(engine)
         time.sleep(FILL_POLL_S)
     return pool.get_num_free_blocks(), time.monotonic() - start, False
 
 
 @pytest.mark.clauses("C1", "C2", "C10", "C11")
 @pytest.mark.guards("#21570", "aws-do-eks#84", "#35943")
-def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
+def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
     """One load from a slow but ALIVE P that answers, and writes into D's blocks, only
     after the deadline D's connector declares (``slow_peer_past_deadline``). D loads once
     first (warm), so the transfer itself is what is late.
@@ -142,28 +145,28 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
     may have been written (its poison), and once every request ended, D's free block
     count must come back to what it was before the load (``C11 leak`` otherwise), within
     a bounded wait while D steps; every other oracle holds too."""
-    kvfail.require("remote_prefill", "async_load")
-    point = kvfail.require_fault(FaultPoint.SLOW_PEER_PAST_DEADLINE)
-    engine = kvfail.engine(deadline=True)
-    deadline = kvfail.declared_deadline_s(engine)
-    delay = kvfail.driver.slow_peer_delay_s
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.SLOW_PEER_PAST_DEADLINE)
+    engine = scenario.engine(deadline=True)
+    deadline = scenario.declared_deadline_s(engine)
+    delay = scenario.driver.slow_peer_delay_s
     # P answers past the deadline (the toy's P only after the load stopped waiting): a
     # connector that enforces the deadline it declares fails the load.
     must_fail = delay is None or (deadline is not None and deadline < delay)
-    kvfail.warm_up(engine)
+    scenario.warm_up(engine)
     pool = engine.scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
     # Nothing ends this scenario before P's late write: a wait no connector can save.
-    kvfail.wait_floor(delay if delay is not None else (deadline or 0.0))
-    rid = kvfail.rid("slow-past-deadline")
-    blocks = kvfail.add_loading(
+    scenario.wait_floor(delay if delay is not None else (deadline or 0.0))
+    rid = scenario.rid("slow-past-deadline")
+    blocks = scenario.add_loading(
         engine, rid, fault=point, prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS
     )
     mine = _blocks_of(engine, [rid])  # what it holds while it waits, per group
-    poll_s = kvfail.driver.poll_s or 0.01
-    budget = kvfail.deadline_budget(deadline)
+    poll_s = scenario.driver.poll_s or 0.01
+    budget = scenario.deadline_budget(deadline)
     _step_until(
-        kvfail,
+        scenario,
         engine,
         lambda e: rid not in e.waiting_for_remote(),
         timeout_s=budget,
@@ -171,9 +174,9 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
         min_steps=MIN_STEPS,
     )
     found: list[str] = []
-    seconds = kvfail.driver.detection_s(engine, rid)
+    seconds = scenario.driver.detection_s(engine, rid)
     if seconds is not None:
-        kvfail.note("detected_s", round(seconds, 3))
+        scenario.note("detected_s", round(seconds, 3))
     stranded = rid in engine.waiting_for_remote()
     failed = rid in oracles.failed_requests(engine)
     found += deadline_findings(
@@ -186,9 +189,9 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
             f"{declared_text(deadline)}"
         )
     if not stranded and engine.crashed is None:
-        fillers = [kvfail.rid("filler") for _ in range(FILLERS)]
+        fillers = [scenario.rid("filler") for _ in range(FILLERS)]
         for filler in fillers:
-            kvfail.driver.add_local_request(
+            scenario.driver.add_local_request(
                 engine, filler, prompt_len=PROMPT_LEN, max_tokens=FILLER_MAX_TOKENS
             )
         landed: list[str] = []
@@ -196,13 +199,13 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
 
         def written(e: Any) -> bool:
             reused.update(mine & _blocks_of(e, fillers))
-            late = kvfail.driver.late_write(e, rid)
+            late = scenario.driver.late_write_finding(e, rid)
             if late is not None:
                 landed.append(late)
             return late is not None
 
         _step_until(
-            kvfail,
+            scenario,
             engine,
             written,
             timeout_s=LATE_WRITE_WAIT_S,
@@ -210,10 +213,10 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
             min_steps=MIN_STEPS,  # a step-driven late write (the toy) is not starved by load
         )
         if landed:
-            kvfail.note("late_write", landed[0])
+            scenario.note("late_write", landed[0])
             after = engine.record.steps + POST_WRITE_STEPS
             _step_until(
-                kvfail,
+                scenario,
                 engine,
                 lambda e: e.record.steps >= after,
                 timeout_s=REAL_BUDGET_S,
@@ -225,15 +228,15 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
                 f"{LATE_WRITE_WAIT_S:g} s of the fillers' start: nothing was written late"
             )
         # Report only: how many of the load's blocks the fillers got (none with a hold).
-        kvfail.note("reused_blocks", len(reused))
+        scenario.note("reused_blocks", len(reused))
         if engine.crashed is None:
             running = [f for f in fillers if f in engine.scheduler.requests]
             if running:
                 engine.abort(running)
-        _step_until(kvfail, engine, lambda e: e.is_idle(), timeout_s=DRAIN_S, poll_s=poll_s)
+        _step_until(scenario, engine, lambda e: e.is_idle(), timeout_s=DRAIN_S, poll_s=poll_s)
     if engine.crashed is None and not engine.scheduler.requests:
-        free, waited, idle = _await_blocks_back(kvfail, engine, free_before)
-        kvfail.note("blocks_back_s", round(waited, 3))
+        free, waited, idle = _await_blocks_back(scenario, engine, free_before)
+        scenario.note("blocks_back_s", round(waited, 3))
         if free < free_before and idle:
             found.append(
                 f"C11 leak: {free_before - free} blocks held while D went idle, after every "
@@ -249,9 +252,9 @@ def test_slow_peer_writes_after_deadline(kvfail: Any) -> None:
                 f"write was over ({free} free, {free_before} before the load)"
             )
     found += check_not_late(engine, rid, blocks)
-    if kvfail.caps.byte_verification:
-        wrong = kvfail.driver.used_wrong_bytes(engine, rid)
+    if scenario.caps.byte_verification:
+        wrong = scenario.driver.wrong_bytes_finding(engine, rid)
         if wrong is not None:
             found.append(f"C1 wrong bytes reported as success: {wrong}")
     expect = True if must_fail and (failed or stranded) else None
-    kvfail.check(engine, [rid], failed=expect, extra=found)
+    scenario.check(engine, [rid], failed=expect, extra=found)

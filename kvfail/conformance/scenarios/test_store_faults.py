@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import deadline_findings
+from kvfail.conformance.suite import ScenarioContext, deadline_findings
 from kvfail.faults.points import FaultPoint
 
 pytestmark = pytest.mark.vllm
@@ -31,71 +31,71 @@ UNREADABLE = (
 )
 
 
-def _add(kvfail: Any, stem: str) -> tuple[Any, str]:
-    kvfail.require("remote_prefill", "sync_load")
-    engine = kvfail.engine()
-    rid = kvfail.rid(stem)
-    kvfail.driver.add_remote_request(engine, rid)
+def _add(scenario: ScenarioContext, stem: str) -> tuple[Any, str]:
+    scenario.require("remote_prefill", "sync_load")
+    engine = scenario.engine()
+    rid = scenario.rid(stem)
+    scenario.driver.add_remote_request(engine, rid)
     return engine, rid
 
 
 @pytest.mark.clauses("C1", "C4")
 @pytest.mark.guards("ExampleConnector store")
-def test_store_load_ok(kvfail: Any) -> None:
+def test_store_load_ok(scenario: ScenarioContext) -> None:
     """The baseline: what P stored loads into D, byte for byte, and all is freed."""
-    engine, rid = _add_any(kvfail, "store-ok")
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=False)
+    engine, rid = _add_any(scenario, "store-ok")
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=False)
 
 
 @pytest.mark.clauses("C1", "C4", "C13")
 @pytest.mark.guards("ExampleConnector store", "#40364")
 @pytest.mark.parametrize("point", UNREADABLE, ids=[p.value for p in UNREADABLE])
-def test_store_file_unreadable(kvfail: Any, point: FaultPoint) -> None:
+def test_store_file_unreadable(scenario: ScenarioContext, point: FaultPoint) -> None:
     """A file the connector matched cannot be read: the load is reported failed in the
     pass that read it (C4), never raised out of start_load_kv (C13)."""
-    kvfail.require_fault(point)
-    engine, rid = _add(kvfail, "store-bad")
-    kvfail.driver.provoke(engine, rid, point)
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=True)
+    scenario.require_fault(point)
+    engine, rid = _add(scenario, "store-bad")
+    scenario.driver.provoke(engine, rid, point)
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=True)
 
 
 @pytest.mark.clauses("C1")
 @pytest.mark.guards("ExampleConnector store", "HF3FS", "LMCache#4600")
-def test_store_data_overwritten(kvfail: Any) -> None:
+def test_store_data_overwritten(scenario: ScenarioContext) -> None:
     """The file parses but holds other bytes: a connector without a checksum reports
     success, and D runs on KV that is not P's. Only the integrity oracle sees it."""
-    kvfail.require_fault(FaultPoint.STORE_DATA_OVERWRITTEN)
-    engine, rid = _add(kvfail, "store-overwritten")
-    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_DATA_OVERWRITTEN)
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=None)
+    scenario.require_fault(FaultPoint.STORE_DATA_OVERWRITTEN)
+    engine, rid = _add(scenario, "store-overwritten")
+    scenario.driver.provoke(engine, rid, FaultPoint.STORE_DATA_OVERWRITTEN)
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=None)
 
 
 @pytest.mark.clauses("C1", "C8")
 @pytest.mark.guards("MultiConnector")
-def test_store_bystander_damaged(kvfail: Any) -> None:
+def test_store_bystander_damaged(scenario: ScenarioContext) -> None:
     """A composite connector loads from the child that matched first; another child (a
     bystander) holds other bytes for the same prompt. The load must succeed on P's
     bytes: a bystander is never read, and never makes the load fail."""
-    kvfail.require_fault(FaultPoint.STORE_BYSTANDER_DAMAGED)
-    engine, rid = _add(kvfail, "store-bystander")
-    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_BYSTANDER_DAMAGED)
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=False)
+    scenario.require_fault(FaultPoint.STORE_BYSTANDER_DAMAGED)
+    engine, rid = _add(scenario, "store-bystander")
+    scenario.driver.provoke(engine, rid, FaultPoint.STORE_BYSTANDER_DAMAGED)
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=False)
 
 
 @pytest.mark.clauses("C1", "C4", "C13")
 @pytest.mark.guards("MultiConnector")
-def test_store_all_children_damaged(kvfail: Any) -> None:
+def test_store_all_children_damaged(scenario: ScenarioContext) -> None:
     """Every child of a composite connector lost the entry its lookup matched: the load
     is reported failed (C1, C4), never raised out of a child into the worker (C13)."""
-    kvfail.require_fault(FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
-    engine, rid = _add(kvfail, "store-all-children")
-    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=True)
+    scenario.require_fault(FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
+    engine, rid = _add(scenario, "store-all-children")
+    scenario.driver.provoke(engine, rid, FaultPoint.STORE_ALL_CHILDREN_DAMAGED)
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=True)
 
 
 #: Faults on a store's processes or keys between D's lookup and D's load that the
@@ -113,47 +113,47 @@ STORE_LOST = (
 STORE_POINTS = tuple(p for p in FaultPoint if p.value.startswith("store_"))
 
 
-def _add_any(kvfail: Any, stem: str, **engine: Any) -> tuple[Any, str]:
+def _add_any(scenario: ScenarioContext, stem: str, **engine: Any) -> tuple[Any, str]:
     """A D and a request whose prefix the store holds, for a sync or an async loader."""
-    kvfail.require("remote_prefill")
-    kvfail.require_fault(*STORE_POINTS)
-    kvfail.require_any("sync_load", "async_load")
-    d = kvfail.engine(**engine)
-    rid = kvfail.rid(stem)
-    kvfail.driver.add_remote_request(d, rid)
+    scenario.require("remote_prefill")
+    scenario.require_fault(*STORE_POINTS)
+    scenario.require_any("sync_load", "async_load")
+    d = scenario.engine(**engine)
+    rid = scenario.rid(stem)
+    scenario.driver.add_remote_request(d, rid)
     return d, rid
 
 
 @pytest.mark.clauses("C1", "C2", "C10", "C13")
 @pytest.mark.guards("MooncakeStore", "#50719")
 @pytest.mark.parametrize("point", STORE_LOST, ids=[p.value for p in STORE_LOST])
-def test_store_lost_after_lookup(kvfail: Any, point: FaultPoint) -> None:
+def test_store_lost_after_lookup(scenario: ScenarioContext, point: FaultPoint) -> None:
     """The store matched the prefix, then lost it (its master killed or restarted empty,
     the keys removed or one of them evicted, the memory's owner killed) before D read it:
     the load is reported failed, never raised, never run on as if loaded."""
-    kvfail.require_fault(point)
-    engine, rid = _add_any(kvfail, f"store-{point.value}")
-    kvfail.driver.provoke(engine, rid, point)
-    kvfail.run(engine)
-    kvfail.check(engine, [rid], failed=True)
+    scenario.require_fault(point)
+    engine, rid = _add_any(scenario, f"store-{point.value}")
+    scenario.driver.provoke(engine, rid, point)
+    scenario.run(engine)
+    scenario.check(engine, [rid], failed=True)
 
 
 @pytest.mark.clauses("C1", "C2", "C10")
 @pytest.mark.guards("MooncakeStore", "#35943")
-def test_store_master_frozen(kvfail: Any) -> None:
+def test_store_master_frozen(scenario: ScenarioContext) -> None:
     """The store's master stops answering (SIGSTOP) after D's lookup matched: its sockets
     accept, nothing answers. Only a deadline of D's connector can end the load (C10);
     the suite waits its bounded wait for the one it declares."""
-    kvfail.require_fault(FaultPoint.STORE_MASTER_FROZEN)
-    engine, rid = _add_any(kvfail, "store-master-frozen", deadline=True)
-    deadline = kvfail.declared_deadline_s(engine)
-    kvfail.driver.provoke(engine, rid, FaultPoint.STORE_MASTER_FROZEN)
-    budget = kvfail.deadline_budget(deadline)
-    kvfail.wait_floor(budget if deadline is None else deadline)
-    kvfail.run(engine, timeout_s=budget)
+    scenario.require_fault(FaultPoint.STORE_MASTER_FROZEN)
+    engine, rid = _add_any(scenario, "store-master-frozen", deadline=True)
+    deadline = scenario.declared_deadline_s(engine)
+    scenario.driver.provoke(engine, rid, FaultPoint.STORE_MASTER_FROZEN)
+    budget = scenario.deadline_budget(deadline)
+    scenario.wait_floor(budget if deadline is None else deadline)
+    scenario.run(engine, timeout_s=budget)
     stranded = [rid] if rid in engine.waiting_for_remote() else []
     # The master resumes before the oracles: what they judge is what was seen above, and
     # D's teardown must not wait on a stopped master.
-    kvfail.driver.end_faults(engine)
+    scenario.driver.end_faults(engine)
     extra = deadline_findings([rid], stranded, [], deadline, budget)
-    kvfail.check(engine, [rid], failed=True, extra=extra)
+    scenario.check(engine, [rid], failed=True, extra=extra)
