@@ -499,12 +499,15 @@ class QuarantineMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), fenced=st.booleans())
     def fail(self, data: st.DataObject, fenced: bool) -> None:
-        """A failure; unfenced: the transfer may keep writing (a push P, a READ)."""
+        """A failure; unfenced: the transfer may keep writing (a push P, a READ). A later
+        fenced report proves nothing about an earlier unfenced one (a failure is fenced by
+        default, whoever reports it): only ``load_fenced`` ends that write."""
         picked = self._live(data)
         if picked is None:
             return
         if fenced:
-            self.writing.discard(picked)
+            if picked not in self.unfenced:
+                self.writing.discard(picked)
         else:
             # The connector says the transfer may still write, whatever came before.
             self.writing.add(picked)
