@@ -27,6 +27,7 @@ import httpx2 as httpx
 
 from kvfail.faults.netns import NamespaceHost
 from kvfail.faults.process import PeerProcess
+from kvfail.peers.base import link_env
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -118,18 +119,16 @@ class ServerSpec:
             return HOST
         return self.link.inner_addr if self.role == "kv_producer" else self.link.outer_addr
 
+    @property
+    def api_host(self) -> str:
+        """P on a simulated host serves its API there; everything else on loopback."""
+        return self.address if self.role == "kv_producer" else HOST
+
     def link_env(self) -> dict[str, str]:
-        """What makes the transports serve and advertise on :attr:`address`: the host IP
-        (Mooncake), the side channel (NIXL) and UCX's TCP device."""
+        """What makes the transports serve and advertise on :attr:`address`."""
         if self.link is None:
             return {}
-        inside = self.role == "kv_producer"
-        device = self.link.inner_if if inside else self.link.outer_if
-        return {
-            "VLLM_HOST_IP": self.address,
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.address,
-            "UCX_NET_DEVICES": device,
-        }
+        return link_env(self.link, inside=self.role == "kv_producer")
 
 
 @dataclass
@@ -146,13 +145,8 @@ class VllmServer:
     tmp_dir: Path | None = None
 
     @property
-    def api_host(self) -> str:
-        """P on a simulated host serves its API there; everything else on loopback."""
-        return self.spec.address if self.spec.role == "kv_producer" else HOST
-
-    @property
     def url(self) -> str:
-        return f"http://{self.api_host}:{self.port}"
+        return f"http://{self.spec.api_host}:{self.port}"
 
     @property
     def bootstrap_addr(self) -> str:
@@ -357,7 +351,7 @@ def start_server(spec: ServerSpec, model: str, log_dir: Path) -> VllmServer:
         "serve",
         model,
         "--host",
-        spec.address if spec.role == "kv_producer" else HOST,
+        spec.api_host,
         "--port",
         str(port),
         "--skip-tokenizer-init",

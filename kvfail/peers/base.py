@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 _log = logging.getLogger("kvfail.peers")
 
 
+def link_env(host: NamespaceHost, *, inside: bool) -> dict[str, str]:
+    """What makes a vLLM engine serve and advertise on one end of ``host``'s link, for
+    every transport: the host IP (Mooncake's transfer engine), NIXL's side channel, and
+    UCX's TCP device (UCX must be given the link's device, not ``lo``). ``inside``: P's
+    end, in the host; otherwise D's, in the test's namespace."""
+    if inside:
+        addr, device = host.inner_addr, host.inner_if
+    else:
+        addr, device = host.outer_addr, host.outer_if
+    return {"VLLM_HOST_IP": addr, "VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "UCX_NET_DEVICES": device}
+
+
 def quarantined(engine: Engine) -> dict[str, int]:
     """D's scheduler-side quarantine: held loads and blocks (empty for a D without one)."""
     quarantine = getattr(engine.scheduler.connector, "quarantine", None)
@@ -222,7 +234,7 @@ class ProducerHandleBase:
         self.address = host.inner_addr if host is not None else LOOPBACK
         self._env = {**self._base_env(), **(env or {})}
         if host is not None:
-            self._env.update(self._host_env(host))
+            self._env.update(link_env(host, inside=True))
         self._config = json.dumps(
             {
                 "connector": connector or self.default_connector,
@@ -242,10 +254,6 @@ class ProducerHandleBase:
     def _base_env(self) -> dict[str, str]:
         """The environment every P of this transport needs (``env=`` adds to it)."""
         return {}
-
-    def _host_env(self, host: NamespaceHost) -> dict[str, str]:
-        """What makes P serve, and advertise, on the simulated host's address."""
-        return {"VLLM_HOST_IP": host.inner_addr}
 
     def _start_process(self) -> None:
         """(Re)start P's process on a freshly picked port, forked from the shared zygote
@@ -420,15 +428,11 @@ class PeerPair:
     #: The simulated host P runs on (None: P shares this machine's loopback with D).
     host: NamespaceHost | None = None
 
-    def _d_host_env(self, host: NamespaceHost) -> dict[str, str]:
-        """What a D must advertise so that P, on ``host``, reaches it: its end of the link."""
-        return {"VLLM_HOST_IP": host.outer_addr}
-
     @contextlib.contextmanager
     def _d_address(self) -> Iterator[None]:
         """While a D is built: the environment that makes it reachable from P's host (its
         transfer engine reads it once, at construction). Nothing changes without a host."""
-        env = self._d_host_env(self.host) if self.host is not None else {}
+        env = link_env(self.host, inside=False) if self.host is not None else {}
         with environ_set(env):
             yield
 

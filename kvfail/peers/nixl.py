@@ -245,9 +245,6 @@ class NixlProducerHandle(ProducerHandleBase):
     def _base_env(self) -> dict[str, str]:
         return {**NIXL_ENV, "PYTHONPATH": repo_pythonpath()}
 
-    def _host_env(self, host: NamespaceHost) -> dict[str, str]:
-        return {**super()._host_env(host), **nixl_host_env(host.inner_addr, host.inner_if)}
-
     def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
         """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
         reply = self.request(
@@ -443,12 +440,6 @@ def _nixl_error(message: str) -> Exception:
         return RuntimeError(message)
 
 
-def nixl_host_env(addr: str, interface: str) -> dict[str, str]:
-    """A NIXL engine's side channel and UCX's TCP transport on ``interface``: UCX must
-    be allowed the device that reaches the other host, not only ``lo``."""
-    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "UCX_NET_DEVICES": interface}
-
-
 class NixlPair(PeerPair):
     """P (subprocess) + D engines (this process), real NIXL pull connectors on both sides.
 
@@ -525,9 +516,6 @@ class NixlPair(PeerPair):
             raise
 
     # ------------------------------------------------------------------ engines
-
-    def _d_host_env(self, host: NamespaceHost) -> dict[str, str]:
-        return {**super()._d_host_env(host), **nixl_host_env(host.outer_addr, host.outer_if)}
 
     def consumer(
         self,
