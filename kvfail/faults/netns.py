@@ -65,6 +65,8 @@ PartitionMode = Literal["silent", "refuse"]
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)[nio]\d+$")
 _COMMAND_TIMEOUT_S = 20.0
 _counter = itertools.count()
+#: Whether this process already swept what dead runs left (:func:`sweep_stale`).
+_swept = False
 _live: dict[str, NamespaceHost] = {}
 _live_lock = threading.Lock()
 
@@ -180,6 +182,10 @@ class NamespaceHost(ClosesOnExit):
         if ip is None:
             raise RuntimeError("iproute2's `ip` is not installed")
         self._ip = ip
+        global _swept
+        if not _swept:  # a run killed before its teardown must not leave names taken
+            _swept = True
+            sweep_stale()
         index = next(_counter)
         pid = os.getpid()
         self.name = f"{PREFIX}{pid}n{index}"
