@@ -9,7 +9,7 @@ route: packets vanish and the caller waits), cut loudly (a prohibit route: the s
 route lookup fails at once) or throttle (``tc tbf``), and then heal.
 
 Safety: every address used here is assigned by this module to an interface it created,
-inside a namespace it created, and is registered with :mod:`kvfail.faults._net` for as long
+inside a namespace it created, and is registered with :mod:`kvfail.rig.loopback` for as long
 as the namespace lives, so traffic can go only to loopback and to these addresses. Every
 namespace and link carries this process's id in its name; :func:`sweep_stale` removes
 those of processes that are gone (a run killed before its teardown), and an ``atexit``
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvfail.faults._closing import ClosesOnExit
-from kvfail.faults._net import register_test_address, unregister_test_address
+from kvfail.rig.closing import ClosesOnExit
+from kvfail.rig.loopback import register_test_address, unregister_test_address
 
 __all__ = [
     "NamespaceHost",

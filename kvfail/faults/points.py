@@ -111,9 +111,7 @@ class FaultPoint(enum.StrEnum):
     KILL_ONE_PEER = "kill_one_peer"
     FREEZE_PEER = "freeze_peer"
     REFUSE = "refuse"
-    BOOTSTRAP_DOWN = "bootstrap_down"
     UNKNOWN_ENGINE = "unknown_engine"
-    NET_RESET = "net_reset"
     NET_BLACKHOLE = "net_blackhole"
     NET_DELAY = "net_delay"
     SLOW_PEER_PAST_DEADLINE = "slow_peer_past_deadline"
@@ -126,6 +124,7 @@ class FaultPoint(enum.StrEnum):
     ABORT_WHILE_WAITING = "abort_while_waiting"
     NOTIFY_ONLY_EMPTY_BLOCKS = "notify_only_empty_blocks"
     TP_ONE_RANK = "tp_one_rank"
+    TP_ONE_RANK_WARM = "tp_one_rank_warm"
     STORE_FILE_DELETED = "store_file_deleted"
     STORE_FILE_TRUNCATED = "store_file_truncated"
     STORE_GARBAGE_HEADER = "store_garbage_header"
@@ -204,23 +203,11 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             Injection.NETWORK,
             "C1 C2 C3 C10",
         ),
-        FaultPoint.BOOTSTRAP_DOWN: _spec(
-            "the bootstrap / side-channel endpoint D asks for P's metadata is unreachable",
-            _A,
-            Injection.NETWORK,
-            "C1 C2 C10 C13",
-        ),
         FaultPoint.UNKNOWN_ENGINE: _spec(
             "the transfer params name an engine or agent the transport does not know",
             _A,
             Injection.PEER,
             "C1 C2 C3 C10 C13",
-        ),
-        FaultPoint.NET_RESET: _spec(
-            "every D<->P connection is reset (RST) mid-flight, and new ones are reset at once",
-            _A,
-            Injection.NETWORK,
-            "C1 C2 C3 C10 C11",
         ),
         FaultPoint.NET_BLACKHOLE: _spec(
             "D<->P traffic is silently swallowed while the connections stay open",
@@ -293,6 +280,13 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
         ),
         FaultPoint.TP_ONE_RANK: _spec(
             "with TP>1 the fault hits one rank only; the others load successfully",
+            _A,
+            Injection.TOPOLOGY,
+            "C1 C2 C6 C8 C10 C11",
+        ),
+        FaultPoint.TP_ONE_RANK_WARM: _spec(
+            "with TP>1, once D has loaded from P, one P rank is SIGKILLed: D asks P's "
+            "bootstrap nothing again, so only that rank's share of each load fails",
             _A,
             Injection.TOPOLOGY,
             "C1 C2 C6 C8 C10 C11",

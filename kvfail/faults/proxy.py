@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfail.faults._closing import ClosesOnExit
-from kvfail.faults._net import LOOPBACK, require_local
-from kvfail.faults._net import family as _family
+from kvfail.rig.closing import ClosesOnExit
+from kvfail.rig.loopback import LOOPBACK, require_local
+from kvfail.rig.loopback import family as _family
 
 __all__ = ["FaultProxy", "ProxyMode", "ProxyStats"]
 

@@ -25,19 +25,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.faults import (
-    LOOPBACK,
-    STACK_SIGNAL,
-    PeerExitedError,
-    PeerProcess,
-    busy_threads,
-    free_port,
-    native_stacks,
-    proc_state,
-    summarize_stacks,
-)
-from kvfail.faults.zygote import Zygote, ZygoteError, shared_zygote
 from kvfail.rig.environ import environ_set
+from kvfail.rig.loopback import LOOPBACK
+from kvfail.rig.ports import free_port
+from kvfail.rig.processes import PeerExitedError, PeerProcess
+from kvfail.rig.procfs import busy_threads, proc_state
+from kvfail.rig.stacks import STACK_SIGNAL, native_stacks, summarize_stacks
+from kvfail.rig.zygote import Zygote, ZygoteError, shared_zygote
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost
@@ -120,9 +114,14 @@ def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any
 
 # --------------------------------------------------------------------------- P zygote
 
-#: What the P zygote imports once: the harness (vLLM, torch, the Scheduler) and the
+#: What the P zygote imports once: the harness (vLLM, torch, the Scheduler) with the
+#: default engine's model configuration built (``kvfail.harness.preload``), and the
 #: producers' own modules. Transport libraries are left to each P.
-P_PRELOAD = ("kvfail.harness", "kvfail.peers.producer", "kvfail.peers.nixl_producer")
+P_PRELOAD = (
+    "kvfail.harness.preload",
+    "kvfail.peers.producer",
+    "kvfail.peers.nixl_producer",
+)
 #: The only variables any P reads while importing (the rest are read at run time and
 #: come with each P's own environment): Hugging Face's offline switches, and the path
 #: that makes this repository's ``connectors`` importable.
@@ -200,7 +199,7 @@ class ProducerHandleBase:
     port_env: str = ""
     default_connector: str = ""
     #: Respawns on a fresh port when P dies because its port was taken between our pick
-    #: and its bind (a race no pick can close; see :func:`kvfail.faults.free_ports`).
+    #: and its bind (a race no pick can close; see :func:`kvfail.rig.ports.free_ports`).
     bind_retries: int = 2
 
     port: int
@@ -401,6 +400,92 @@ class PeerPair:
     p2: Any
     ready_timeout_s: float
 
+    def _init_pair(
+        self,
+        *,
+        connector: str,
+        connector_module: str | None,
+        extra_config: Mapping[str, Any],
+        p_kwargs: dict[str, Any],
+        env: Mapping[str, str],
+        num_blocks: int,
+        ready_timeout_s: float,
+        tp_size: int,
+        num_kv_cache_groups: int,
+        host: NamespaceHost | None,
+    ) -> None:
+        """What every pair's constructor sets before P starts (:meth:`_start`): D's
+        connector and configuration, P's settings (``p_kwargs``, for
+        :meth:`_new_producer`), and the transport's environment defaults (``env``)."""
+        self.connector = connector
+        self.connector_module = connector_module
+        self.extra_config = dict(extra_config)
+        self.num_blocks = num_blocks
+        self.ready_timeout_s = ready_timeout_s
+        self.tp_size = tp_size
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self._p_kwargs = p_kwargs
+        #: The simulated host P runs on (None: P shares loopback with D).
+        self.host = host
+        for key, value in env.items():
+            os.environ.setdefault(key, value)
+        self._init_common()
+        self.d = None
+
+    def _start(self, producer: Any, policy: str, *, build_default_consumer: bool = True) -> None:
+        """Start P, or borrow ``producer`` (a running P with the same settings, which this
+        pair then does not close), and build the default D meanwhile; closed again if
+        anything fails."""
+        self.owns_p = producer is None
+        try:
+            # P imports vLLM in its own process while D builds here: overlap the two.
+            self.p = producer if producer is not None else self._new_producer()
+            if build_default_consumer:
+                self.d = self.consumer(policy)
+            self.p.wait_ready(self.ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _d_spec(
+        self,
+        key: str,
+        policy: str,
+        extra_config: Mapping[str, Any] | None,
+        *,
+        connector: str | None = None,
+        connector_module: str | None = None,
+    ) -> EngineSpec:
+        """The spec of D ``key``: the pair's connector (or ``connector``) and layout, the
+        pair's configuration plus ``extra_config``."""
+        return self._consumer_spec(
+            key,
+            policy,
+            connector=connector or self.connector,
+            connector_module=connector_module if connector is not None else self.connector_module,
+            extra_config={**self.extra_config, **dict(extra_config or {})},
+            tp_size=self.tp_size,
+            tp_mode="processes" if self.tp_size > 1 else "simulated",
+            num_kv_cache_groups=self.num_kv_cache_groups,
+        )
+
+    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
+        """Replace P with a fresh process of its own (new port, new engine id).
+
+        ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
+        next call that needs P waits for it to be ready (:meth:`producer`).
+        """
+        if self.p is not None and self.owns_p:
+            self.p.close()
+        self.p = self._new_producer()
+        self.owns_p = True
+        ready: dict[str, Any] | None = self.p.wait_ready(self.ready_timeout_s) if wait else None
+        return ready
+
+    def producer(self) -> Any:
+        """P, once ready (``restart_p(wait=False)`` may have left it starting)."""
+        return self._ready_producer()
+
     def _init_common(self) -> None:
         from kvfail.peers.integrity import IntegrityLedger
 
@@ -451,10 +536,6 @@ class PeerPair:
         self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None
     ) -> dict[str, Any]:
         """P's half only; returns the params D gets (break them, then :meth:`add`)."""
-        raise NotImplementedError
-
-    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
-        """Replace P with a fresh process of its own (waited for when ``wait``)."""
         raise NotImplementedError
 
     def stuck_state(self, engine: Engine, req_ids: Iterable[str]) -> list[str]:

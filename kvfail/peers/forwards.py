@@ -6,10 +6,12 @@ each side is a :class:`~kvfail.harness.hooks.SplitForward`: the scheduler proces
 (which blocks, which token range, which seed), each rank applies the plan to its own
 tensors. The same code runs when the ranks are in-process.
 
-Every rank writes and checks its own pattern (the seed names the rank), so bytes that
-reach the right block of the wrong rank, i.e. the wrong head shard, fail the check just
-like bytes in the wrong block. With two KV-cache groups, layer ``i`` uses the blocks of
-group ``i % 2`` (``build_kv_cache_config``'s rule).
+Every rank writes and checks the pattern of the global KV heads it holds
+(:func:`first_head`), so bytes that reach the right block of the wrong rank, i.e. the
+wrong head shard, fail the check just like bytes in the wrong block, and a P and a D
+that shard the heads differently (heterogeneous TP) still agree on every head's bytes.
+With two KV-cache groups, layer ``i`` uses the blocks of group ``i % 2``
+(``build_kv_cache_config``'s rule).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from kvfail.harness import Engine
     from kvfail.harness.hooks import RankView
 
-__all__ = ["RangeItem", "apply_checks", "apply_writes", "plan_writes", "rank_seed"]
+__all__ = ["RangeItem", "apply_checks", "apply_writes", "first_head", "plan_writes"]
 
 #: At most this many wrong positions are kept per layer (enough to show the shape).
 _KEEP = 8
@@ -43,9 +45,15 @@ class RangeItem:
     seed: str
 
 
-def rank_seed(seed: str, view: RankView) -> str:
-    """The pattern seed on this rank (unchanged at TP 1)."""
-    return seed if view.world_size == 1 else f"{seed}|tp{view.rank}/{view.world_size}"
+def first_head(view: RankView) -> int:
+    """The global KV head of this rank's head 0: its shard's start when TP shards the
+    heads (``rank * total // world``, which also places a replicated head), 0 when the
+    rank holds every head (TP 1, or ranks simulated in one world)."""
+    total = view.built.vllm_config.model_config.get_total_num_kv_heads()
+    local = next(iter(view.kv_caches.values())).shape[1]
+    if view.world_size == 1 or local >= total:
+        return 0
+    return view.rank * total // view.world_size
 
 
 def request_blocks(engine: Engine, req_id: str) -> tuple[tuple[int, ...], ...]:
@@ -69,23 +77,24 @@ def plan_writes(
 
 
 def apply_writes(view: RankView, items: list[RangeItem]) -> None:
+    head = first_head(view)
     for item in items:
-        seed = rank_seed(item.seed, view)
         for layer, name in enumerate(view.built.layer_names):
             blocks = item.block_ids[view.layer_group(layer)]
-            write_pattern(view.kv_caches[name], layer, blocks, item.start, item.end, seed)
+            kv = view.kv_caches[name]
+            write_pattern(kv, layer, blocks, item.start, item.end, item.seed, head)
 
 
 def apply_checks(view: RankView, items: list[RangeItem]) -> dict[str, dict[str, list[int]]]:
     """D: request -> layer -> wrong token positions (empty dict: every byte right)."""
     out: dict[str, dict[str, list[int]]] = {}
+    head = first_head(view)
     for item in items:
-        seed = rank_seed(item.seed, view)
         wrong: dict[str, list[int]] = {}
         for layer, name in enumerate(view.built.layer_names):
             blocks = item.block_ids[view.layer_group(layer)]
             bad = mismatched_positions(
-                view.kv_caches[name], layer, blocks, item.start, item.end, seed
+                view.kv_caches[name], layer, blocks, item.start, item.end, item.seed, head
             )
             if bad:
                 wrong[name] = bad[:_KEEP]

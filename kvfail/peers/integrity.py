@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvfail.peers.forwards import rank_seed
+from kvfail.peers.forwards import first_head
 from kvfail.peers.pattern import mismatched_positions, write_pattern
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ class IntegrityItem:
     computed: int
     write_end: int
     p_seed: str
-    #: The patterns differ per TP rank (a real P writes each rank's head shard).
+    #: The patterns follow each rank's global KV heads (a real P writes each head shard;
+    #: False: a P that sends every rank the same bytes).
     rank_seeded: bool = True
 
 
@@ -92,20 +93,19 @@ def apply_integrity(view: RankView, items: list[IntegrityItem]) -> dict[str, tup
     out: dict[str, tuple[Wrong, Wrong]] = {}
     for item in items:
         p_seed, own = item.p_seed, d_seed(item.p_seed)
-        if item.rank_seeded:
-            p_seed, own = rank_seed(p_seed, view), rank_seed(own, view)
+        head = first_head(view) if item.rank_seeded else 0
         p_wrong: Wrong = {}
         d_wrong: Wrong = {}
         for layer, name in enumerate(view.built.layer_names):
             kv = view.kv_caches[name]
             blocks = item.block_ids[view.layer_group(layer)]
-            bad = mismatched_positions(kv, layer, blocks, 0, item.loaded, p_seed)
+            bad = mismatched_positions(kv, layer, blocks, 0, item.loaded, p_seed, head)
             if bad:
                 p_wrong[name] = bad[:_KEEP]
-            bad = mismatched_positions(kv, layer, blocks, item.loaded, item.computed, own)
+            bad = mismatched_positions(kv, layer, blocks, item.loaded, item.computed, own, head)
             if bad:
                 d_wrong[name] = bad[:_KEEP]
-            write_pattern(kv, layer, blocks, item.computed, item.write_end, own)
+            write_pattern(kv, layer, blocks, item.computed, item.write_end, own, head)
         out[item.req_id] = (p_wrong, d_wrong)
     return out
 
@@ -113,11 +113,11 @@ def apply_integrity(view: RankView, items: list[IntegrityItem]) -> dict[str, tup
 def poison_blocks(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> None:
     """On a rank: fill these blocks with the release pattern (``blocks[g]``: the block ids
     whose layers of KV-cache group ``g`` to fill)."""
+    head = first_head(view)
     for layer, name in enumerate(view.built.layer_names):
         kv = view.kv_caches[name]
         for block in blocks[view.layer_group(layer)]:
-            seed = rank_seed(_release_seed(block), view)
-            write_pattern(kv, layer, [block], 0, kv.shape[2], seed)
+            write_pattern(kv, layer, [block], 0, kv.shape[2], _release_seed(block), head)
 
 
 def block_digest(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> str:
@@ -141,14 +141,13 @@ def check_poison(view: RankView, blocks: tuple[tuple[int, ...], ...]) -> dict[st
     """On a rank: layer -> block ids whose release pattern was overwritten (``blocks`` as
     for :func:`poison_blocks`)."""
     out: dict[str, list[int]] = {}
+    head = first_head(view)
     for layer, name in enumerate(view.built.layer_names):
         kv = view.kv_caches[name]
         hit = [
             block
             for block in blocks[view.layer_group(layer)]
-            if mismatched_positions(
-                kv, layer, [block], 0, kv.shape[2], rank_seed(_release_seed(block), view)
-            )
+            if mismatched_positions(kv, layer, [block], 0, kv.shape[2], _release_seed(block), head)
         ]
         if hit:
             out[name] = hit

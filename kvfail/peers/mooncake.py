@@ -2,7 +2,7 @@
 
 Why: the conformance suite must see what a *real* transport reports when the peer dies,
 hangs or is misaddressed, through vLLM's real scheduler. :class:`MooncakePair` starts P
-(:mod:`kvfail.peers.producer`) as a :class:`~kvfail.faults.PeerProcess`, builds D as a
+(:mod:`kvfail.peers.producer`) as a :class:`~kvfail.rig.processes.PeerProcess`, builds D as a
 harness :class:`~kvfail.harness.Engine` here (so the oracles read D's real scheduler), and
 exposes the faults that are honest with Mooncake on TCP loopback:
 
@@ -27,9 +27,14 @@ returns that result. It is taken then, because D's blocks are freed when the req
 
 Layouts. ``tp_size=2`` runs P and D both at TP 2, each rank its own process in a real
 gloo world (``tp_mode="processes"``): D's rank ``r`` pulls its head shard from P's rank
-``r``, the byte pattern is per rank, and :meth:`~kvfail.peers.base.PeerPair.signal_p_rank`
-or ``inject(..., ranks=[r])`` breaks one rank only. ``num_kv_cache_groups=2`` builds both
-sides with two KV-cache groups (layer ``i`` in group ``i % 2``).
+``r``, the byte pattern follows each rank's head shard, and
+:meth:`~kvfail.peers.base.PeerPair.signal_p_rank` or ``inject(..., ranks=[r])`` breaks one
+rank only. ``num_kv_cache_groups=2`` builds both
+sides with two KV-cache groups (layer ``i`` in group ``i % 2``). ``p_tp_size`` runs P at
+another TP size than D (heterogeneous TP): D's ranks tell P their TP size in the transfer
+request and P's ranks plan which part of their heads goes to which D rank, as upstream's
+connector does between real engines; the byte pattern follows the model's global KV
+heads (:mod:`kvfail.peers.pattern`), so a head written to the wrong D rank fails the check.
 """
 
 from __future__ import annotations
@@ -210,6 +215,7 @@ class MooncakePair(PeerPair):
         extra_config: Mapping[str, Any] | None = None,
         p_extra_config: Mapping[str, Any] | None = None,
         tp_size: int = 1,
+        p_tp_size: int | None = None,
         num_kv_cache_groups: int = 1,
         abort_request_timeout_s: int = 5,
         ready_timeout_s: float = 240.0,
@@ -220,43 +226,34 @@ class MooncakePair(PeerPair):
         reason = mooncake_available()
         if reason is not None:
             raise RuntimeError(reason)
-        self.connector = connector
-        self.connector_module = connector_module
-        self.extra_config = {**DEFAULT_EXTRA_CONFIG, **dict(extra_config or {})}
-        self.tp_size = tp_size
-        self.num_kv_cache_groups = num_kv_cache_groups
-        self.num_blocks = num_blocks
-        self.ready_timeout_s = ready_timeout_s
-        self._p_kwargs: dict[str, Any] = {
-            "connector": p_connector or connector,
-            "connector_module": p_connector_module if p_connector is not None else connector_module,
-            "extra_config": dict(p_extra_config or {}),
-            "env": {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s)},
-            "num_blocks": num_blocks,
-            "tp_size": tp_size,
-            "num_kv_cache_groups": num_kv_cache_groups,
-            "host": host,
-        }
-        #: The simulated host P runs on (None: P shares loopback with D).
-        self.host = host
-        for key, value in MOONCAKE_ENV.items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", str(abort_request_timeout_s))
-        self._init_common()
-        self.records: dict[str, DecodeRecord] = {}
+        self._init_pair(
+            connector=connector,
+            connector_module=connector_module,
+            extra_config={**DEFAULT_EXTRA_CONFIG, **dict(extra_config or {})},
+            p_kwargs={
+                "connector": p_connector or connector,
+                "connector_module": (
+                    p_connector_module if p_connector is not None else connector_module
+                ),
+                "extra_config": dict(p_extra_config or {}),
+                "env": {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s)},
+                "num_blocks": num_blocks,
+                "tp_size": p_tp_size or tp_size,
+                "num_kv_cache_groups": num_kv_cache_groups,
+                "host": host,
+            },
+            env={
+                **MOONCAKE_ENV,
+                "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s),
+            },
+            num_blocks=num_blocks,
+            ready_timeout_s=ready_timeout_s,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
+            host=host,
+        )
         self._proxies: list[FaultProxy] = []
-        self.p: ProducerHandle | None = None
-        #: Whether :meth:`close` closes P (False for a ``producer`` shared with other pairs;
-        #: a P this pair starts itself, e.g. by :meth:`restart_p`, is always its own).
-        self.owns_p = producer is None
-        try:
-            # P imports vLLM in its own process while D builds here: overlap the two.
-            self.p = producer if producer is not None else ProducerHandle(**self._p_kwargs)
-            self.d: Engine = self.consumer(policy)
-            self.p.wait_ready(ready_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self._start(producer, policy)
 
     # ------------------------------------------------------------------ engines
 
@@ -279,31 +276,10 @@ class MooncakePair(PeerPair):
         from kvfail.harness import Engine
         from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
-        spec = self._consumer_spec(
-            key,
-            policy,
-            connector=self.connector,
-            connector_module=self.connector_module,
-            extra_config={**self.extra_config, **dict(extra_config or {})},
-            tp_size=self.tp_size,
-            tp_mode="processes" if self.tp_size > 1 else "simulated",
-            num_kv_cache_groups=self.num_kv_cache_groups,
-        )
+        spec = self._d_spec(key, policy, extra_config)
         with cpu_accelerator_index_shim(), self._d_address():
             engine = Engine(spec, forward=self.check_forward)
         return self._register(key, engine)
-
-    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
-        """Replace a killed (or any) P with a fresh process on a new bootstrap port.
-
-        ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
-        next call that needs P waits for it to be ready (:meth:`producer`).
-        """
-        if self.p is not None and self.owns_p:
-            self.p.close()
-        self.p = self._new_producer()
-        self.owns_p = True
-        return self.p.wait_ready(self.ready_timeout_s) if wait else None
 
     def _new_producer(self) -> ProducerHandle:
         """A fresh P (own bootstrap port and engine id), spawned, not waited for."""
@@ -313,11 +289,6 @@ class MooncakePair(PeerPair):
     def p_kwargs(self) -> dict[str, Any]:
         """What P is started with (a key for sharing one P between pairs)."""
         return dict(self._p_kwargs)
-
-    def producer(self) -> ProducerHandle:
-        """P, once ready (``restart_p(wait=False)`` may have left it starting)."""
-        producer: ProducerHandle = self._ready_producer()
-        return producer
 
     def inject(
         self,

@@ -4,7 +4,7 @@ Why: the conformance suite must see what a *real* NIXL transfer reports when the
 dies, freezes or is misaddressed, through vLLM's real scheduler. :class:`NixlPair` starts
 P (:mod:`kvfail.peers.nixl_producer`: real ``Scheduler`` + real WORKER-role NIXL pull
 connector, KV caches as CPU tensors, ``kv_buffer_device="cpu"``, DRAM) as a
-:class:`~kvfail.faults.PeerProcess`, and builds D as harness
+:class:`~kvfail.rig.processes.PeerProcess`, and builds D as harness
 :class:`~kvfail.harness.Engine` objects *here*, so the suite's oracles read D's real
 scheduler directly. D pulls (READ) P's blocks after the zmq side-channel handshake that
 ``kv_transfer_params`` (``remote_host``/``remote_port``) point at.
@@ -44,12 +44,17 @@ Layouts. ``tp_size=2`` runs P and D both at TP 2, each rank its own process in a
 gloo world (``tp_mode="processes"``, :mod:`kvfail.harness.ranks`): P's scheduler process
 serves every rank's handshake metadata on its one side-channel port, keyed
 ``(0, tp_rank)`` as the engine core keys it; D's rank ``r`` handshakes for and READs P's
-rank ``r``; the byte pattern and its check are per rank. Whatever touches a NIXL worker
-then runs on the rank (``Worker.call``): P's notification record and lease expiry, D's
+rank ``r``; the byte pattern and its check follow each rank's head shard. Whatever touches
+a NIXL worker then runs on the rank (``Worker.call``): P's notification record and lease expiry, D's
 handshake probe (:meth:`NixlPair.handshaked`) and its notification faults
 (:class:`RankNotificationFaults`). :meth:`~kvfail.peers.base.PeerPair.signal_p_rank`
 breaks one P rank only. Each rank process's NIXL worker pins it to one core; the pair
 undoes that on every rank, as it does here.
+``p_tp_size`` runs P at another TP size than D (heterogeneous TP): P's params name its
+TP size, and D's ranks handshake with and READ from the P ranks upstream's topology maps
+them to (at P TP 2 with D TP 1, D's one rank READs a head from each P rank; at P TP 1 with
+D TP 2, each D rank READs its half of P's heads); the byte pattern follows the model's
+global KV heads (:mod:`kvfail.peers.pattern`).
 """
 
 from __future__ import annotations
@@ -65,7 +70,6 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail import compat
-from kvfail.faults import free_port
 from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
@@ -82,6 +86,7 @@ from kvfail.peers.nixl_producer import (
     restore_affinity,
 )
 from kvfail.rig import exit_status
+from kvfail.rig.ports import free_port
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost
@@ -470,6 +475,7 @@ class NixlPair(PeerPair):
         num_blocks: int = 64,
         build_default_consumer: bool = True,
         tp_size: int = 1,
+        p_tp_size: int | None = None,
         num_kv_cache_groups: int = 1,
         producer: NixlProducerHandle | None = None,
         host: NamespaceHost | None = None,
@@ -480,40 +486,28 @@ class NixlPair(PeerPair):
         reason = nixl_available()
         if reason is not None:
             raise RuntimeError(reason)
-        self.connector = connector
-        self.connector_module = connector_module
-        self.extra_config = dict(extra_config or {})
-        self.num_blocks = num_blocks
-        self.ready_timeout_s = ready_timeout_s
-        self.tp_size = tp_size
-        self.num_kv_cache_groups = num_kv_cache_groups
-        self._p_kwargs: dict[str, Any] = {
-            "connector": p_connector,
-            "connector_module": p_connector_module,
-            "num_blocks": num_blocks,
-            "tp_size": tp_size,
-            "num_kv_cache_groups": num_kv_cache_groups,
-            "host": host,
-        }
-        self.host = host
-        for key, value in NIXL_ENV.items():
-            os.environ.setdefault(key, value)
-        self._init_common()
-        self.records: dict[str, DecodeRecord] = {}
+        self._init_pair(
+            connector=connector,
+            connector_module=connector_module,
+            extra_config=dict(extra_config or {}),
+            p_kwargs={
+                "connector": p_connector,
+                "connector_module": p_connector_module,
+                "num_blocks": num_blocks,
+                "tp_size": p_tp_size or tp_size,
+                "num_kv_cache_groups": num_kv_cache_groups,
+                "host": host,
+            },
+            env=NIXL_ENV,
+            num_blocks=num_blocks,
+            ready_timeout_s=ready_timeout_s,
+            tp_size=tp_size,
+            num_kv_cache_groups=num_kv_cache_groups,
+            host=host,
+        )
         #: Rank-side notification faults by D engine (``id``), refreshed by :meth:`observe`.
         self._rank_faults: dict[int, RankNotificationFaults] = {}
-        self.p: NixlProducerHandle | None = None
-        self.d: Engine | None = None
-        self.owns_p = producer is None
-        try:
-            # P imports vLLM in its own process while D builds here: overlap the two.
-            self.p = producer if producer is not None else NixlProducerHandle(**self._p_kwargs)
-            if build_default_consumer:
-                self.d = self.consumer(policy)
-            self.p.wait_ready(ready_timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        self._start(producer, policy, build_default_consumer=build_default_consumer)
 
     # ------------------------------------------------------------------ engines
 
@@ -539,15 +533,8 @@ class NixlPair(PeerPair):
 
         install_exit_guard()
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-        spec = self._consumer_spec(
-            key,
-            policy,
-            connector=connector or self.connector,
-            connector_module=connector_module if connector is not None else self.connector_module,
-            extra_config={**self.extra_config, **dict(extra_config or {})},
-            tp_size=self.tp_size,
-            tp_mode="processes" if self.tp_size > 1 else "simulated",
-            num_kv_cache_groups=self.num_kv_cache_groups,
+        spec = self._d_spec(
+            key, policy, extra_config, connector=connector, connector_module=connector_module
         )
         mask = os.sched_getaffinity(0)
         with self._d_address():
@@ -558,26 +545,9 @@ class NixlPair(PeerPair):
         restore_affinity(mask)  # vLLM's CPU worker pinned this process to one core
         return self._register(key, engine)
 
-    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
-        """Replace P with a fresh process on a new side-channel port.
-
-        ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
-        next call that needs P waits for it (:meth:`producer`).
-        """
-        if self.p is not None and self.owns_p:
-            self.p.close()
-        self.p = self._new_producer()
-        self.owns_p = True
-        return self.p.wait_ready(self.ready_timeout_s) if wait else None
-
     def _new_producer(self) -> NixlProducerHandle:
         """A fresh P (own side-channel port and engine id), spawned, not waited for."""
         return NixlProducerHandle(**self._p_kwargs)
-
-    def producer(self) -> NixlProducerHandle:
-        """P, once ready (``restart_p(wait=False)`` may have left it starting)."""
-        producer: NixlProducerHandle = self._ready_producer()
-        return producer
 
     # ------------------------------------------------------------------ requests
 

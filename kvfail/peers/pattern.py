@@ -9,6 +9,11 @@ this before or without vLLM.
 Layout assumed (what ``allocate_kv_cache`` gives with LBHNC on CPU): per layer a tensor
 ``[num_blocks, kv_heads, block_size, C]``; token ``p`` of a request lives in block
 ``block_ids[p // block_size]``, slot ``p % block_size``, all heads and all ``C`` entries.
+
+The words are a function of the model's *global* KV head (``first_head``: the global index
+of the tensor's head 0, a TP rank's shard start), never of the rank that holds it: P and D
+may shard the heads differently (P at TP 2, D at TP 1, or the reverse), and a head must
+carry the same bytes on both sides wherever it lives.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ def _seed_hash(prompt_seed: str) -> int:
 
 
 def expected_words(
-    prompt_seed: str, layer: int, positions: torch.Tensor, width: int
+    prompt_seed: str, layer: int, positions: torch.Tensor, width: int, first_col: int = 0
 ) -> torch.Tensor:
-    """int16 words ``[len(positions), width]`` for these token positions of one layer."""
+    """int16 words ``[len(positions), width]`` for these token positions of one layer,
+    columns ``[first_col, first_col + width)`` of the layer's global (all heads) row."""
     base = (_seed_hash(prompt_seed) * 40503 + (layer + 1) * 7919) & _MASK
     pos = positions.to(torch.int64).unsqueeze(1)
-    cols = torch.arange(width, dtype=torch.int64).unsqueeze(0)
+    cols = torch.arange(first_col, first_col + width, dtype=torch.int64).unsqueeze(0)
     words = (base + pos * 2654435761 + cols * 97 + 1) & _MASK
     # Map to int16 by wrapping, so the exact bit pattern is what is stored.
     return torch.where(words >= 0x8000, words - 0x10000, words).to(torch.int16)
@@ -57,13 +63,15 @@ def write_pattern(
     start: int,
     end: int,
     prompt_seed: str,
+    first_head: int = 0,
 ) -> None:
-    """Write tokens ``[start, end)`` of a request into one layer's KV tensor, in place."""
+    """Write tokens ``[start, end)`` of a request into one layer's KV tensor, in place
+    (``first_head``: the global KV head of the tensor's head 0)."""
     if end <= start:
         return
     words, positions, blocks, slots = _index(kv, block_ids, start, end)
     heads, width = words.shape[1], words.shape[3]
-    values = expected_words(prompt_seed, layer, positions, heads * width)
+    values = expected_words(prompt_seed, layer, positions, heads * width, first_head * width)
     words[blocks, :, slots, :] = values.view(len(positions), heads, width)
 
 
@@ -74,13 +82,16 @@ def mismatched_positions(
     start: int,
     end: int,
     prompt_seed: str,
+    first_head: int = 0,
 ) -> list[int]:
-    """Token positions in ``[start, end)`` whose bytes differ from the pattern (empty: exact)."""
+    """Token positions in ``[start, end)`` whose bytes differ from the pattern (empty:
+    exact); ``first_head`` as for :func:`write_pattern`."""
     if end <= start:
         return []
     words, positions, blocks, slots = _index(kv, block_ids, start, end)
     heads, width = words.shape[1], words.shape[3]
-    want = expected_words(prompt_seed, layer, positions, heads * width).view(-1, heads, width)
+    want = expected_words(prompt_seed, layer, positions, heads * width, first_head * width)
+    want = want.view(-1, heads, width)
     got = words[blocks, :, slots, :]
     bad = (got != want).flatten(1).any(dim=1)
     return [int(p) for p in positions[bad]]

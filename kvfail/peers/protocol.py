@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any, NoReturn
 
-from kvfail.faults.process import install_stack_dump
+from kvfail.rig.stacks import install_stack_dump
 
 __all__ = ["Channel", "dispatch", "read_commands", "serve"]
 

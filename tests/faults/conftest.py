@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfail.faults import live_peers
+from kvfail.rig.processes import live_peers
 
 
 class EchoServer:

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfail.faults import PeerProcess, wait_for_port
-from kvfail.faults._net import require_local
 from kvfail.faults.netns import NETNS_DIR, NamespaceHost, sweep_stale
+from kvfail.rig.loopback import require_local
+from kvfail.rig.ports import wait_for_port
+from kvfail.rig.processes import PeerProcess
 from tests.transports import require_netns
 
 require_netns()

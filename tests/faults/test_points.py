@@ -28,7 +28,7 @@ def test_every_point_has_a_spec_with_clauses() -> None:
 def test_silent_points_are_the_deadline_cases() -> None:
     silent = set(points_for(detection=Detection.SILENT))
     assert {FaultPoint.FREEZE_PEER, FaultPoint.NET_BLACKHOLE} <= silent
-    assert FaultPoint.NET_RESET not in silent
+    assert FaultPoint.REFUSE not in silent
     assert all(Clause.C10 in p.clauses for p in silent)
 
 
@@ -37,7 +37,7 @@ def test_points_for_filters_in_declaration_order() -> None:
     assert c9 == (FaultPoint.ABORT_WHILE_WAITING,)
     everything = points_for()
     assert everything == tuple(FaultPoint)
-    assert FaultPoint("net_reset") is FaultPoint.NET_RESET  # stable report ids
+    assert FaultPoint("net_blackhole") is FaultPoint.NET_BLACKHOLE  # stable report ids
 
 
 def test_faults_package_does_not_import_vllm() -> None:

@@ -10,28 +10,21 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 
-from kvfail.faults import FaultProxy, ProxyMode, free_port
+from kvfail.faults import FaultProxy, ProxyMode
 from kvfail.faults import proxy as proxy_module
+from kvfail.rig.ports import free_port
 from tests.core.fakes import ManualClock
+from tests.waiting import wait_until
 
 # Generous: only hit when something is broken, so they cost nothing on a green run.
 IO_TIMEOUT_S = 5.0
 # Short on purpose: "nothing arrives" is checked by waiting this long and seeing nothing.
 SILENCE_S = 0.3
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return predicate()
-        time.sleep(0.01)
-    return True
 
 
 def connect(port: int) -> socket.socket:

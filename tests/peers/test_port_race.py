@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfail.faults import PeerExitedError, free_port, free_ports
-from kvfail.faults.process import _ephemeral_range
 from kvfail.peers import base
 from kvfail.peers.base import ProducerHandleBase
+from kvfail.rig.ports import _ephemeral_range, free_port, free_ports
+from kvfail.rig.processes import PeerExitedError
 
 PORT_ENV = "KVFAIL_TEST_BIND_PORT"
 

@@ -11,18 +11,18 @@ import re
 import sys
 from pathlib import Path
 
-from kvfail.faults import PeerProcess
 from kvfail.peers.base import PeerPair
+from kvfail.rig.processes import PeerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A leader and a child (its "rank") on the same stderr, each with three waiting threads.
 LEADER = """
 import subprocess, sys, threading, time
-from kvfail.faults.process import install_stack_dump
+from kvfail.rig.stacks import install_stack_dump
 install_stack_dump()
 code = '''
 import threading, time
-from kvfail.faults.process import install_stack_dump
+from kvfail.rig.stacks import install_stack_dump
 install_stack_dump()
 def rank_waiter():
     time.sleep(60)

@@ -22,6 +22,7 @@ if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then
   for arg in "$@"; do
     case "$arg" in --junitxml=*) report="${{arg#--junitxml=}}" ;; esac
   done
+  echo "$*" >> "$FAKE_ARGS"
   printf '<testsuites><testsuite failures="%s" errors="0" tests="3"/></testsuites>' \\
     "$FAKE_FAILURES" > "$report"
   exit "$FAKE_RC"
@@ -40,8 +41,9 @@ def _run(tmp_path: Path, *, rc: int, failures: int) -> subprocess.CompletedProce
         "FAKE_RC": str(rc),
         "FAKE_FAILURES": str(failures),
         "TMPDIR": str(tmp_path),
+        "FAKE_ARGS": str(tmp_path / "args"),
     }
-    env.pop("KVFAIL_LANES", None)
+    env.pop("KVFAIL_WORKERS", None)
     return subprocess.run(
         ["bash", str(ROOT / "scripts" / "test.sh")],
         env=env,
@@ -54,6 +56,11 @@ def _run(tmp_path: Path, *, rc: int, failures: int) -> subprocess.CompletedProce
 def test_a_clean_run_passes(tmp_path: Path) -> None:
     done = _run(tmp_path, rc=0, failures=0)
     assert done.returncode == 0, done.stderr
+    # The default session on two xdist workers, a connector's scenarios kept together;
+    # the e2e tier after it, in one process.
+    default, e2e = (tmp_path / "args").read_text().splitlines()
+    assert "-n 2 --dist loadgroup" in default
+    assert e2e.endswith("e2e -m e2e") and "-n" not in e2e.split()
 
 
 def test_an_exit_0_with_failures_in_the_report_fails(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 Fault injection must never touch a real network: a proxy bound to 0.0.0.0 or forwarding to
 a routable host would let a test hurt (or be hurt by) something outside the machine. Every
-address that enters this package goes through `require_local` first, which admits loopback
+address the rig binds or connects to goes through `require_local` first, which admits loopback
 and nothing else but the addresses of simulated hosts that this process created itself
 (:mod:`kvfail.faults.netns` registers them while the namespace lives).
 """

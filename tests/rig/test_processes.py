@@ -14,27 +14,15 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvfail.faults import (
-    STACK_SIGNAL,
-    PeerExitedError,
-    PeerProcess,
-    busiest_processes,
-    busy_threads,
-    close_all,
-    free_port,
-    free_ports,
-    live_peers,
-    native_stacks,
-    spinning_threads,
-    summarize_stacks,
-    wait_for_port,
-)
-from kvfail.faults.process import summarize_native
+from kvfail.rig.ports import free_port, free_ports, wait_for_port
+from kvfail.rig.processes import PeerExitedError, PeerProcess, close_all, live_peers
+from kvfail.rig.procfs import busiest_processes, busy_threads, spinning_threads
+from kvfail.rig.stacks import STACK_SIGNAL, native_stacks, summarize_native, summarize_stacks
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_S = 15.0  # only reached when broken; a cold python start on a loaded box is slow
@@ -87,15 +75,6 @@ def ignores_sigterm(pid: int) -> bool:
 def gone(pid: int) -> bool:
     # An orphan may stay a zombie if PID 1 in this container does not reap: dead all the same.
     return stat_state(pid) in (None, "Z", "X")
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return predicate()
-        time.sleep(0.01)
-    return True
 
 
 def test_freeze_thaw_kill() -> None:
@@ -278,7 +257,7 @@ def test_a_peer_writes_its_stacks_on_request_one_line_per_thread() -> None:
     """What a P that does not answer is doing: its threads' Python stacks, on request."""
     code = (
         "import threading, time\n"
-        "from kvfail.faults.process import install_stack_dump\n"
+        "from kvfail.rig.stacks import install_stack_dump\n"
         "install_stack_dump()\n"
         "def waiter():\n    time.sleep(60)\n"
         "threading.Thread(target=waiter, daemon=True).start()\n"
@@ -376,7 +355,7 @@ def test_atexit_hook_kills_leaked_peers() -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from kvfail.faults import PeerProcess
+        from kvfail.rig.processes import PeerProcess
         p = PeerProcess([sys.executable, '-c', {WITH_GRANDCHILD!r}])
         line = p.wait_ready({READY_S}, line='GRANDCHILD')
         print(p.pid, line.split()[1], flush=True)
@@ -400,8 +379,8 @@ def test_atexit_hook_kills_leaked_peers() -> None:
 RUNNER_WITH_PEER = textwrap.dedent(
     """
     import sys, time
-    from kvfail.faults import PeerProcess
-    from kvfail.faults.process import close_peers_on_sigterm
+    from kvfail.rig.processes import PeerProcess
+    from kvfail.rig.processes import close_peers_on_sigterm
     if sys.argv[1] == "install":
         assert close_peers_on_sigterm()
     peer = PeerProcess([sys.executable, '-c', 'import time; time.sleep(60)'], name='orphan?')

@@ -1,5 +1,5 @@
-"""``with`` support shared by the fault tools, whose ``close`` is idempotent and never
-raises, so leaving the block (normally or by an exception) always cleans up."""
+"""``with`` support shared by the rig's processes and the fault tools, whose ``close`` is
+idempotent and never raises, so leaving the block (normally or by an exception) always cleans up."""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvfail.faults import PeerProcess
-from kvfail.faults.process import proc_state
-from kvfail.faults.zygote import Zygote, ZygoteError
+from kvfail.rig.processes import PeerProcess
+from kvfail.rig.procfs import proc_state
+from kvfail.rig.zygote import Zygote, ZygoteError
 
 PROBE = textwrap.dedent(
     """

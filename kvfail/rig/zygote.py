@@ -6,15 +6,15 @@ zygote pays the import once; each peer is then a ``fork`` of it, which runs its
 ``python -m`` module as ``__main__``, exactly as a fresh interpreter would.
 
 A forked peer is still a real process in a session of its own: it is killed, frozen and
-cut off like any other (:class:`~kvfail.faults.PeerProcess` signals its group), and its
+cut off like any other (:class:`~kvfail.rig.processes.PeerProcess` signals its group), and its
 stdin/stdout/stderr are pipes the caller created and passed over the control socket. Only
 the parentage differs: the zygote reaps the peer and reports its exit status, so the
 caller sees it through :class:`ZygoteChild`, which answers the part of
-:class:`subprocess.Popen` that :class:`~kvfail.faults.PeerProcess` uses.
+:class:`subprocess.Popen` that :class:`~kvfail.rig.processes.PeerProcess` uses.
 
 The zygote is single-threaded (``select`` on its control socket and a SIGCHLD wakeup
 pipe), so a fork never copies a lock another thread held. Run as ``python -m
-kvfail.faults.zygote --fd N --preload a,b``; :class:`Zygote` starts it.
+kvfail.rig.zygote --fd N --preload a,b``; :class:`Zygote` starts it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import IO, Any
 
 __all__ = ["Zygote", "ZygoteChild", "ZygoteError", "close_zygotes", "shared_zygote"]
 
-log = logging.getLogger("kvfail.faults.zygote")
+log = logging.getLogger("kvfail.rig.zygote")
 
 #: The largest control message (a request carries the child's whole environment).
 _MAX_MSG = 1 << 20
@@ -167,7 +167,7 @@ def serve(fd: int, preload: Sequence[str]) -> None:
 
 class ZygoteChild:
     """A forked peer, seen through the part of :class:`subprocess.Popen` that
-    :class:`~kvfail.faults.PeerProcess` uses (``pid``, ``poll``, ``wait``, ``kill`` and the
+    :class:`~kvfail.rig.processes.PeerProcess` uses (``pid``, ``poll``, ``wait``, ``kill`` and the
     three pipes). Its exit status comes from the zygote, which is its parent."""
 
     def __init__(
@@ -251,7 +251,7 @@ class Zygote:
             stderr=subprocess.STDOUT,
             env=full_env,
             pass_fds=[theirs.fileno()],
-            process_group=0,  # own group, our session (see kvfail.faults.process)
+            process_group=0,  # own group, our session (see kvfail.rig.processes)
         )
         theirs.close()
         self.pid = self._popen.pid

@@ -3,53 +3,44 @@
 Process faults are the only honest way to produce a crashed or hung peer: the kernel closes
 a killed process's sockets (the RST/EOF a transport sees), and a SIGSTOPped process keeps
 them open while answering nothing (the silent peer NIXL never detects). Each peer runs in
-its own session, hence its own process group, so a fault or a cleanup reaches the workers
-it spawned too (vLLM's engine core holds the listening sockets, not the API process).
+its own process group, so a fault or a cleanup reaches the workers it spawned too (vLLM's
+engine core holds the listening sockets, not the API process).
 
 Leaks are the main hazard: a stopped process ignores SIGTERM until continued, and a test
 that fails half-way skips its own cleanup. `PeerProcess.close` therefore always continues,
 terminates, then kills the whole group, and a module registry plus an `atexit` hook close
-whatever a test forgot. Every wait is bounded.
+whatever a test forgot. Every wait is bounded. What the kernel shows of a peer is read in
+:mod:`kvfail.rig.procfs`; its ports come from :mod:`kvfail.rig.ports`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import logging
 import os
-import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
-from kvfail.faults._closing import ClosesOnExit
-from kvfail.faults._net import LOOPBACK, family, require_local
-from kvfail.faults.zygote import Zygote, ZygoteChild
+from kvfail.rig.closing import ClosesOnExit
+from kvfail.rig.procfs import group_members, proc_state
 
-#: Its own generator, seeded from the OS: processes that import this at the same moment
-#: still pick different ports.
-_PORT_RANDOM = random.SystemRandom()
+if TYPE_CHECKING:
+    from kvfail.rig.zygote import Zygote, ZygoteChild
 
 __all__ = [
     "PeerExitedError",
     "PeerProcess",
     "close_all",
-    "free_port",
-    "free_ports",
+    "close_peers_on_sigterm",
     "live_peers",
-    "proc_state",
-    "wait_for_port",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +49,8 @@ Stream = Literal["stdout", "stderr", "both"]
 LineMatcher = str | re.Pattern[str]
 
 _POLL_S = 0.02
+#: How long an exited process's pipe readers get to finish before its error is written.
+EXIT_DRAIN_S = 1.0
 
 # Every rig process gets a process group of its own (killpg reaches it and its children,
 # never us) but stays in our session. Under the kernel's autogroup scheduling each
@@ -72,229 +65,6 @@ class PeerExitedError(RuntimeError):
     def __init__(self, message: str, returncode: int | None) -> None:
         super().__init__(message)
         self.returncode = returncode
-
-
-def _stat(path: str) -> tuple[str, list[str]] | None:
-    """A /proc ``stat`` file: the command name, and the fields after it (index 0 = state,
-    1 = ppid, 2 = pgrp, 11 = utime, 12 = stime); None once the process is gone.
-
-    The command name may contain spaces and parentheses, so split at the last ')'.
-    """
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    head, _, rest = raw.rpartition(")")
-    return head.partition("(")[2], rest.split()
-
-
-def _read_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat from the state on (see :func:`_stat`)."""
-    stat = _stat(f"/proc/{pid}/stat")
-    return None if stat is None else stat[1]
-
-
-def _thread_times(pid: int) -> dict[int, tuple[str, str, int]]:
-    """Each thread of ``pid``: (name, state, CPU clock ticks so far)."""
-    out: dict[int, tuple[str, str, int]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        stat = _stat(f"/proc/{pid}/task/{tid}/stat")
-        if stat is not None:
-            name, fields = stat
-            out[int(tid)] = (name, fields[0], int(fields[11]) + int(fields[12]))
-    return out
-
-
-ThreadShare = tuple[str, str, float]
-
-
-def thread_shares(pids: Sequence[int], window_s: float = 0.5) -> dict[int, dict[int, ThreadShare]]:
-    """Each thread of each of ``pids`` over one common window of ``window_s``: (name,
-    state, share of one core). A process that is gone maps to no threads."""
-    before = {pid: _thread_times(pid) for pid in pids}
-    time.sleep(window_s)
-    ticks = os.sysconf("SC_CLK_TCK") * window_s
-    return {
-        pid: {
-            tid: (name, state, min((cpu - before[pid].get(tid, ("", "", cpu))[2]) / ticks, 1.0))
-            for tid, (name, state, cpu) in _thread_times(pid).items()
-        }
-        for pid in pids
-    }
-
-
-def busiest_processes(window_s: float = 0.5, most: int = 5) -> list[str]:
-    """The processes on this machine that used the most CPU over one window of
-    ``window_s`` (``pid name state share``, busiest first): evidence for a load that
-    waited on a peer, when the question is whether anything was left to run it."""
-
-    def times() -> dict[int, tuple[str, str, int]]:
-        out: dict[int, tuple[str, str, int]] = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                stat = _stat(f"/proc/{entry}/stat")
-                if stat is not None:
-                    name, fields = stat
-                    out[int(entry)] = (name, fields[0], int(fields[11]) + int(fields[12]))
-        return out
-
-    before = times()
-    time.sleep(window_s)
-    ticks = os.sysconf("SC_CLK_TCK") * window_s
-    used = [
-        (cpu - before[pid][2], pid, name, state)
-        for pid, (name, state, cpu) in times().items()
-        if pid in before
-    ]
-    used.sort(reverse=True)
-    return [f"{pid} {name} {state} {delta / ticks:.0%}" for delta, pid, name, state in used[:most]]
-
-
-def busy_threads(pids: Sequence[int], window_s: float = 0.5, most: int = 3) -> dict[int, str]:
-    """For each of ``pids``, the threads that used the most CPU over one common window of
-    ``window_s`` (name, state, share of one core), main thread first: evidence for a
-    process that does not answer. Empty for a process that is gone."""
-    out: dict[int, str] = {}
-    for pid, used in thread_shares(pids, window_s).items():
-        main = used.pop(pid, None)
-        top = sorted(used.values(), key=lambda t: -t[2])[:most]
-        shown = ([("main " + main[0], main[1], main[2])] if main else []) + top
-        out[pid] = ", ".join(f"{name} {state} {share:.0%}" for name, state, share in shown)
-    return out
-
-
-def spinning_threads(
-    pids: Sequence[int], window_s: float = 0.5, share: float = 0.8
-) -> dict[int, list[str]]:
-    """Threads of ``pids`` that used at least ``share`` of a core over ``window_s``, by
-    process (``pid/tid name share``; only processes that have one): in a process that
-    should be idle, a thread stuck in a loop."""
-    out: dict[int, list[str]] = {}
-    for pid, threads in thread_shares(pids, window_s).items():
-        found = [
-            f"{pid}/{tid} {n} {used:.0%}" for tid, (n, _, used) in threads.items() if used >= share
-        ]
-        if found:
-            out[pid] = found
-    return out
-
-
-#: The signal on which a rig process (a P, a TP rank) writes every thread's Python stack
-#: to its stderr (:func:`install_stack_dump`): evidence for one that does not answer.
-STACK_SIGNAL = signal.SIGUSR1
-
-
-def install_stack_dump() -> None:
-    """Have :data:`STACK_SIGNAL` write all threads' Python stacks to stderr."""
-    faulthandler.register(STACK_SIGNAL, file=sys.__stderr__, all_threads=True, chain=False)
-
-
-def summarize_stacks(lines: Iterable[str], frames: int = 5) -> list[str]:
-    """faulthandler's dump, one line per thread: its innermost ``frames`` frames."""
-    out: list[str] = []
-    current: list[str] = []
-    head = ""
-
-    def flush() -> None:
-        if head:
-            out.append(f"{head}: " + " < ".join(current[:frames]))
-
-    for line in lines:
-        text = line.strip()
-        if text.startswith(("Thread 0x", "Current thread 0x")):
-            flush()
-            head, current = text.split(" (most recent")[0], []
-        elif text.startswith("File ") and head:
-            path, _, rest = text.removeprefix("File ").partition(", line ")
-            lineno, _, func = rest.partition(" in ")
-            where = Path(path.strip('"')).name
-            current.append(f"{func} ({where}:{lineno})")
-    flush()
-    return out
-
-
-#: Interpreter frames left out of a native stack: they say "Python called C", which the
-#: Python stack already shows; what matters is the library the thread waits in.
-_INTERPRETER_FRAME = re.compile(
-    r"^(__|_?Py(?!Thread)|cfunction_|method_vectorcall|vectorcall_|slot_tp_|call_function|builtin_|"
-    r"object_vacall|_TAIL_CALL|pymain_|Py_RunMain|main$|_start$|"
-    r"start_thread|clone3?$|thread_run|pythread_wrapper)"
-)
-_GDB_THREAD = re.compile(r'^Thread \d+ \(Thread 0x[0-9a-f]+ \(LWP (\d+)\) "([^"]*)"\)')
-_GDB_FRAME = re.compile(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(.+?) \(.*?\)(?: (?:at|from) (\S+))?$")
-
-
-def native_stacks(pid: int, timeout_s: float = 20.0, frames: int = 8) -> list[str]:
-    """Every thread's native stack of ``pid`` through gdb (when installed), one line per
-    distinct stack: which library call a process that does not answer waits in (a
-    lock, a socket, a transport's progress), which a Python stack cannot show. Evidence
-    only: empty when gdb is absent, cannot attach, or does not finish in ``timeout_s``."""
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        return []
-    argv = [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off"]
-    argv += ["-ex", "thread apply all bt 40"]
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return [f"{pid}: no native stacks ({type(exc).__name__})"]
-    return summarize_native(done.stdout.splitlines(), pid, frames)
-
-
-def summarize_native(lines: Iterable[str], pid: int, frames: int = 8) -> list[str]:
-    """gdb's ``thread apply all bt``, one line per distinct stack (threads with the same
-    stack counted together), interpreter and libc-internal (``__``) frames left out."""
-    stacks: dict[str, list[str]] = {}  # "name/LWP" -> its frames, in gdb's order
-    current: list[str] | None = None
-    for line in lines:
-        if head := _GDB_THREAD.match(line):
-            current = stacks[f"{head.group(2)}/{head.group(1)}"] = []
-        elif current is not None and (frame := _GDB_FRAME.match(line.strip())):
-            # A C++ frame carries its signature: the name says enough.
-            func, where = frame.group(1).split("(")[0], frame.group(2) or ""
-            if func == "??" or _INTERPRETER_FRAME.match(func):
-                continue
-            lib = Path(where).name.split(".so")[0] if ".so" in where else ""
-            current.append(f"{func}[{lib}]" if lib else func)
-    grouped: dict[str, list[str]] = {}
-    for name, frames_of in stacks.items():
-        shown = " < ".join(frames_of[:frames])
-        grouped.setdefault(shown or "(no native frames)", []).append(name)
-    return [
-        f"{pid} {threads[0]}"
-        + (f" (+{len(threads) - 1} alike)" if len(threads) > 1 else "")
-        + f": {shown}"
-        for shown, threads in grouped.items()
-    ]
-
-
-def proc_state(pid: int) -> str | None:
-    """The kernel's one-letter state of `pid` ('R', 'S', 'T', 'Z', ...), or None if gone."""
-    fields = _read_stat(pid)
-    return fields[0] if fields else None
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid`.
-
-    `killpg(pgid, 0)` is not enough: orphaned grandchildren are reparented to PID 1, which
-    in a container may never reap them, so zombies would count as alive forever.
-    """
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        fields = _read_stat(int(entry.name))
-        if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZXx":
-            members.append(int(entry.name))
-    return members
 
 
 class _LineBuffer:
@@ -352,7 +122,7 @@ class PeerProcess(ClosesOnExit):
     ) -> None:
         """``zygote``: fork ``argv`` (``python -m module ...``) from that standby
         interpreter instead of starting a new one; ``before`` are its ``module:function``
-        hooks (see :mod:`kvfail.faults.zygote`). Everything else is the same either way."""
+        hooks (see :mod:`kvfail.rig.zygote`). Everything else is the same either way."""
         if isinstance(argv, str | bytes):
             raise TypeError("argv must be a list of arguments, not one string (no shell here)")
         self.argv = [os.fspath(a) for a in argv]
@@ -427,7 +197,7 @@ class PeerProcess(ClosesOnExit):
 
     def group_members(self) -> list[int]:
         """Live processes of this peer's group (the leader and anything it spawned)."""
-        return _group_members(self.pgid)
+        return group_members(self.pgid)
 
     def stdout_lines(self) -> list[str]:
         with self._cond:
@@ -498,6 +268,11 @@ class PeerProcess(ClosesOnExit):
         return lambda s: line in s
 
     def _exited(self, what: str) -> PeerExitedError:
+        # The process is gone, but its last words may still be in the pipes (an error on
+        # stderr while the wait watched stdout): read them first, bounded, so the error
+        # says why it died. Never called with the condition held (the readers take it).
+        for t in self._readers:
+            t.join(EXIT_DRAIN_S)
         return PeerExitedError(
             f"peer {self.name} exited (rc={self.returncode}) before {what}\n{self.output_tail()}",
             self.returncode,
@@ -563,12 +338,13 @@ class PeerProcess(ClosesOnExit):
                 # Dead only counts once its pipes are drained: the ready line may be the
                 # last thing it printed.
                 if all(b.eof for b in watched) and not self.alive:
-                    raise self._exited(f"a matching line on {stream}")
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self._timed_out(f"line on {stream}", timeout_s)
                 # Bounded even if no line ever comes: we also need to notice the exit.
                 self._cond.wait(min(remaining, 0.1))
+        raise self._exited(f"a matching line on {stream}")
 
     def wait(self, timeout_s: float) -> int:
         """Wait for the peer to exit by itself; TimeoutError if it does not."""
@@ -770,93 +546,3 @@ def close_peers_on_sigterm() -> bool:
         return False
     signal.signal(signal.SIGTERM, _interrupted)
     return True
-
-
-# ---------------------------------------------------------------------- ports
-
-
-#: Ports are picked at or above this and below the kernel's ephemeral range.
-_FIXED_PORT_FLOOR = 10_000
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct ports that were free a moment ago, below the ephemeral range.
-
-    Why below it: a port from ``bind(port 0)`` comes from the same range the kernel uses
-    for every outgoing connection's local port, so once released it can be taken by any
-    ``connect()`` on the machine before the peer binds it (seen in CI: a replacement
-    Mooncake P failing its bootstrap bind). Ports under the range are never handed out
-    implicitly; only another explicit bind can race us, and peers that bind the ports we
-    pick retry on a fresh one (:class:`kvfail.peers.base.ProducerHandleBase`).
-    All are held open together so they differ. Falls back to ``bind(0)`` if the range
-    leaves no room under it.
-    """
-    require_local(host)
-    low, _high = _ephemeral_range()
-    tries = 64 * n if low - _FIXED_PORT_FLOOR >= 1024 else 0
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(tries):
-            if len(socks) == n:
-                break
-            port = _PORT_RANDOM.randrange(_FIXED_PORT_FLOOR, low)
-            if any(s.getsockname()[1] == port for s in socks):
-                continue
-            s = socket.socket(family(host), socket.SOCK_STREAM)
-            try:
-                s.bind((host, port))  # no SO_REUSEADDR: TIME_WAIT leftovers count as taken
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        while len(socks) < n:
-            s = socket.socket(family(host), socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A port on 127.0.0.1 that was free a moment ago (see `free_ports` for the race)."""
-    return free_ports(1, host)[0]
-
-
-def wait_for_port(
-    port: int,
-    timeout_s: float,
-    *,
-    host: str = LOOPBACK,
-    peer: PeerProcess | None = None,
-    interval_s: float = 0.02,
-) -> None:
-    """Block until a TCP connect to host:port succeeds, or raise TimeoutError.
-
-    A connect succeeds as soon as the socket is listening, even if the owner is frozen (the
-    kernel completes the handshake), so this proves "listening", not "serving". Pass `peer`
-    to fail at once with PeerExitedError if it dies while we wait.
-    """
-    require_local(host)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(min(remaining, 1.0), 0.01)):
-                return
-        except OSError:
-            pass
-        if peer is not None and not peer.alive:
-            raise peer._exited(f"port {port} accepted")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"nothing accepted on {host}:{port} within {timeout_s}s")
-        time.sleep(interval_s)
