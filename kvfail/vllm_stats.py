@@ -103,7 +103,9 @@ class KvfailPromMetrics(KVConnectorPromMetrics):
         metric_types: dict[type[Any], type[Any]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
+        extra_events: tuple[str, ...] = (),
     ) -> None:
+        """``extra_events``: counters of a connector's own, beside kvfail's."""
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         failed = self._counter_cls(
             name="vllm:kvfail_loads_failed",
@@ -125,7 +127,7 @@ class KvfailPromMetrics(KVConnectorPromMetrics):
         self._events = {
             (idx, name): events.labels(*values, name)
             for idx, values in per_engine_labelvalues.items()
-            for name in (*EVENT_COUNTERS, "loads_refused_quarantine_full")
+            for name in (*EVENT_COUNTERS, "loads_refused_quarantine_full", *extra_events)
         }
         self._gauges: dict[tuple[int, str], Any] = {}
         for name, doc in QUARANTINE_GAUGES.items():

@@ -20,28 +20,15 @@ and plays the engine core and the model runner each step, in vLLM's order:
    (``from_connector(scheduler.connector, world_size)``);
 5. ``update_from_output``.
 
-Everything the scheduler saw is recorded (:class:`EngineRecord`): each ``EngineCoreOutput``,
+Everything the scheduler saw is recorded (:mod:`kvfail.harness.records`): each ``EngineCoreOutput``,
 each rank's raw ``KVConnectorOutput`` and the aggregated one, which request ids were in
 ``WAITING_FOR_REMOTE_KVS`` after each ``schedule()``, and which requests each failure
 report touched. An exception from a worker hook or from ``update_from_output`` (C7's
 ``assert req_id in self.requests``, C5's ``RuntimeError``) would kill a real EngineCore;
 here it is recorded as a :class:`Crash` and the engine refuses further steps.
 
-World of one. Worker connectors that ask for TP/PP ranks need vLLM's distributed state,
-so the first engine in a process runs the real ``init_distributed_environment`` (gloo,
-world size 1, on 127.0.0.1) and ``ensure_model_parallel_initialized(1, 1)``.
-
-TP = 2, two ways (``EngineSpec.tp_mode``). ``"processes"`` is real TP: each rank is its own
-OS process in a real gloo world of ``tp_size`` (:mod:`kvfail.harness.ranks`), with its own
-transfer group, KV tensors and TP rank, and vLLM's TP size set, so a real transport picks
-its peer rank and head slice as in production; the scheduler process sends each rank the
-``SchedulerOutput`` and aggregates their outputs. ``"simulated"`` (the default, cheap)
-builds every rank's WORKER-role instance in this process and runs each in turn with that
-instance installed as the transfer group; each still sees TP rank 0 of a world of one, so
-it is honest only for connectors whose reporting does not depend on the rank (the toy,
-the reporter's bookkeeping). Both run the worker hooks through one function
-(:func:`kvfail.harness.hooks.run_worker_hooks`); a forward that must reach the rank's
-tensors is a :class:`~kvfail.harness.hooks.SplitForward`.
+How each rank is built, in this process or in its own (``EngineSpec.tp_mode``), is
+:mod:`kvfail.harness.workers`; prompts and sampled tokens are :mod:`kvfail.harness.requests`.
 """
 
 from __future__ import annotations
@@ -51,28 +38,17 @@ import copy
 import dataclasses
 import time
 import traceback
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import set_current_vllm_config
-from vllm.distributed.kv_transfer import kv_transfer_state
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorRole,
-)
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.engine import FinishReason
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvfail import compat
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config
@@ -81,43 +57,39 @@ from kvfail.harness.hooks import (
     KVLayer,
     LayerAttentionMetadata,
     LayerContext,
-    RankView,
     SplitForward,
     run_worker_hooks,
 )
-from kvfail.harness.ranks import RankCrash, RankProcess
+from kvfail.harness.ranks import RankCrash
+from kvfail.harness.records import (
+    Crash,
+    EngineCrashedError,
+    EngineRecord,
+    KVReport,
+    OutputRecord,
+    RunResult,
+    StepRecord,
+)
 from kvfail.harness.reporting import hold as hold_reporting
 from kvfail.harness.reporting import scheduler_class
-from kvfail.rig import nixl_progress
-from kvfail.rig.shm import new_shm_ident, release_shared_memory
+from kvfail.harness.requests import ensure_none_hash, new_request, prompt_tokens, sampled_token
+from kvfail.harness.workers import (
+    Worker,
+    WorkerBuild,
+    build_worker,
+    ensure_world_of_one,
+    installed_as_transfer_group,
+    release_transfer_group,
+    start_rank_processes,
+)
+from kvfail.rig.shm import release_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = [
-    "Crash",
-    "Engine",
-    "EngineCrashedError",
-    "EngineRecord",
-    "ForwardHook",
-    "KVReport",
-    "OutputRecord",
-    "RunResult",
-    "StepRecord",
-    "Worker",
-    "ensure_world_of_one",
-    "prompt_tokens",
-    "rewriting_specs",
-]
-
-WorkerBuild = Literal["direct", "transfer_group"]
-
-#: Token ids below this are never generated (0-2 are pad/bos/eos in the shipped models),
-#: so a request ends by ``max_tokens`` and never by an accidental EOS.
-FIRST_FREE_TOKEN = 3
-
+__all__ = ["Engine", "ForwardHook", "rewriting_specs"]
 
 #: Rewrites applied to every spec an :class:`Engine` is built from, innermost last (see
 #: :func:`rewriting_specs`). Module-level, not a context variable: a driver may build its
@@ -137,252 +109,10 @@ def rewriting_specs(rewrite: Callable[[EngineSpec], EngineSpec]) -> Iterator[Non
         _SPEC_REWRITES.remove(rewrite)
 
 
-# --------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class OutputRecord:
-    """One ``EngineCoreOutput`` the scheduler returned from ``update_from_output``."""
-
-    step: int
-    request_id: str
-    finish_reason: FinishReason | None
-    new_token_ids: tuple[int, ...]
-    kv_transfer_params: Mapping[str, Any] | None
-
-
-@dataclass(frozen=True)
-class KVReport:
-    """One ``KVConnectorOutput``: a rank's raw output (``rank`` >= 0) or the scheduler's.
-
-    ``rank`` is ``None`` for what ``update_from_output`` actually received (after TP
-    aggregation). ``failed_requests`` is the harness's attribution, computed before the
-    scheduler acted on it: ids in ``failed_recving`` plus every waiting or running request
-    owning a block in ``invalid_block_ids``.
-    """
-
-    step: int
-    rank: int | None
-    finished_recving: frozenset[str]
-    failed_recving: frozenset[str]
-    invalid_block_ids: frozenset[int]
-    finished_sending: frozenset[str]
-    failed_requests: frozenset[str] = frozenset()
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.finished_recving
-            or self.failed_recving
-            or self.invalid_block_ids
-            or self.finished_sending
-        )
-
-
-@dataclass(frozen=True)
-class Crash:
-    """An exception that would have killed a real EngineCore or worker."""
-
-    step: int
-    phase: str  # "update_from_output", "worker[<rank>]", "schedule", "forward[<rank>]"
-    exc_type: str
-    message: str
-    traceback: str
-
-    @property
-    def clause(self) -> str:
-        """The contract clause this crash most likely violates (for oracle messages)."""
-        if self.exc_type == "RuntimeError" and "KV cache groups" in self.message:
-            return "C5"
-        if self.phase == "update_from_output" and self.exc_type == "AssertionError":
-            return "C7"
-        if self.phase.startswith("worker"):
-            return "C13"
-        return "crash"
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one :meth:`Engine.step` did."""
-
-    step: int
-    ran: bool
-    num_scheduled_tokens: int = 0
-    waiting_for_remote: frozenset[str] = frozenset()
-    outputs: tuple[OutputRecord, ...] = ()
-    crash: Crash | None = None
-    load_starts: frozenset[str] = frozenset()
-
-
-@dataclass
-class EngineRecord:
-    """Everything observed over an engine's life, for the oracles."""
-
-    steps: int = 0
-    outputs: list[OutputRecord] = field(default_factory=list)
-    #: Raw per-rank reports and the scheduler's view, in step order (empty ones skipped).
-    kv_reports: list[KVReport] = field(default_factory=list)
-    crashes: list[Crash] = field(default_factory=list)
-    #: Index = step number (steps that ran): ids in WAITING_FOR_REMOTE_KVS right after
-    #: ``schedule()``.
-    waiting_for_remote: list[frozenset[str]] = field(default_factory=list)
-    #: Index = step number: ids whose async load started in that step's ``schedule()``.
-    load_starts: list[frozenset[str]] = field(default_factory=list)
-
-    def scheduler_reports(self) -> list[KVReport]:
-        return [r for r in self.kv_reports if r.rank is None]
-
-    def rank_reports(self, rank: int) -> list[KVReport]:
-        return [r for r in self.kv_reports if r.rank == rank]
-
-    def outputs_for(self, request_id: str) -> list[OutputRecord]:
-        return [o for o in self.outputs if o.request_id == request_id]
-
-    def load_episodes(self, request_id: str) -> int:
-        """How many async loads the request started (entries into WAITING_FOR_REMOTE_KVS)."""
-        return sum(request_id in starts for starts in self.load_starts)
-
-    def load_start_steps(self, request_id: str) -> list[int]:
-        return [step for step, starts in enumerate(self.load_starts) if request_id in starts]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How :meth:`Engine.run_until` ended."""
-
-    ok: bool
-    reason: Literal["predicate", "max_steps", "timeout", "crash"]
-    steps: int
-    elapsed_s: float
-
-
-class EngineCrashedError(RuntimeError):
-    """Raised by :meth:`Engine.step` after a crash: a real EngineCore would be dead."""
-
-
-# --------------------------------------------------------------------------- workers
-
-
-class Worker:
-    """One TP rank: its WORKER-role connector and its own KV tensors, either here
-    (``tp_mode="simulated"``) or in the rank's own process (``"processes"``).
-
-    :meth:`call` works for both; ``connector`` and ``kv_caches`` only for a rank in this
-    process (a rank process's objects cannot be touched from here).
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        connector: KVConnectorBase_V1 | None = None,
-        kv_caches: dict[str, torch.Tensor] | None = None,
-        *,
-        process: RankProcess | None = None,
-        built: BuiltConfig | None = None,
-    ) -> None:
-        self.rank = rank
-        self._connector = connector
-        self._kv_caches = kv_caches
-        self.process = process
-        self._built = built
-
-    @property
-    def remote(self) -> bool:
-        return self.process is not None
-
-    @property
-    def connector(self) -> KVConnectorBase_V1:
-        if self._connector is None:
-            raise AttributeError(f"rank {self.rank} runs in its own process; use Worker.call")
-        return self._connector
-
-    @property
-    def kv_caches(self) -> dict[str, torch.Tensor]:
-        if self._kv_caches is None:
-            raise AttributeError(f"rank {self.rank} runs in its own process; use Worker.call")
-        return self._kv_caches
-
-    def view(self, world_size: int) -> RankView:
-        assert self._built is not None
-        return RankView(self.rank, world_size, self.connector, self.kv_caches, self._built)
-
-    def call(self, fn: Callable[..., Any], *args: Any, world_size: int = 1) -> Any:
-        """``fn(view, *args)`` where the rank lives (``fn`` module-level for a process)."""
-        if self.process is not None:
-            return self.process.call(fn, *args)
-        return fn(self.view(world_size), *args)
-
-
 #: ``forward(engine, worker, scheduler_output)``: runs inside the mixin's context, where a
 #: real runner runs the model; e.g. a producer writes a byte pattern into its KV blocks.
 #: In-process ranks only; :class:`~kvfail.harness.hooks.SplitForward` works for both.
 ForwardHook = Callable[["Engine", Worker, "SchedulerOutput"], None]
-
-
-def _free_local_port() -> int:
-    """A rendezvous port for a TP world, picked below the kernel's ephemeral range: a port
-    from ``bind(port 0)`` can be taken by any outgoing connect before the rank binds it
-    (seen as a rank failing its TCPStore listen with EADDRINUSE)."""
-    from kvfail.faults.process import free_port
-
-    return free_port()
-
-
-def ensure_world_of_one(vllm_config: VllmConfig) -> None:
-    """Real gloo init, world size 1 on 127.0.0.1, once per process (idempotent)."""
-    from vllm.distributed.parallel_state import (
-        ensure_model_parallel_initialized,
-        init_distributed_environment,
-        model_parallel_is_initialized,
-    )
-
-    if torch.distributed.is_initialized() and model_parallel_is_initialized():
-        return
-    with set_current_vllm_config(vllm_config):
-        if not torch.distributed.is_initialized():
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{_free_local_port()}",
-                local_rank=0,
-                backend="gloo",
-            )
-        ensure_model_parallel_initialized(1, 1)
-
-
-@contextlib.contextmanager
-def _installed_as_transfer_group(connector: KVConnectorBase_V1) -> Iterator[None]:
-    """Make ``connector`` the process's KV transfer group while one rank's hooks run.
-
-    vLLM's mixin reads the group through ``get_kv_transfer_group()``, a module global; a
-    real worker process has exactly one. Swapping it per rank lets the real mixin drive
-    several simulated ranks in one process.
-    """
-    previous = kv_transfer_state._KV_CONNECTOR_AGENT
-    kv_transfer_state._KV_CONNECTOR_AGENT = connector
-    try:
-        yield
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = previous
-
-
-_NONE_HASH_READY = False
-
-
-def _ensure_none_hash() -> None:
-    """``init_none_hash`` once per process, as the engine core does at start-up."""
-    global _NONE_HASH_READY
-    if not _NONE_HASH_READY:
-        init_none_hash(sha256)
-        _NONE_HASH_READY = True
-
-
-def prompt_tokens(seed: str, length: int, vocab_size: int) -> list[int]:
-    """Deterministic prompt: same seed, same tokens (so P and D can share a prompt), and
-    different seeds share no prefix block in practice (so prefix caching stays out of the
-    way unless a test wants it)."""
-    span = vocab_size - FIRST_FREE_TOKEN
-    return [FIRST_FREE_TOKEN + zlib.crc32(f"{seed}:{i}".encode()) % span for i in range(length)]
 
 
 # --------------------------------------------------------------------------- engine
@@ -391,11 +121,8 @@ def prompt_tokens(seed: str, length: int, vocab_size: int) -> list[int]:
 class Engine:
     """One simulated vLLM engine (P or D): real Scheduler, real worker connectors, our loop.
 
-    ``worker_build="direct"`` builds each rank's connector with
-    ``KVConnectorFactory.create_connector(vllm_config, WORKER, kv_cache_config)``, i.e.
-    ``Cls(vllm_config, KVConnectorRole.WORKER, kv_cache_config)``;
-    ``"transfer_group"`` uses ``ensure_kv_transfer_initialized`` exactly as a GPU/CPU
-    worker does (process-global, so TP must be 1 and only one such engine may exist).
+    ``worker_build`` says how each rank's connector is built
+    (:data:`~kvfail.harness.workers.WorkerBuild`).
     """
 
     def __init__(
@@ -420,13 +147,12 @@ class Engine:
         self.forward = forward
         self.record = EngineRecord()
         self.requests: dict[str, Request] = {}
-        self._worker_build = worker_build
         self._owns_transfer_group = False
         self._closed = False
         self._shm_ident: str | None = None
         self._crashed: Crash | None = None
         self._next_id = 0
-        _ensure_none_hash()
+        ensure_none_hash()
         ensure_world_of_one(self.vllm_config)
         # Before any connector is built: each reads vLLM's interface at construction.
         self._release_reporting = hold_reporting(spec.reporting)
@@ -440,9 +166,14 @@ class Engine:
                     log_stats=log_stats,
                 )
                 if spec.tp_mode == "processes":
-                    self.workers: list[Worker] = self._start_rank_processes(rank_env)
+                    # After the Scheduler: a scheduler-side server the ranks register
+                    # with is already up.
+                    self.workers, self._shm_ident = start_rank_processes(self.built, rank_env)
                 else:
-                    self.workers = [self._build_worker(r) for r in range(spec.tp_size)]
+                    self.workers = [
+                        build_worker(self.built, r, worker_build) for r in range(spec.tp_size)
+                    ]
+                    self._owns_transfer_group = worker_build == "transfer_group"
         except BaseException:
             self._release_reporting()
             raise
@@ -454,47 +185,6 @@ class Engine:
             )
         self.vocab_size: int = self.vllm_config.model_config.get_vocab_size()
         self._hasher = get_request_block_hasher(spec.block_size, sha256)
-
-    def _build_worker(self, rank: int) -> Worker:
-        nixl_progress.apply_from_env()
-        if self._worker_build == "transfer_group":
-            if kv_transfer_state.has_kv_transfer_group():
-                raise RuntimeError("a KV transfer group already exists in this process")
-            kv_transfer_state.ensure_kv_transfer_initialized(self.vllm_config, self.kv_cache_config)
-            self._owns_transfer_group = True
-            connector = kv_transfer_state.get_kv_transfer_group()
-        else:
-            # Cls(vllm_config, WORKER, kv_cache_config), plus the factory's own checks.
-            connector = KVConnectorFactory.create_connector(
-                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-            )
-        assert isinstance(connector, KVConnectorBase_V1)
-        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        kv_caches = allocate_kv_cache(
-            self.kv_cache_config,
-            torch.device("cpu"),
-            layout,
-            kernel_block_sizes=[self.spec.block_size] * len(self.kv_cache_config.kv_cache_groups),
-        )
-        connector.register_kv_caches(kv_caches)
-        return Worker(rank, connector, kv_caches, built=self.built)
-
-    def _start_rank_processes(self, env: Mapping[str, str] | None) -> list[Worker]:
-        """One process per rank, in a gloo world of ``tp_size`` (after the Scheduler, so
-        a scheduler-side server the ranks register with is already up)."""
-        init_method = f"tcp://127.0.0.1:{_free_local_port()}"
-        self._shm_ident = new_shm_ident()
-        env = {**(env or {}), "VLLM_DIST_IDENT": self._shm_ident}
-        procs = [RankProcess(self.spec, r, init_method, env) for r in range(self.spec.tp_size)]
-        try:
-            for proc in procs:
-                proc.wait_ready()
-        except BaseException:
-            for proc in procs:
-                proc.close(timeout_s=2.0)
-            release_shared_memory(self._shm_ident)
-            raise
-        return [Worker(p.rank, process=p, built=self.built) for p in procs]
 
     # ------------------------------------------------------------------ requests
 
@@ -514,16 +204,12 @@ class Engine:
             self._next_id += 1
         if prompt is None:
             prompt = prompt_tokens(prompt_seed or request_id, prompt_len, self.vocab_size)
-        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-        params = SamplingParams(max_tokens=max_tokens, extra_args=extra)
-        params.update_from_generation_config(
-            {}, self.vllm_config.model_config.hf_config.eos_token_id
-        )
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            pooling_params=None,
+        request = new_request(
+            request_id,
+            prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params=kv_transfer_params,
+            eos_token_id=self.vllm_config.model_config.hf_config.eos_token_id,
             block_hasher=self._hasher,
         )
         self.scheduler.add_request(request)
@@ -698,14 +384,11 @@ class Engine:
         self._closed = True
         for worker in self.workers:
             with contextlib.suppress(Exception):
-                if worker.process is not None:
-                    worker.process.close()
-                else:
-                    worker.connector.shutdown()
+                worker.close()
         if self._shm_ident is not None:
             release_shared_memory(self._shm_ident)
         if self._owns_transfer_group:
-            kv_transfer_state._KV_CONNECTOR_AGENT = None
+            release_transfer_group()
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
         self._release_reporting()
@@ -743,7 +426,7 @@ class Engine:
                 hook = self.forward
                 forward = lambda: hook(self, worker, so)  # noqa: E731
             layers = self.layer_context(worker, so) if self.spec.layer_forward_context else None
-            with _installed_as_transfer_group(worker.connector):
+            with installed_as_transfer_group(worker.connector):
                 result = run_worker_hooks(
                     worker.connector, so, self.vllm_config, forward, layers, self.spec.reporting
                 )
@@ -789,14 +472,12 @@ class Engine:
     ) -> ModelRunnerOutput:
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
-        span = self.vocab_size - FIRST_FREE_TOKEN
         for req_id in req_ids:
             request = self.scheduler.requests[req_id]
             if request.is_prefill_chunk:
                 sampled.append([])  # the runner discards a partial prefill's sample
                 continue
-            token = FIRST_FREE_TOKEN + zlib.crc32(f"{req_id}:{request.num_tokens}".encode()) % span
-            sampled.append([token])
+            sampled.append([sampled_token(req_id, request.num_tokens, self.vocab_size)])
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},

@@ -26,8 +26,9 @@ from vllm.v1.request import RequestStatus
 from kvfail.reporter import FailureReporterMixin
 
 if TYPE_CHECKING:
-    from kvfail.harness.engine import Engine, KVReport
+    from kvfail.harness.engine import Engine
     from kvfail.harness.hooks import RankView
+    from kvfail.harness.records import KVReport
 
 __all__ = [
     "check_all",

@@ -42,12 +42,12 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvfail.faults.process import install_stack_dump
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
 from kvfail.harness.reporting import hold as hold_reporting
 from kvfail.rig import nixl_progress
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
+from kvfail.rig.stacks import install_stack_dump
 
 __all__ = ["RankCrash", "RankProcess", "fork_forkserver"]
 
@@ -73,7 +73,7 @@ def _context() -> Any:
 
 def fork_forkserver() -> None:
     """Start this process's rank forkserver by forking this process, not by a new
-    interpreter: a zygote's child (:mod:`kvfail.faults.zygote`) already holds vLLM and has
+    interpreter: a zygote's child (:mod:`kvfail.rig.zygote`) already holds vLLM and has
     one thread, so the server it forks is as clean as a preloaded one, without a second
     vLLM import. Call it before any thread starts; a no-op once a server runs.
 

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 from vllm.v1.request import RequestStatus
 
 from kvfail import Stage
-from kvfail.harness.engine import prompt_tokens
+from kvfail.harness.requests import prompt_tokens
 
 pytestmark = pytest.mark.vllm
 
