@@ -28,9 +28,9 @@ import itertools
 import linecache
 from dataclasses import dataclass, field
 
+from kvfail.audit.callgraph import STOP_BASES, Evidence, Func, Graph, reach
 from kvfail.audit.inventory import is_connector_class
 from kvfail.audit.source import ClassRef, Module, SourceIndex, package_installed
-from kvfail.audit.static import STOP_BASES, Evidence, Func, Graph, reach
 
 NOT_APPLICABLE = "not_applicable"
 BLOCKED = "blocked"

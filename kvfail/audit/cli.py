@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from kvfail.audit.applicability import Assessor
+from kvfail.audit.callgraph import Graph
 from kvfail.audit.coverage import DRIVERS_PENDING, driven_refs, driver_entry_points, driver_for
-from kvfail.audit.inventory import Target, UsageError, discover
+from kvfail.audit.inventory import Target, UsageError, discover, guard_target
 from kvfail.audit.report import RENDERERS, Audit, Row, columns_for, exit_status
 from kvfail.audit.source import SourceIndex
-from kvfail.audit.static import Finding, Graph, audit_target
+from kvfail.audit.static import Finding, audit_target
+from kvfail.conformance.layout import ALL_LAYOUTS  # light: no vLLM
 
 # A dynamic runner gets one installed connector and returns its DYNAMIC findings (each with
 # ``tier="DYNAMIC"`` and its own ``check_spec``), or raises to mark the tier failed for it.
@@ -111,8 +113,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         type=_layout,
         metavar="L",
-        help="engine layout(s) for the dynamic tier: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
-        "(repeatable; default tp1, the audit's profile: one policy, one layout)",
+        help="engine layout(s) for the dynamic tier: "
+        + " | ".join(layout.name for layout in ALL_LAYOUTS)
+        + " | all (repeatable; default tp1, the audit's profile: one policy, one layout)",
     )
     p.add_argument(
         "--budget-s",
@@ -222,6 +225,15 @@ def _collect(
             row.pending = DRIVERS_PENDING.get(target.name)
         rows.append(row)
     if dynamic_runner is not None and not quick:
+        # A Guard(X) row for every row with a driver, after them all (the dynamic tier
+        # runs rows in this order, so a tight budget cuts guard rows first). Its cells
+        # are dynamic only: the guard's source is one class, not X's.
+        rows += [
+            Row(guard_target(r.target), driver=f"guard:{r.driver}")
+            for r in list(rows)
+            if _guardable(r)
+        ]
+        targets = [r.target for r in rows]
         # After the static tier, so the dynamic tier's budget counts what the static took.
         prepare = getattr(dynamic_runner, "prepare", None)
         if prepare is not None:
@@ -239,6 +251,13 @@ def _collect(
                 row.target.notes.append(f"dynamic tier failed: {type(exc).__name__}: {exc}")
     progress.done()
     return Audit(rows, columns_for(rows), note, time.monotonic() - start)
+
+
+def _guardable(row: Row) -> bool:
+    """A row the guard can wrap for the dynamic tier: it has a driver, is installed, and
+    is not kvfail's own (those already hold the contract the guard adds)."""
+    target = row.target
+    return row.driver is not None and target.installed and target.origin != "kvfail"
 
 
 def _process_age_s() -> float:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from kvfail.audit.applicability import Applicability, Assessor
+from kvfail.audit.callgraph import Graph
 from kvfail.audit.inventory import registry_entries
 from kvfail.audit.source import ClassRef, SourceIndex
-from kvfail.audit.static import Graph
 
 #: The ``--connector`` values of upstream classes with a built-in transport driver
 #: (registered in ``kvfail.drivers``); a registry class that is, or derives from,

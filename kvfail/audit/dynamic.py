@@ -2,13 +2,16 @@
 that a real transport driver can drive.
 
 Why this shape: a second implementation of the suite would drift from it, so the tier is
-literally ``pytest kvfail/conformance/scenarios/test_scenarios.py --connector A --connector B ...
---kvfail-report DIR`` in ONE child process (one vLLM import for all connectors; vLLM,
+literally ``pytest kvfail/conformance/scenarios/test_*.py --connector A --connector B ...
+--kvfail-report DIR`` (every scenario module, :func:`~kvfail.audit.dynamic_child.
+scenario_modules`) in ONE child run (one vLLM import per process, not per connector; vLLM,
 transports and peers stay out of the audit process, and a connector that wedges cannot
-hang the audit). Connectors
-without a transport driver are not run: a suite with no peer proves little, and
+hang the audit). Connectors without a transport driver are not run: a suite with no peer
+proves little, and
 constructing some of them blocks forever on services that are absent here (LMCache).
-Their row says so.
+Their row says so. This module is the parent: it starts the child
+(:mod:`kvfail.audit.dynamic_child`), relays its progress, stops it and every peer it
+started at the budget (:mod:`kvfail.rig.process_tree`), and reads its records as findings.
 
 Time (the whole audit must end within its budget, on a small CPU machine too):
 
@@ -16,7 +19,8 @@ Time (the whole audit must end within its budget, on a small CPU machine too):
   does not depend on the policy; ``--policy both`` / ``--layout all`` run more;
 * the child runs the scenarios connector by connector (not scenario by scenario), so a
   connector's peers start when it begins and stop after its last scenario, and the
-  budget cuts whole tails;
+  budget cuts whole tails; with pytest-xdist, two rows at a time
+  (:data:`~kvfail.audit.dynamic_child.WORKERS`);
 * a wall-clock budget for the whole audit (``--budget-s``): the child starts no scenario
   in the last :data:`RESERVE_S` seconds, and the scenarios it did not reach are reported
   as ``not run (budget)``, never as results; near the budget's end the child is stopped
@@ -31,12 +35,10 @@ The rig patches the child applied to the system under test come from the same fi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,15 +48,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvfail.audit.callgraph import Evidence
+from kvfail.audit.dynamic_child import GUARD_CLAUSE, GUARD_PREFIX, PROGRESS, SCENARIOS
 from kvfail.audit.inventory import Target
-from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Evidence, Finding
+from kvfail.audit.static import FAIL, NA, PASS, UNKNOWN, CheckSpec, Finding
 from kvfail.conformance.report import RECORDS_FILE
 from kvfail.conformance.scenarios import DIRECTORY
+from kvfail.rig.process_tree import reap, stop_tree
+from kvfail.rig.procfs import descendants
 
-SCENARIOS = DIRECTORY / "test_scenarios.py"
-#: Scenario modules run besides :data:`SCENARIOS`: the store faults (a driver that does
-#: not advertise their capabilities skips them, naming it).
-MORE_SCENARIOS = (DIRECTORY / "test_store_faults.py",)
 #: Outcome of one scenario over all policies: the worst one wins. A harness error (the
 #: installed vLLM lacks a feature the tool needs) outranks a pass, never a verdict of failure.
 _RANK = {"failed": 4, "xfailed": 4, "error": 3, "skipped": 1, "passed": 2}
@@ -72,17 +74,22 @@ TERM_GRACE_S = 10.0
 FINISH_S = 20.0
 #: With no budget (``--budget-s 0``) the child is still stopped after this long.
 HARD_CAP_S = 3600.0
-#: Child lines in ``progress.jsonl`` (the parent polls it; pytest's own output goes to
-#: ``child.log``, whose tail is kept for errors).
-PROGRESS = "progress.jsonl"
 #: The child's records, one line per finished scenario (``report.json`` comes at the end).
 RECORDS = RECORDS_FILE
 
 Progress = Callable[[str], None]
 
 
+GUARD_NOTE = (
+    f"guard row: only the scenarios citing {GUARD_CLAUSE} (deadline and stranding) run, "
+    "after every unguarded row, to keep the audit within its budget"
+)
+
+
 def conformance_spec(target: Target) -> str:
     """The ``--connector`` value that names this target to the conformance suite."""
+    if target.guarded is not None:
+        return GUARD_PREFIX + conformance_spec(target.guarded)
     if target.origin == "vllm-registry":
         return f"vllm:{target.name}"
     return target.spec
@@ -143,7 +150,7 @@ class ConformanceRunner:
             cmd = [
                 self.python,
                 "-m",
-                "kvfail.audit.dynamic",
+                "kvfail.audit.dynamic_child",
                 "--report",
                 tmp,
                 "--policy",
@@ -213,7 +220,7 @@ class ConformanceRunner:
                 cwd=DIRECTORY.parents[2],
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 # Its own group (SIGKILL reaches it, never us), our session: see
-                # kvfail.faults.process.
+                # kvfail.rig.processes.
                 process_group=0,
             )
         tracked: dict[int, str] = {}
@@ -228,11 +235,11 @@ class ConformanceRunner:
                         f"the conformance run was stopped at {limit} (a scenario still "
                         "running; the results of those that finished are kept)"
                     )
-                    tracked.update(stop_tree(proc, tracked))
+                    tracked.update(stop_tree(proc, tracked, TERM_GRACE_S))
                     break
                 time.sleep(0.5)
         except BaseException:  # Ctrl-C on the audit: never leave the child or a peer
-            tracked.update(stop_tree(proc, tracked))
+            tracked.update(stop_tree(proc, tracked, TERM_GRACE_S))
             raise
         finally:
             relay.poll()
@@ -247,6 +254,8 @@ class ConformanceRunner:
         if spec in self._not_run:
             target.notes.append(f"dynamic tier not run: {self._not_run[spec]}")
             return []
+        if target.guarded is not None:
+            target.notes.append(GUARD_NOTE)
         if self.error is not None:
             target.notes.append(f"dynamic tier: {self.error}")
         if self.leftovers:
@@ -317,8 +326,9 @@ class _Relay:
                 f"dynamic tier {ev['i']}/{self.total} ({clock}): {ev['connector']} "
                 f"{ev['scenario']}[{ev['policy']} {ev.get('layout', 'tp1')}]"
             )
-        elif ev.get("event") == "budget":
-            self.progress(f"dynamic tier: budget spent, {ev['not_run']} not run ({clock})")
+        elif ev.get("event") == "budget":  # from each xdist worker, without a count
+            left = f"{ev['not_run']} not run" if "not_run" in ev else "no more scenarios start"
+            self.progress(f"dynamic tier: budget spent, {left} ({clock})")
 
 
 def _patches(rec: dict[str, Any]) -> list[str]:
@@ -392,314 +402,3 @@ def _spec(scenario: str, clause: str, resembles: str) -> CheckSpec:
         level="MUST",
         resembles=resembles,
     )
-
-
-# ------------------------------------------------------------------ process tree
-
-
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(state, parent pid, start time) of ``pid`` from ``/proc``; None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()  # after "pid (comm) "
-    return fields[0], int(fields[1]), fields[19]
-
-
-def descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root`` (pid -> start time), whatever its session: the
-    peers start their own sessions, so a process-group kill alone would orphan them."""
-    parents: dict[int, list[int]] = defaultdict(list)
-    starts: dict[int, str] = {}
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:  # no procfs: only the child's own group can be reached
-        return {}
-    for pid in pids:
-        st = _stat(pid)
-        if st is not None:
-            parents[st[1]].append(pid)
-            starts[pid] = st[2]
-    out: dict[int, str] = {}
-    todo = [root]
-    while todo:
-        for kid in parents.get(todo.pop(), []):
-            if kid not in out and kid in starts:
-                out[kid] = starts[kid]
-                todo.append(kid)
-    return out
-
-
-def _alive(pid: int, start: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[2] == start and st[0] != "Z"  # same start: not recycled
-
-
-def stop_tree(proc: subprocess.Popen[bytes], tracked: dict[int, str]) -> dict[int, str]:
-    """SIGTERM the child (pytest's teardown closes its peers and writes the report), then
-    after :data:`TERM_GRACE_S` SIGKILL its process group and every descendant seen.
-    Returns the descendants seen along the way (for :func:`reap`).
-
-    The child is not reaped before its group is killed (a zombie keeps its pid, so the
-    pid cannot have been recycled); its descendants are re-parented when it exits, which
-    is why they are tracked while it runs."""
-    seen = dict(tracked)
-    if proc.returncode is None:
-        seen.update(descendants(proc.pid))
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + TERM_GRACE_S
-        while time.monotonic() < deadline and _state(proc.pid) not in (None, "Z"):
-            seen.update(descendants(proc.pid))
-            time.sleep(0.2)
-        seen.update(descendants(proc.pid))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # pgid == pid (process_group=0)
-    _kill(seen)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    return seen
-
-
-def _state(pid: int) -> str | None:
-    st = _stat(pid)
-    return None if st is None else st[0]
-
-
-def _kill(procs: dict[int, str]) -> list[str]:
-    """SIGKILL each live process (its group when it leads one); returns their commands."""
-    killed: list[tuple[int, str, str]] = []
-    for pid, start in procs.items():
-        if not _alive(pid, start):
-            continue
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:  # a peer's own group (its TP ranks, forkserver)
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-            killed.append((pid, start, _cmdline(pid) or str(pid)))
-    deadline = time.monotonic() + 5.0  # SIGKILL lands when the process is next scheduled
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s, _c in killed):
-        time.sleep(0.05)
-    return [cmd for _p, _s, cmd in killed]
-
-
-def reap(tracked: dict[int, str], grace_s: float = 3.0) -> list[str]:
-    """Kill what the finished child left behind (a peer it failed to close) after a short
-    grace; returns what had to be killed (for the row notes)."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p, s) for p, s in tracked.items()):
-        time.sleep(0.1)
-    return _kill(tracked)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
-
-
-# ------------------------------------------------------------------ child side
-
-
-class _AuditPlugin:
-    """In the child: run connector by connector, report progress, honour the budget."""
-
-    def __init__(
-        self,
-        run: list[str],
-        report: Path,
-        stop_at: float | None,
-    ) -> None:
-        self.order = {spec: i for i, spec in enumerate(run)}
-        self.report = report
-        self.stop_at = stop_at
-        self.index: dict[str, int] = {}
-        self.total = 0
-        self._progress = (report / PROGRESS).open("a", encoding="utf-8", buffering=1)
-
-    def emit(self, **event: Any) -> None:
-        self._progress.write(json.dumps(event) + "\n")
-
-    @staticmethod
-    def _params(item: Any) -> tuple[str, str, str] | None:
-        """(connector, policy, layout) of a suite item, None for any other item."""
-        callspec = getattr(item, "callspec", None)
-        if callspec is None or "kvfail_connector" not in callspec.params:
-            return None
-        layout = callspec.params.get("kvfail_layout")
-        return (
-            str(callspec.params["kvfail_connector"]),
-            str(callspec.params["kvfail_policy"]),
-            str(getattr(layout, "name", layout or "tp1")),
-        )
-
-    def pytest_collection_modifyitems(self, session: Any, config: Any, items: list[Any]) -> None:
-        # Connector-major: pytest's order (scenario by scenario) would start every
-        # connector's peers at once and let a budget cut a bit of every row.
-        def key(pair: tuple[int, Any]) -> tuple[int, int]:
-            params = self._params(pair[1])
-            rank = -1 if params is None else self.order.get(params[0], len(self.order))
-            return rank, pair[0]
-
-        items[:] = [item for _i, item in sorted(enumerate(items), key=key)]
-        collected = []
-        for item in items:
-            params = self._params(item)
-            if params is None:
-                continue
-            self.index[item.nodeid] = len(collected) + 1
-            collected.append(
-                {
-                    "connector": params[0],
-                    "policy": params[1],
-                    "layout": params[2],
-                    "scenario": getattr(item, "originalname", item.name),
-                    "nodeid": item.nodeid,
-                }
-            )
-        self.total = len(collected)
-        (self.report / "collected.json").write_text(json.dumps(collected))
-        self.emit(event="collected", n=self.total, connectors=len(self.order))
-
-    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> bool | None:
-        params = self._params(item)
-        if params is None:
-            return None
-        if self.stop_at is not None and time.monotonic() >= self.stop_at:
-            i = self.index.get(item.nodeid, 1)
-            reason = "not run (budget): not started within the audit's --budget-s"
-            (self.report / "budget.json").write_text(json.dumps({"reason": reason}))
-            self.emit(event="budget", not_run=self.total - i + 1)
-            item.session.shouldstop = "kvfail audit: budget spent"
-            return True  # not run; pytest stops after this item
-        self.emit(
-            event="start",
-            i=self.index.get(item.nodeid, 0),
-            connector=params[0],
-            policy=params[1],
-            layout=params[2],
-            scenario=getattr(item, "originalname", item.name),
-        )
-        return None
-
-
-def audit_plugin(run: list[str], report: Path, stop_at: float | None) -> _AuditPlugin:
-    """The child's pytest plugin (``stop_at``: ``time.monotonic()`` after which no scenario
-    starts; None: no budget). It only orders, paces and reports progress: the records are
-    the conformance plugin's ``records.jsonl`` and ``report.json`` in ``report``, and the
-    conformance plugin stops each connector's driver after its last scenario."""
-    import pytest
-
-    # Before pytest's runner, which would run the item (this module imports no pytest).
-    pytest.hookimpl(tryfirst=True)(_AuditPlugin.pytest_runtest_protocol)
-    return _AuditPlugin(run, report, stop_at)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Child process: keep the connectors a transport driver can run, then run the suite."""
-    ap = argparse.ArgumentParser(prog="python -m kvfail.audit.dynamic")
-    ap.add_argument("--report", required=True, type=Path)
-    ap.add_argument("--policy", choices=("fail", "recompute", "both"), default="fail")
-    ap.add_argument("--layout", action="append", default=[], help="passed to the suite")
-    ap.add_argument(
-        "--stop-after",
-        type=float,
-        default=0.0,
-        help="start no scenario after this many seconds (0: no limit)",
-    )
-    ap.add_argument("specs", nargs="*")
-    args = ap.parse_args(argv)
-    stop_at = time.monotonic() + args.stop_after if args.stop_after > 0 else None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    from kvfail.faults.process import close_peers_on_sigterm
-
-    close_peers_on_sigterm()  # the budget's SIGTERM: pytest tears down and closes the peers
-    from kvfail.conformance.driver import DriverUnavailable
-    from kvfail.conformance.generic_driver import GenericDriver
-    from kvfail.conformance.resolve import resolve
-
-    run: list[str] = []
-    not_run: dict[str, str] = {}
-    alias: dict[str, str] = {}
-    seen: dict[object, str] = {}
-    for spec in args.specs:
-        try:
-            driver = resolve(spec)
-        except DriverUnavailable as exc:
-            not_run[spec] = str(exc)
-            continue
-        except Exception as exc:  # an import error in a connector's module
-            not_run[spec] = f"{type(exc).__name__}: {exc}"
-            continue
-        if isinstance(driver, GenericDriver):
-            not_run[spec] = "no transport driver (register one in 'kvfail.drivers')"
-            continue
-        cls = _connector_class(spec)
-        if cls is not None and cls in seen:
-            alias[spec] = seen[cls]
-            continue
-        if cls is not None:
-            seen[cls] = spec
-        run.append(spec)
-    # The registry's order is kept (upstream's connectors first): grouping by driver kind
-    # put both Mooncake connectors after the NIXL ones, where the budget cut them. Drivers
-    # of one kind still share a P: a driver hands its P to the next of its kind, and it is
-    # closed after the last one.
-    args.report.mkdir(parents=True, exist_ok=True)
-    (args.report / "plan.json").write_text(
-        json.dumps({"run": run, "not_run": not_run, "alias": alias})
-    )
-    if not run:
-        (args.report / "report.json").write_text("[]")
-        return 0
-    import pytest
-
-    connectors = [a for spec in run for a in ("--connector", spec)]
-    rc = pytest.main(
-        [
-            str(SCENARIOS),
-            *(str(p) for p in MORE_SCENARIOS if p.exists()),
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--kvfail-report",
-            str(args.report),
-            # A transport absent here is a "not applicable" cell in the audit, not a failure
-            # (the project's own test run requires every driver).
-            "-o",
-            "kvfail_require_drivers=false",
-            "--policy",
-            args.policy,
-            *(a for layout in args.layout for a in ("--layout", layout)),
-            *connectors,
-        ],
-        plugins=[audit_plugin(run, args.report, stop_at)],
-    )
-    # 0/1: ran (failures are findings); 2: interrupted (budget or SIGTERM, report kept).
-    return 0 if rc in (0, 1, 2) else int(rc)
-
-
-def _connector_class(spec: str) -> object | None:
-    """The class a spec names, to run registry aliases of one class only once."""
-    try:
-        if spec.startswith("vllm:"):
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-            return KVConnectorFactory.get_connector_class_by_name(spec.removeprefix("vllm:"))
-        if ":" in spec:
-            import importlib
-
-            module, _, name = spec.partition(":")
-            return getattr(importlib.import_module(module), name)
-    except Exception:
-        return None
-    return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

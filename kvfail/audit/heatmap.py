@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvfail.compat import MISSING_FEATURE_MARK
 
 if TYPE_CHECKING:
-    from kvfail.audit.matrix import Cell, Matrix, VersionRun
+    from kvfail.audit.matrix_table import Cell, Matrix, VersionRun
 
 __all__ = ["Category", "HeatCell", "cells", "columns", "draw", "render"]
 

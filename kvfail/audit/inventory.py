@@ -63,9 +63,11 @@ class Target:
     name: str
     module: str
     class_name: str
-    origin: str  # "vllm-registry", "cli", "entry-point", "kvfail"
+    origin: str  # "vllm-registry", "cli", "entry-point", "kvfail", "guard"
     ref: ClassRef | None = None
     notes: list[str] = field(default_factory=list)
+    #: For a ``Guard(X)`` row: X's target (the guard, :mod:`connectors.guard`, wraps it).
+    guarded: Target | None = None
 
     @property
     def spec(self) -> str:
@@ -78,6 +80,18 @@ class Target:
     @property
     def path(self) -> Path | None:
         return self.ref.module.path if self.ref else None
+
+
+def guard_target(inner: Target) -> Target:
+    """The ``Guard(X)`` row of a row X: kvfail's guard configured around X's class."""
+    return Target(
+        name=f"Guard({inner.name})",
+        module="connectors.guard",
+        class_name="KvfailGuardConnector",
+        origin="guard",
+        ref=inner.ref,
+        guarded=inner,
+    )
 
 
 def registry_entries() -> list[tuple[str, str, str, Path, int]]:

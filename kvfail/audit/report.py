@@ -364,6 +364,7 @@ def render_json(audit: Audit) -> str:
                 "name": r.target.name,
                 "spec": r.target.spec,
                 "origin": r.target.origin,
+                "guards": r.target.guarded.name if r.target.guarded else None,
                 "installed": r.target.installed,
                 "resolved": r.target.ref.qualname if r.target.ref else None,
                 "path": str(r.target.path) if r.target.path else None,

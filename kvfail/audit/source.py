@@ -25,6 +25,8 @@ class Module:
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     # local name -> (absolute module, attribute or None for ``import x``)
     imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    # modules re-exported whole (``from x import *``), in source order
+    star_imports: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,10 @@ class SourceIndex:
             elif isinstance(node, ast.ImportFrom):
                 base = _absolute(package, node.module, node.level)
                 for alias in node.names:
-                    mod.imports[alias.asname or alias.name] = (base, alias.name)
+                    if alias.name == "*":
+                        mod.star_imports.append(base)
+                    else:
+                        mod.imports[alias.asname or alias.name] = (base, alias.name)
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     local = alias.asname or alias.name.split(".")[0]
@@ -146,6 +151,12 @@ class SourceIndex:
             if found is None and self.module(f"{src}.{attr}") is not None:
                 return None  # ``from pkg import submodule``: not a class
             return found
+        # A package that re-exports its submodules whole (``from .part import *``): the
+        # last one that has the class wins, as the later import would at run time.
+        for src in reversed(mod.star_imports):
+            found = self.resolve_class(src, name, _depth + 1)
+            if found is not None:
+                return found
         return None
 
     def resolve_expr(self, module: Module, expr: ast.expr, _depth: int = 0) -> ClassRef | None:

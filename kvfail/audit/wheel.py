@@ -3,7 +3,7 @@
 Why: a release can ship for an accelerator this machine lacks (vLLM 0.33.0 is published
 for CUDA only), so no venv can hold it, yet its connectors are plain Python the static
 tier reads with :mod:`ast`. Only the wheel's ``.py`` files and its ``.dist-info`` are
-unpacked; :mod:`kvfail.audit.matrix` puts the folder first on the audit child's
+unpacked; :mod:`kvfail.audit.venvs` puts the folder first on the audit child's
 ``PYTHONPATH``, where :func:`kvfail.audit.source.find_module_file` finds them (it locates
 files without running any package), and the report reads the version from the
 dist-info. Nothing from the wheel is executed, and its compiled parts stay in the zip.

@@ -170,3 +170,35 @@ def test_budget_cut_is_reported_not_hidden(capsys: pytest.CaptureFixture[str]) -
         assert "? 1 not run" in capsys.readouterr().out
     finally:
         sys.path.remove(str(ROOT))
+
+
+@pytest.mark.vllm
+@needs_vllm_source
+def test_a_driven_row_gets_a_guard_row_after_every_row(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With the dynamic tier, each row with a driver gets a ``Guard(X)`` row, run after
+    every unguarded row and named to the suite as ``guard:`` plus X's value; a row
+    without a driver gets none, and --quick adds none."""
+    from kvfail.audit.dynamic import conformance_spec
+
+    seen: list[str] = []
+
+    def runner(target: object) -> list[object]:
+        seen.append(conformance_spec(target))  # type: ignore[arg-type]
+        return []
+
+    argv = ["--format", "json", "--connector", "MooncakeConnector"]
+    cli.run(_parser().parse_args([*argv, "--connector", "HF3FSKVConnector"]), runner)
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["connectors"]}
+    assert seen == [
+        "vllm:MooncakeConnector",
+        "vllm:HF3FSKVConnector",
+        "guard:vllm:MooncakeConnector",
+    ]
+    guard = rows["Guard(MooncakeConnector)"]
+    assert (guard["origin"], guard["guards"]) == ("guard", "MooncakeConnector")
+    assert "Guard(HF3FSKVConnector)" not in rows
+    cli.run(_parser().parse_args(["--quick", *argv]))
+    rows = {r["name"] for r in json.loads(capsys.readouterr().out)["connectors"]}
+    assert rows == {"MooncakeConnector"}

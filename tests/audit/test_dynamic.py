@@ -44,6 +44,11 @@ def test_dynamic_tier_passes_the_toy_and_flags_a_swallowing_connector() -> None:
     toy = [f for f in rows["ToyConnector"]["findings"] if f["tier"] == "DYNAMIC"]
     bad = [f for f in rows["SwallowsFailure"]["findings"] if f["tier"] == "DYNAMIC"]
     assert toy and all(f["status"] in ("pass", "n/a") for f in toy)
+    # Every scenario module of the package reached the toy's row with cells of its own.
+    from kvfail.conformance.scenarios import DIRECTORY
+
+    judged = {Path(f["evidence"][0]["path"].split("::")[0]).name for f in toy if f["evidence"]}
+    assert {p.name for p in DIRECTORY.glob("test_*.py")} <= judged
     failed = {f["check"] for f in bad if f["status"] == "fail"}
     assert "dyn:test_failed_load_one_group" in failed
     reason = next(f["summary"] for f in bad if f["check"] == "dyn:test_failed_load_one_group")
@@ -195,10 +200,9 @@ time.sleep(3)  # "exit": a run that ends without closing its (frozen) peer
 
 
 def _gone(pid: int) -> bool:
-    from kvfail.audit.dynamic import _stat
+    from kvfail.rig.procfs import proc_state
 
-    st = _stat(pid)
-    return st is None or st[0] == "Z"
+    return proc_state(pid) in (None, "Z")
 
 
 @pytest.mark.parametrize("mode", ["hang", "exit"])
@@ -238,7 +242,8 @@ def test_child_and_its_peers_never_outlive_the_audit(
 FAKE_SUITE = """
 import pytest
 
-PAIRS = [("a", "fail"), ("b", "fail")]
+# One xdist_group per connector, as the suite marks them (inert without xdist).
+PAIRS = [pytest.param(c, "fail", marks=pytest.mark.xdist_group("kvfail-" + c)) for c in "ab"]
 
 
 @pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
@@ -249,7 +254,10 @@ def test_one(kvfail_connector, kvfail_policy, record):
 @pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
 def test_two(kvfail_connector, kvfail_policy, record):
     record("two", kvfail_connector)
+"""
 
+#: The fake suites' fixture: each scenario run appends ``name[connector]`` to ran.txt.
+RECORD_FIXTURE = """
 
 @pytest.fixture
 def record(request):
@@ -258,12 +266,13 @@ def record(request):
             fh.write(f"{name}[{connector}]\\n")
     return rec
 """
+FAKE_SUITE += RECORD_FIXTURE
 
 RUN_FAKE = """
 import sys, time
 from pathlib import Path
 import pytest
-from kvfail.audit.dynamic import audit_plugin
+from kvfail.audit.dynamic_child import audit_plugin
 report, stop = Path(sys.argv[1]), float(sys.argv[2])
 plugin = audit_plugin(["a", "b"], report, time.monotonic() + stop if stop else None)
 args = [str(report / "test_fake.py"), "-q", "-p", "no:kvfail", "-p", "no:cacheprovider"]
@@ -272,20 +281,29 @@ sys.exit(pytest.main([*args, "--rootdir", str(report), "-c", str(report / "tox.i
 """
 
 
+def _run_fake(
+    tmp_path: Path, script: str, budget: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """Run the fake suite under the child's plugin (``budget``: none, or spent at once);
+    returns the run and its progress events, having checked the collected order."""
+    (tmp_path / "test_fake.py").write_text(FAKE_SUITE)
+    (tmp_path / "tox.ini").write_text("[pytest]\n")
+    stop = "0" if budget == "none" else "0.000001"
+    cmd = [sys.executable, "-c", script, str(tmp_path), stop]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = json.loads((tmp_path / "collected.json").read_text())
+    assert [c["connector"] for c in collected] == ["a", "a", "b", "b"], done.stdout[-2000:]
+    events = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    return done, events
+
+
 @pytest.mark.parametrize("budget", ["none", "spent"])
 def test_child_plugin_runs_connector_by_connector_within_its_budget(
     tmp_path: Path, budget: str
 ) -> None:
     """The child's plugin (no vLLM: a fake parametrised suite): connector-major order,
     a progress line per scenario, and past its budget no scenario starts."""
-    (tmp_path / "test_fake.py").write_text(FAKE_SUITE)
-    (tmp_path / "tox.ini").write_text("[pytest]\n")
-    stop = "0" if budget == "none" else "0.000001"
-    cmd = [sys.executable, "-c", RUN_FAKE, str(tmp_path), stop]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    collected = json.loads((tmp_path / "collected.json").read_text())
-    assert [c["connector"] for c in collected] == ["a", "a", "b", "b"]
-    events = [json.loads(x) for x in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    done, events = _run_fake(tmp_path, RUN_FAKE, budget)
     assert events[0] == {"event": "collected", "n": 4, "connectors": 2}
     ran = tmp_path / "ran.txt"
     if budget == "none":
@@ -304,6 +322,88 @@ def test_child_plugin_runs_connector_by_connector_within_its_budget(
         assert not ran.exists()  # no scenario started
         assert events[1:] == [{"event": "budget", "not_run": 4}]
         assert "budget" in json.loads((tmp_path / "budget.json").read_text())["reason"]
+
+
+RUN_FAKE_XDIST = """
+import json, os, sys, time
+from pathlib import Path
+import pytest
+from kvfail.audit.dynamic_child import PLUGIN_ENV
+report, stop = Path(sys.argv[1]), float(sys.argv[2])
+os.environ[PLUGIN_ENV] = json.dumps(
+    {"run": ["a", "b"], "report": str(report), "stop_at": time.monotonic() + stop if stop else None}
+)
+args = [str(report / "test_fake.py"), "-q", "-p", "no:kvfail", "-p", "no:cacheprovider"]
+args += ["-p", "kvfail.audit.dynamic_child", "-n", "2", "--dist", "loadgroup"]
+sys.exit(pytest.main([*args, "--rootdir", str(report), "-c", str(report / "tox.ini")]))
+"""
+
+
+@pytest.mark.parametrize("budget", ["none", "spent"])
+def test_child_plugin_paces_xdist_workers(tmp_path: Path, budget: str) -> None:
+    """On xdist workers (the child's default where xdist is installed) the plugin is
+    registered in each worker from the environment: one collected line, one start line
+    per scenario, and past the budget no worker starts a scenario."""
+    pytest.importorskip("xdist")
+    done, events = _run_fake(tmp_path, RUN_FAKE_XDIST, budget)
+    assert [e for e in events if e["event"] == "collected"] == [
+        {"event": "collected", "n": 4, "connectors": 2}
+    ]
+    ran = tmp_path / "ran.txt"
+    if budget == "none":
+        assert done.returncode == 0, done.stdout[-2000:]
+        assert sorted(ran.read_text().split()) == ["one[a]", "one[b]", "two[a]", "two[b]"]
+        # Each scenario's place in the run, though loadgroup renames items after collection.
+        assert sorted(e["i"] for e in events if e["event"] == "start") == [1, 2, 3, 4]
+        assert not (tmp_path / "budget.json").exists()
+    else:
+        assert done.returncode == 2, done.stdout[-2000:]  # interrupted: the budget
+        assert not ran.exists()  # no scenario started on either worker
+        assert not [e for e in events if e["event"] == "start"]
+        assert {json.dumps(e) for e in events if e["event"] == "budget"} == {'{"event": "budget"}'}
+        assert "budget" in json.loads((tmp_path / "budget.json").read_text())["reason"]
+
+
+GUARD_SUITE = (
+    """
+import pytest
+
+PAIRS = [("a", "fail"), ("guard:a", "fail")]
+
+
+@pytest.mark.clauses("C2", "C10")
+@pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
+def test_deadline(kvfail_connector, kvfail_policy, record):
+    record("deadline", kvfail_connector)
+
+
+@pytest.mark.clauses("C1")
+@pytest.mark.parametrize(("kvfail_connector", "kvfail_policy"), PAIRS)
+def test_other(kvfail_connector, kvfail_policy, record):
+    record("other", kvfail_connector)
+"""
+    + RECORD_FIXTURE
+)
+
+
+def test_a_guard_row_runs_only_the_deadline_scenarios(tmp_path: Path) -> None:
+    """The child's plugin runs a ``guard:`` connector's scenarios citing C10 only (the
+    deadline and stranding ones), and every scenario of the others."""
+    (tmp_path / "test_fake.py").write_text(GUARD_SUITE)
+    (tmp_path / "tox.ini").write_text("[pytest]\nmarkers =\n    clauses: cited clauses\n")
+    script = RUN_FAKE.replace('["a", "b"]', '["a", "guard:a"]')
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    ran = (tmp_path / "ran.txt").read_text().split()
+    assert ran == ["deadline[a]", "other[a]", "deadline[guard:a]"]
+    collected = json.loads((tmp_path / "collected.json").read_text())
+    assert [c["connector"] for c in collected] == ["a", "a", "guard:a"]
 
 
 def test_a_connectors_driver_stops_after_its_last_scenario(
@@ -379,3 +479,22 @@ def test_finished_scenarios_survive_a_killed_child(tmp_path: Path) -> None:
     runner._read(tmp_path, "")
     cells = {f.check: f.status for f in runner(_target())}
     assert cells == {"dyn:test_one": "pass", "dyn:test_two": "fail", "dyn:test_three": "unknown"}
+
+
+def test_the_audit_runs_every_scenario_module(tmp_path: Path) -> None:
+    """The gate: every module pytest would collect from the scenarios package is in the
+    child's command, so a module added there cannot be left out of the audit's matrix."""
+    from kvfail.audit.dynamic_child import suite_args
+    from kvfail.conformance.scenarios import DIRECTORY
+
+    modules = {
+        p.name
+        for p in DIRECTORY.iterdir()
+        if p.suffix == ".py" and (p.name.startswith("test_") or p.stem.endswith("_test"))
+    }
+    assert "test_concurrency.py" in modules and "test_quarantine.py" in modules
+    args = suite_args(["a"], tmp_path, "fail", ["tp1"])
+    passed = [Path(a) for a in args if a.endswith(".py")]
+    assert all(p.parent == DIRECTORY for p in passed)
+    assert not modules - {p.name for p in passed}, "scenario modules the audit does not run"
+    assert passed[0].name == "test_scenarios.py"  # the core stories first: a budget cuts tails

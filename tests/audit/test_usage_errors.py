@@ -71,7 +71,7 @@ def test_bad_connector_among_good_ones_rejects_the_run() -> None:
     ("argv", "expected"),
     [
         (["--layout", "tp3"], "argument --layout: unknown layout 'tp3': use tp1, tp2, tp1-g2"),
-        (["--layout", "tp1,tp9"], "unknown layout 'tp9': use tp1, tp2, tp1-g2, tp2-g2 or all"),
+        (["--layout", "tp1,tp9"], "unknown layout 'tp9': use tp1, tp2, tp1-g2, tp2-g2, p2d1, p1d2"),
         (["--policy", "sometimes"], "invalid choice: 'sometimes' (choose from 'fail', 'recompute'"),
         (["--format", "xml"], "invalid choice: 'xml' (choose from 'json', 'markdown', 'table')"),
         (["--fail-on", "may"], "invalid choice: 'may' (choose from 'must', 'should', 'never')"),
@@ -133,3 +133,20 @@ def test_class_with_unreadable_bases_gets_the_benefit_of_the_doubt(
         discover(index, selectors=["kvfail_usage_mod:NUMBER"])
     with pytest.raises(UsageError, match="cannot import 'Base' from 'not_installed_pkg'"):
         discover(index, selectors=["kvfail_usage_mod:Base"])
+
+
+def test_a_class_a_package_re_exports_with_a_star_import_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pkg:Class`` where ``pkg/__init__.py`` does ``from .part import *`` (how kvfail's
+    negative controls are packaged): the source index follows the star import, and a name
+    no part defines is still an error."""
+    pkg = tmp_path / "kvfail_star_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from kvfail_star_pkg.part import *  # noqa\n")
+    (pkg / "part.py").write_text("class Plain:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    index = SourceIndex()
+    found = index.resolve_class("kvfail_star_pkg", "Plain")
+    assert found is not None and found.module.name == "kvfail_star_pkg.part"
+    assert index.resolve_class("kvfail_star_pkg", "Missing") is None

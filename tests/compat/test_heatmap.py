@@ -1,7 +1,7 @@
 """The ``kvfail matrix`` heat map: colour by verdict category, every row, the counts drawn.
 
 The matrix here is built from audit reports of the shape ``kvfail audit --format json``
-writes (through :func:`kvfail.audit.matrix.cells_from_audit`), so the cells are read the
+writes (through :func:`kvfail.audit.matrix_table.cells_from_audit`), so the cells are read the
 way ``kvfail matrix`` reads them; the picture is drawn into ``tmp_path``.
 """
 
@@ -16,6 +16,7 @@ import pytest
 
 from kvfail.audit import heatmap as h
 from kvfail.audit import matrix as m
+from kvfail.audit import matrix_table as mtable
 from kvfail.compat import MISSING_FEATURE_MARK as MARK
 
 needs_matplotlib = pytest.mark.skipif(
@@ -70,22 +71,22 @@ OLD = {
 }
 
 
-def _matrix() -> m.Matrix:
-    def run_(version: str, report: dict[str, Any], **kw: Any) -> m.VersionRun:
-        return m.VersionRun(
+def _matrix() -> mtable.Matrix:
+    def run_(version: str, report: dict[str, Any], **kw: Any) -> mtable.VersionRun:
+        return mtable.VersionRun(
             version,
             "py",
             1.0,
-            cells=m.cells_from_audit(report),
+            cells=mtable.cells_from_audit(report),
             dynamic_tier=report["dynamic_tier"],
             **kw,
         )
 
-    return m.Matrix(
+    return mtable.Matrix(
         dynamic=True,
         runs=[
             run_("0.29.0", OLD),
-            m.VersionRun("0.30.0", "py30", 0.1, error="audit child exited 1"),
+            mtable.VersionRun("0.30.0", "py30", 0.1, error="audit child exited 1"),
             run_("0.32.0", NEW),
         ],
     )
@@ -107,7 +108,9 @@ def test_a_failing_cell_is_fail_with_its_counts_whatever_its_share() -> None:
     assert g["AllPass", "0.32.0", True] == h.HeatCell(h.Category.PASS, "15/15 ok")
     static = g["StaticFail", "0.32.0", False]
     assert static.category is h.Category.FAIL and static.text == "2/3 FAIL\nreports,hma"
-    many = m.Cell(static_fail=["request_channel", "hma", "no_raise", "deadline"], static_checked=9)
+    many = mtable.Cell(
+        static_fail=["request_channel", "hma", "no_raise", "deadline"], static_checked=9
+    )
     # The ids that fit the cell, then how many more: the count stays exact.
     assert h.static_cell(many).text == "4/9 FAIL\nrequest_channel,hma +2"
 
@@ -147,22 +150,22 @@ def test_scenarios_the_tool_could_not_judge_are_blocked_naming_the_feature() -> 
 
 
 def test_a_wheel_column_gives_the_wheels_reason() -> None:
-    wheel = m.VersionRun(
+    wheel = mtable.VersionRun(
         "0.33.0",
         "py",
         1.0,
-        cells=m.cells_from_audit(OLD),
+        cells=mtable.cells_from_audit(OLD),
         dynamic_tier="skipped (--quick)",
         dynamic_incomplete="static tier only: read from the wheel's sources, not installed",
     )
-    (row,) = h.cells(m.Matrix(False, [wheel]))
+    (row,) = h.cells(mtable.Matrix(False, [wheel]))
     assert row[0] == h.HeatCell(h.Category.PASS, "2/2 ok")
     assert row[1].category is h.Category.NOT_RUN and "wheel's sources" in str(row[1].reason)
 
 
 def test_saved_results_keep_what_the_picture_needs() -> None:
     mx = _matrix()
-    again = m.Matrix.from_json(json.loads(json.dumps(mx.to_json())))
+    again = mtable.Matrix.from_json(json.loads(json.dumps(mx.to_json())))
     assert h.cells(again) == h.cells(mx)
 
 

@@ -15,7 +15,12 @@ from typing import Any
 
 import pytest
 
+from kvfail import compat
 from kvfail.audit import matrix as m
+from kvfail.audit import matrix_render as mrender
+from kvfail.audit import matrix_runs as mruns
+from kvfail.audit import matrix_table as mtable
+from kvfail.audit import venvs as mvenvs
 
 
 def _finding(check: str, status: str, tier: str = "STATIC", level: str = "MUST") -> dict[str, Any]:
@@ -58,52 +63,54 @@ NEW = _report(
 )
 
 
-def _matrix() -> m.Matrix:
-    return m.Matrix(
+def _matrix() -> mtable.Matrix:
+    return mtable.Matrix(
         dynamic=True,
         runs=[
-            m.VersionRun("0.29.0", "py29", 1.0, cells=m.cells_from_audit(OLD)),
-            m.VersionRun("0.32.0", "py32", 2.0, cells=m.cells_from_audit(NEW)),
+            mtable.VersionRun("0.29.0", "py29", 1.0, cells=mtable.cells_from_audit(OLD)),
+            mtable.VersionRun("0.32.0", "py32", 2.0, cells=mtable.cells_from_audit(NEW)),
         ],
     )
 
 
 def test_cells_read_static_failures_and_dynamic_counts() -> None:
-    old = m.cells_from_audit(OLD)
+    old = mtable.cells_from_audit(OLD)
     cell = old["MooncakeConnector"]
     assert cell.static_fail == ["reports"] and cell.static_checked == 2  # n/a not counted
     assert cell.dynamic == (2, 5, 0)
     assert cell.text(dynamic=True) == "FAIL reports ; FAIL 2/5"
     assert not old["Gone"].present and old["Gone"].static_text == "absent"
-    new = m.cells_from_audit(NEW)
+    new = mtable.cells_from_audit(NEW)
     assert new["MooncakeConnector"].dynamic_text == "ok 5/5 +1 not run"
     assert new["OnlyNew"].text(dynamic=True) == "? deadline ; -"
 
 
 def test_table_has_one_row_per_connector_and_a_column_per_version() -> None:
-    text = m.render_table(_matrix())
+    text = mrender.render_table(_matrix())
     lines = text.splitlines()
     assert lines[0].split() == ["connector", "vLLM", "0.29.0", "vLLM", "0.32.0"]
     mooncake = next(line for line in lines if line.startswith("MooncakeConnector"))
     assert "FAIL reports ; FAIL 2/5" in mooncake and "ok ; ok 5/5 +1 not run" in mooncake
     only_new = next(line for line in lines if line.startswith("OnlyNew"))
     assert "absent" in only_new  # not in 0.29.0's report at all
-    md = m.render_table(_matrix(), "markdown")
+    md = mrender.render_table(_matrix(), "markdown")
     assert md.startswith("| connector | vLLM 0.29.0 | vLLM 0.32.0 |")
 
 
 def test_a_failed_child_is_an_error_line_never_a_verdict() -> None:
     mx = _matrix()
-    mx.runs.append(m.VersionRun("0.30.0", "py30", 0.1, error="audit child exited 1"))
-    text = m.render_table(mx)
+    mx.runs.append(mtable.VersionRun("0.30.0", "py30", 0.1, error="audit child exited 1"))
+    text = mrender.render_table(mx)
     assert "vLLM 0.30.0: ERROR audit child exited 1" in text
 
 
 def test_json_round_trip_and_merge(tmp_path: Path) -> None:
     mx = _matrix()
-    again = m.Matrix.from_json(json.loads(json.dumps(mx.to_json())))
-    assert m.render_table(again) == m.render_table(mx)
-    static = m.Matrix(False, [m.VersionRun("0.30.0", "py30", 0.5, cells=m.cells_from_audit(NEW))])
+    again = mtable.Matrix.from_json(json.loads(json.dumps(mx.to_json())))
+    assert mrender.render_table(again) == mrender.render_table(mx)
+    static = mtable.Matrix(
+        False, [mtable.VersionRun("0.30.0", "py30", 0.5, cells=mtable.cells_from_audit(NEW))]
+    )
     merged = again.merged(static)
     assert merged.versions == ["0.29.0", "0.30.0", "0.32.0"] and merged.dynamic
 
@@ -115,25 +122,29 @@ def test_discover_venvs_reads_versions_from_metadata(tmp_path: Path) -> None:
         (tmp_path / name / "bin").mkdir()
         (tmp_path / name / "bin" / "python").write_text("")
     (tmp_path / ".venv-empty" / "bin").mkdir(parents=True)  # no vLLM: ignored
-    venvs = m.discover_venvs(tmp_path)
+    venvs = mvenvs.discover_venvs(tmp_path)
     assert [(v.version, v.python.parent.parent.name) for v in venvs] == [
         ("0.29.0", ".venv-0.29.0"),
         ("0.32.0", ".venv"),
     ]
     with pytest.raises(SystemExit, match=r"no venv with vLLM 0\.31\.0"):
-        m.discover_venvs(tmp_path, ["0.31.0"])
+        mvenvs.discover_venvs(tmp_path, ["0.31.0"])
 
 
 def test_audit_command_is_the_audit_with_json_output(tmp_path: Path) -> None:
-    cmd = m.audit_command("py", tmp_path / "a.json", dynamic=False, connectors=["mooncake"])
+    cmd = mruns.audit_command(
+        "py", tmp_path / "a.json", mruns.AuditOptions(dynamic=False, connectors=["mooncake"])
+    )
     assert cmd[:4] == ["py", "-m", "kvfail.cli", "audit"] and "--quick" in cmd
-    dyn = m.audit_command("py", tmp_path / "a.json", dynamic=True, budget_s=60, layouts=["tp1"])
+    dyn = mruns.audit_command(
+        "py", tmp_path / "a.json", mruns.AuditOptions(dynamic=True, budget_s=60, layouts=["tp1"])
+    )
     assert "--quick" not in dyn and dyn[dyn.index("--budget-s") + 1] == "60"
 
 
 def test_a_child_without_a_report_is_an_error() -> None:
-    venv = m.Venv("9.9.9", Path("/bin/false"))  # exits 1 and writes nothing
-    run = m.run_version(venv, dynamic=False)
+    venv = mvenvs.Venv("9.9.9", Path("/bin/false"))  # exits 1 and writes nothing
+    run = mruns.run_version(venv, mruns.AuditOptions(dynamic=False))
     assert run.error is not None and "exited 1 without a report" in run.error
     assert run.cells == {}
 
@@ -143,7 +154,7 @@ def test_a_child_without_a_report_is_an_error() -> None:
 )
 def test_heatmap_is_written(tmp_path: Path) -> None:
     out = tmp_path / "m.png"
-    m.render_heatmap(_matrix(), out)
+    mrender.render_heatmap(_matrix(), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -157,7 +168,7 @@ def test_matrix_module_imports_no_vllm() -> None:
 @pytest.mark.parametrize("status", ["unknown", "fail"])  # the audit's now; an older report's
 def test_a_scenario_the_tool_could_not_judge_is_an_error_not_a_failure(status: str) -> None:
     gap = _finding("dyn:two_groups", status, "DYNAMIC")
-    gap["summary"] = f"x needs y (request_level_channel), {m.MISSING_FEATURE_MARK}"
+    gap["summary"] = f"x needs y (request_level_channel), {compat.MISSING_FEATURE_MARK}"
     report = _report(
         [
             {
@@ -167,18 +178,18 @@ def test_a_scenario_the_tool_could_not_judge_is_an_error_not_a_failure(status: s
             }
         ]
     )
-    cell = m.cells_from_audit(report)["C"]
+    cell = mtable.cells_from_audit(report)["C"]
     assert cell.dynamic == (0, 1, 0) and cell.dynamic_errors == 1
     assert cell.dynamic_text == "ok 1/1 +1 error"
 
 
 def test_a_connector_with_every_scenario_an_error_says_so_not_no_driver() -> None:
-    cell = m.Cell(present=True, dynamic=(0, 0, 0), dynamic_errors=22)
+    cell = mtable.Cell(present=True, dynamic=(0, 0, 0), dynamic_errors=22)
     assert cell.dynamic_text == "+22 error"
-    assert m.Cell(present=True, dynamic=(0, 0, 3), dynamic_errors=1).dynamic_text == (
+    assert mtable.Cell(present=True, dynamic=(0, 0, 3), dynamic_errors=1).dynamic_text == (
         "+1 error ? 3 not run"
     )
-    assert m.Cell(present=True, dynamic=(0, 0, 0)).dynamic_text == "-"
+    assert mtable.Cell(present=True, dynamic=(0, 0, 0)).dynamic_text == "-"
 
 
 # ------------------------------------------------------------------ a wheel, read only
@@ -209,11 +220,11 @@ def test_a_wheel_gives_its_sources_and_version_and_nothing_else(tmp_path: Path) 
 
 
 def test_a_wheel_row_is_static_only_with_its_sources_first_on_the_path(tmp_path: Path) -> None:
-    row = m.Venv("9.9.0", Path(sys.executable), source=tmp_path / "src")
-    env = m.child_env(row, tmp_path)
+    row = mvenvs.Venv("9.9.0", Path(sys.executable), source=tmp_path / "src")
+    env = mvenvs.child_env(row, tmp_path)
     first, second = env["PYTHONPATH"].split(":")[:2]
     assert (first, second) == (str(tmp_path / "src"), str(tmp_path))
-    venv_env = m.child_env(m.Venv("9.9.0", Path(sys.executable)), tmp_path)
+    venv_env = mvenvs.child_env(mvenvs.Venv("9.9.0", Path(sys.executable)), tmp_path)
     assert venv_env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # a venv: as it is
 
 
@@ -221,9 +232,32 @@ def test_a_wheel_is_read_by_the_static_tier_without_importing_it(tmp_path: Path)
     """The audit child finds the wheel's vLLM first on its path and only parses it (its
     ``__init__`` raises if imported); the row is the wheel's version, static only."""
     wheel = _fake_wheel(tmp_path / "v.whl")
-    row = m._unpacked_wheels([wheel], tmp_path / "src")[0]
+    row = mvenvs.unpacked_wheels([wheel], tmp_path / "src")[0]
     assert (row.version, row.source) == ("9.9.0", tmp_path / "src" / "0")
-    run = m.run_version(row, dynamic=True, cwd=Path(__file__).resolve().parents[2])
+    run = mruns.run_version(
+        row, mruns.AuditOptions(dynamic=True), cwd=Path(__file__).resolve().parents[2]
+    )
     assert run.error is None, run.error
     assert run.version == "9.9.0" and run.features is None
     assert run.dynamic_incomplete and "static tier only" in run.dynamic_incomplete
+
+
+def test_saved_results_name_the_checkout_relatively(tmp_path: Path) -> None:
+    # Saved results are committed: a venv's interpreter and a traceback's file must not
+    # name this machine's folders, and a linked venv is named by its link.
+    elsewhere = tmp_path / "other" / ".venv"
+    elsewhere.mkdir(parents=True)
+    root = tmp_path / "checkout"
+    root.mkdir()
+    (root / ".venv").symlink_to(elsewhere)
+    text = json.dumps(
+        {
+            "python": f"{root}/.venv-0.29.0/bin/python",
+            "summary": f'File "{root}/kvfail/harness/engine.py"; File "{elsewhere}/lib/x.py"',
+        }
+    )
+    saved = json.loads(m.portable(text, root))
+    assert saved == {
+        "python": ".venv-0.29.0/bin/python",
+        "summary": 'File "kvfail/harness/engine.py"; File ".venv/lib/x.py"',
+    }
