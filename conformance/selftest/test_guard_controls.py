@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.guard_negative import EXPECTED_GUARD_FLAGS
+from kvfail.conformance.guard_negative import EXPECTED_GUARD_FLAGS, GUARD_INNER
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 GUARD = "guard:vllm:MooncakeConnector"
@@ -26,7 +26,7 @@ SCENARIO_NAMES = sorted({scenario for scenario, _ in EXPECTED_GUARD_FLAGS.values
 
 
 def _spec(control: str) -> str:
-    return f"kvfail.conformance.guard_negative:{control}"
+    return f"kvfail.conformance.guard_negative:{control}?inner={GUARD_INNER}"
 
 
 @pytest.fixture(scope="module")

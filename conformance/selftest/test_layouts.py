@@ -18,8 +18,16 @@ def test_parse_layouts_accepts_lists_all_and_dedupes() -> None:
     assert parse_layouts([]) == [DEFAULT_LAYOUT]
     assert parse_layouts(["tp2-g2,tp1", "tp1"]) == [Layout(2, 2), Layout(1, 1)]
     assert parse_layouts(["all"]) == list(ALL_LAYOUTS)
-    assert [layout.name for layout in ALL_LAYOUTS] == ["tp1", "tp2", "tp1-g2", "tp2-g2"]
+    assert [layout.name for layout in ALL_LAYOUTS] == [
+        "tp1",
+        "tp2",
+        "tp1-g2",
+        "tp2-g2",
+        "p2d1",
+        "p1d2",
+    ]
     assert Layout(2, 2).requires == ("tp2", "two_groups", "hma")
+    assert Layout(1, 1, 2).requires == ("tp2", "hetero_tp")
     with pytest.raises(ValueError, match="unknown layout 'tp4'"):
         parse_layouts(["tp4"])
 

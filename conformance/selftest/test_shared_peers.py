@@ -163,7 +163,7 @@ class _LiveProducer(_ReadyProducer):
     def __init__(self, code: str) -> None:
         import sys
 
-        from kvfail.faults.process import PeerProcess
+        from kvfail.rig.processes import PeerProcess
 
         super().__init__()
         self.process = PeerProcess([sys.executable, "-c", code], name="wedge-test-p")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvfail.faults.points import FaultPoint
 
@@ -23,6 +23,8 @@ __all__ = [
     "CAPABILITY_NAMES",
     "Capabilities",
     "CapabilityMissing",
+    "Claim",
+    "Declared",
     "derive_from_class",
     "overrides_below_base",
 ]
@@ -82,6 +84,49 @@ def derive_from_class(cls: type) -> dict[str, tuple[bool, str]]:
     return out
 
 
+class Claim(NamedTuple):
+    """One declared capability: whether it holds, and the evidence (when it does) or the
+    reason (when it does not) that the report and every skip print."""
+
+    holds: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a driver declares about its connector that introspection cannot see.
+
+    Why a dataclass and not a dict of names: every driver answers the same questions, and
+    a question left out or misspelled is a ``TypeError`` where the driver builds it, not a
+    capability silently false. The abilities a driver *implements* (checking D's bytes,
+    breaking params: ``kvfail.conformance.driver.ByteOracle``, ``MalformedParams``) are
+    not declared here: they are read from the driver class, as these cannot be.
+    """
+
+    async_load: Claim
+    sync_load: Claim
+    #: The driver can set up a remote prefill this connector loads from (a peer P).
+    remote_prefill: Claim
+    #: The driver can build D with two KV-cache groups (HMA layouts).
+    two_groups: Claim
+    real_transport: Claim
+    tp2: Claim
+    #: The driver can build P at another TP size than D (``--layout p2d1`` / ``p1d2``),
+    #: its builds take ``p_tp_size``.
+    hetero_tp: Claim
+
+    @classmethod
+    def nothing(cls, why: str) -> Declared:
+        """Every claim false, for one reason (a driver that cannot feed its connector)."""
+        return cls(**{f.name: Claim(False, why) for f in fields(cls)})
+
+    def claims(self) -> dict[str, tuple[bool, str]]:
+        """Capability name -> (holds, why), as :meth:`Capabilities.build` takes them."""
+        return {
+            f.name: (bool(c.holds), c.why) for f in fields(self) for c in [getattr(self, f.name)]
+        }
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What the suite may expect from one connector under one driver.
@@ -106,14 +151,23 @@ class Capabilities:
     two_groups: bool = False
     real_transport: bool = False
     tp2: bool = False
+    #: The driver can build P at another TP size than D (heterogeneous-TP layouts).
+    hetero_tp: bool = False
     byte_verification: bool = False
     #: The driver can hand D broken ``kv_transfer_params`` (missing / unusable fields).
     malformed_params: bool = False
     faults: frozenset[FaultPoint] = frozenset()
     reasons: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+    #: Fault point -> the TP ranks the driver cannot hit with it alone, each with why
+    #: (``Injector.not_alone``): a scenario faults such a rank another way or skips it.
+    rank_limits: Mapping[FaultPoint, Mapping[int, str]] = field(
+        default_factory=dict, hash=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reasons", MappingProxyType(dict(self.reasons)))
+        limits = {p: MappingProxyType(dict(r)) for p, r in self.rank_limits.items() if r}
+        object.__setattr__(self, "rank_limits", MappingProxyType(limits))
 
     @classmethod
     def build(
@@ -122,7 +176,8 @@ class Capabilities:
         *,
         driver: str,
         faults: Iterable[FaultPoint] = (),
-        declared: Mapping[str, tuple[bool, str]] | None = None,
+        declared: Declared | Mapping[str, tuple[bool, str]] | None = None,
+        rank_limits: Mapping[FaultPoint, Mapping[int, str]] | None = None,
     ) -> Capabilities:
         """Introspected capabilities of ``connector_cls`` plus what the driver declares.
 
@@ -131,7 +186,7 @@ class Capabilities:
         ``SupportsHMA`` is refused), so a skip can never be bought by the driver.
         """
         derived = derive_from_class(connector_cls)
-        declared = dict(declared or {})
+        declared = declared.claims() if isinstance(declared, Declared) else dict(declared or {})
         clash = set(derived) & set(declared)
         if clash:
             raise ValueError(f"driver {driver!r} may not declare introspected {sorted(clash)}")
@@ -142,6 +197,7 @@ class Capabilities:
             "driver",
             "faults",
             "reasons",
+            "rank_limits",
         }
         kwargs: dict[str, Any] = {}
         reasons: dict[str, str] = {}
@@ -158,6 +214,7 @@ class Capabilities:
             driver=driver,
             faults=frozenset(faults),
             reasons=reasons,
+            rank_limits=dict(rank_limits or {}),
             **kwargs,
         )
 
@@ -187,6 +244,24 @@ class Capabilities:
             f"requires fault {wanted}: driver {self.driver!r} advertises only [{have}]"
         )
 
+    def require_fault_on_rank(self, rank: int, *candidates: FaultPoint) -> FaultPoint:
+        """The first of ``candidates`` the driver can provoke on TP rank ``rank`` alone
+        (advertised, and ``rank`` not in its :attr:`rank_limits`), or a skip naming each
+        candidate and why it cannot."""
+        why: list[str] = []
+        for point in candidates:
+            if point not in self.faults:
+                why.append(f"{point.value}: not advertised")
+                continue
+            limit = self.rank_limits.get(point, {}).get(rank)
+            if limit is None:
+                return point
+            why.append(f"{point.value}: {limit}")
+        raise CapabilityMissing(
+            f"requires a fault on TP rank {rank} alone: driver {self.driver!r} has none "
+            f"({'; '.join(why)})"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view for ``report.json``."""
         out: dict[str, Any] = {name: getattr(self, name) for name in CAPABILITY_NAMES}
@@ -194,12 +269,33 @@ class Capabilities:
         out["connector"], out["driver"] = self.connector, self.driver
         out["connector_path"] = self.connector_path
         out["reasons"] = dict(self.reasons)
+        out["rank_limits"] = {
+            p.value: {str(r): why for r, why in limits.items()}
+            for p, limits in sorted(self.rank_limits.items())
+        }
         return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Capabilities:
+        """The capabilities :meth:`as_dict` wrote (a distributed run's worker sends them)."""
+        kwargs = {name: bool(data.get(name, False)) for name in CAPABILITY_NAMES}
+        return cls(
+            connector=str(data["connector"]),
+            driver=str(data["driver"]),
+            connector_path=str(data.get("connector_path", "")),
+            faults=frozenset(FaultPoint(v) for v in data.get("faults", ())),
+            reasons=dict(data.get("reasons", {})),
+            rank_limits={
+                FaultPoint(p): {int(r): str(why) for r, why in limits.items()}
+                for p, limits in data.get("rank_limits", {}).items()
+            },
+            **kwargs,
+        )
 
 
 #: The boolean capabilities a scenario may require.
 CAPABILITY_NAMES: tuple[str, ...] = tuple(
     f.name
     for f in fields(Capabilities)
-    if f.name not in ("connector", "connector_path", "driver", "faults", "reasons")
+    if f.name not in ("connector", "connector_path", "driver", "faults", "reasons", "rank_limits")
 )

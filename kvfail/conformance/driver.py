@@ -3,8 +3,11 @@
 Why a driver and not just a connector class: the scenarios are the same for every
 connector, but *how* to give a decode engine D a remote prefill to load, and how to make
 that load fail at a named fault point (``kvfail.faults.points``), depends on the
-transport. A driver answers exactly those questions and advertises which fault points it
-can provoke; those, plus what is introspected from the connector class, are the
+transport. A driver answers exactly those questions. Its fault table
+(:attr:`Driver.injectors`: fault point -> :class:`Injector`) says which fault points it can
+provoke and how; its :class:`Declared` says what introspection cannot see; the optional
+abilities it implements (:class:`ByteOracle`, :class:`LateWrites`, :class:`MalformedParams`)
+are read from its class. Those, plus what is introspected from the connector class, are the
 connector's :class:`~kvfail.conformance.capabilities.Capabilities`, and every scenario a
 driver cannot serve is skipped *naming* the missing capability (csi-sanity's model: skips
 are earned from what the driver advertises).
@@ -24,11 +27,11 @@ from __future__ import annotations
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
-from kvfail.conformance.capabilities import Capabilities
+from kvfail.conformance.capabilities import Capabilities, Claim, Declared
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -37,18 +40,26 @@ if TYPE_CHECKING:
     from kvfail.harness.hooks import SplitForward
 
 __all__ = [
+    "ABORT",
     "ENTRY_POINT_GROUP",
+    "REQUIRED_MEMBERS",
+    "ByteOracle",
+    "Claim",
     "Declared",
     "Driver",
     "DriverUnavailable",
     "EngineHandle",
     "Fault",
+    "Injector",
+    "LateWrites",
+    "MalformedParams",
+    "Provocation",
+    "abilities",
+    "abort_request",
+    "declared_capabilities",
 ]
 
 ENTRY_POINT_GROUP = "kvfail.drivers"
-
-
-Declared = dict[str, tuple[Any, str]]
 
 
 @dataclass(eq=False)
@@ -57,17 +68,64 @@ class Fault:
 
     :meth:`Driver.arm` makes it and files it on the engine's :class:`EngineHandle`;
     the driver's :meth:`Driver.add_remote_request` takes it from there
-    (:meth:`EngineHandle.take_fault`) to set up what must exist before D adds the request,
+    (:meth:`Driver.take_fault`) to set up what must exist before D adds the request,
     and keeps in :attr:`state` whatever it will need later (a frozen P, a late write, a
     step count), so :meth:`Driver.provoke` and the driver's per-step hooks find
     everything about this fault in this one object.
     """
 
-    #: A fault point, or a malformation's name (``Driver.add_malformed_request``).
-    point: FaultPoint | str
+    point: FaultPoint
     request_id: str
     #: The driver's own record of what it did for this fault (None: nothing yet).
     state: Any = None
+    #: The TP ranks a fault on one rank hits (None: the fault names no rank).
+    ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Provocation:
+    """One call of :meth:`Driver.provoke`, as an injector's ``provoke`` hook gets it."""
+
+    engine: Engine
+    request_id: str
+    point: FaultPoint
+    #: The D ranks to hit (None: all), for a fault on one rank.
+    ranks: Iterable[int] | None = None
+    #: The block to fail (None: the driver's choice), for a fault on one block.
+    block_index: int | None = None
+
+
+@dataclass(frozen=True)
+class Injector:
+    """How one driver makes one fault point happen: the hooks the scenario's calls reach.
+
+    A driver's :attr:`Driver.injectors` maps every fault point it can provoke to one, and
+    the driver's fault list is that table's keys, so what a driver advertises and what it
+    does are one table. ``state`` makes the :class:`Fault`'s first state when the driver
+    takes the armed fault (:meth:`Driver.take_fault`); ``provoke`` runs in
+    :meth:`Driver.provoke` (None: nothing left to do then: the fault was set up when the
+    request was added, or happens by itself). ``not_alone`` declares the TP ranks a
+    one-rank fault cannot hit without hitting others. A driver family whose set-up needs more
+    hooks (P's params, P's whole process) subclasses this with them, and its own
+    ``add_remote_request`` calls them.
+    """
+
+    provoke: Callable[[Provocation], None] | None = None
+    state: Callable[[], Any] | None = None
+    #: For a fault on one TP rank: the ranks it cannot hit alone here, each with why
+    #: (killing a process that also serves the other ranks fails them too). The suite
+    #: reads it (``Capabilities.rank_limits``) and faults such a rank another way, or
+    #: skips it naming this reason.
+    not_alone: Mapping[int, str] = field(default_factory=dict)
+
+
+def abort_request(call: Provocation) -> None:
+    """``abort_while_waiting``: abort the request on D, wherever its load is."""
+    call.engine.abort(call.request_id)
+
+
+#: The injector of ``abort_while_waiting``, the same for every driver.
+ABORT = Injector(provoke=abort_request)
 
 
 @dataclass(eq=False)
@@ -75,9 +133,9 @@ class EngineHandle:
     """What a driver keeps about one D engine: one object per engine, never a dict keyed
     by ``id(engine)`` (an id is reused once the engine is collected).
 
-    :meth:`Driver.handle` makes it on first use and it lives as long as the engine does.
-    A driver that keeps more per engine subclasses it and overrides
-    :meth:`Driver.new_handle`.
+    :meth:`Driver.handle` makes it on first use; the suite drops every handle once the
+    scenario's engines are closed. A driver that keeps more per engine subclasses it and
+    overrides :meth:`Driver.new_handle`.
     """
 
     engine: Engine
@@ -98,6 +156,76 @@ class DriverUnavailable(Exception):
     """The driver cannot run here (module missing, peer cannot start); message = why."""
 
 
+# ------------------------------------------------------------------ optional abilities
+
+
+@runtime_checkable
+class ByteOracle(Protocol):
+    """A driver that can read D's bytes (capability ``byte_verification``)."""
+
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        """After a load that should have succeeded: None when D's blocks hold P's bytes,
+        else the mismatch (a request D computed itself is one)."""
+        ...
+
+    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
+        """After any load: why D ran ``request_id`` on KV that is not P's, else None. A
+        request recomputed locally is fine: this is the oracle for a failure reported as
+        success (the HF3FS pattern), which under ``recompute`` no outcome check sees."""
+        ...
+
+
+@runtime_checkable
+class LateWrites(Protocol):
+    """A driver whose slow P writes after D's deadline: every driver whose table has
+    ``slow_peer_past_deadline``."""
+
+    #: Seconds after D added the load at which the slow P answers and writes; None: only
+    #: once the load was reported (P never answers first).
+    slow_peer_delay_s: float | None
+
+    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
+        """None until the slow P's late write for ``request_id`` has happened, then what
+        it did (for the report)."""
+        ...
+
+
+@runtime_checkable
+class MalformedParams(Protocol):
+    """A driver that can hand D broken ``kv_transfer_params`` (capability
+    ``malformed_params``): the scenarios name the breakages ``missing_transfer_id`` and
+    ``bad_bootstrap_addr``."""
+
+    def add_malformed_request(
+        self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
+    ) -> str:
+        """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
+        ...
+
+
+#: Capabilities a driver has by implementing a protocol, not by declaring them.
+ABILITIES: Mapping[str, type] = {
+    "byte_verification": ByteOracle,
+    "malformed_params": MalformedParams,
+}
+
+
+#: Fault points whose scenario calls a driver's optional ability: a driver whose table has
+#: one implements that protocol.
+POINT_NEEDS: Mapping[FaultPoint, type] = {FaultPoint.SLOW_PEER_PAST_DEADLINE: LateWrites}
+
+
+def abilities(driver: object) -> dict[str, tuple[bool, str]]:
+    """The capabilities ``driver`` has by what its class implements, with the evidence."""
+    cls = type(getattr(driver, "inner", driver)).__name__
+    out: dict[str, tuple[bool, str]] = {}
+    for name, protocol in ABILITIES.items():
+        has = isinstance(driver, protocol)
+        verb = "implements" if has else "does not implement"
+        out[name] = (has, f"driver {cls} {verb} {protocol.__name__}")
+    return out
+
+
 #: The handle type a driver keeps per D engine (see :meth:`Driver.new_handle`).
 H = TypeVar("H", bound=EngineHandle)
 
@@ -106,13 +234,29 @@ H = TypeVar("H", bound=EngineHandle)
 #: silently left at the default.
 RENAMED = {"used_wrong_bytes": "wrong_bytes_finding", "late_write": "late_write_finding"}
 
+#: What every driver must define; everything else on :class:`Driver` has a default.
+REQUIRED_MEMBERS = (
+    "name",
+    "connector_cls",
+    "declared",
+    "injectors",
+    "engine_spec",
+    "add_remote_request",
+)
+
 
 class Driver(ABC, Generic[H]):
     """One connector under test, and the means to provoke its faults.
 
+    Required (:data:`REQUIRED_MEMBERS`): :attr:`name`, :attr:`connector_cls`,
+    :meth:`declared`, :attr:`injectors`, :meth:`engine_spec`, :meth:`add_remote_request`.
+    Optional abilities are protocols a driver implements (:class:`ByteOracle`,
+    :class:`LateWrites`, :class:`MalformedParams`); every other member has a default.
+
     Lifecycle: :meth:`start` once per session before the first scenario (start peers),
     :meth:`stop` at the end. Per scenario: :meth:`build_engine` (a fresh D), then
-    :meth:`add_remote_request`, then :meth:`settle` or :meth:`provoke`.
+    :meth:`add_remote_request`, then :meth:`settle` or :meth:`provoke`; then the suite
+    drops the engines' handles and calls :meth:`after_scenario`.
     """
 
     #: The ``--connector`` value this driver was resolved from.
@@ -121,9 +265,10 @@ class Driver(ABC, Generic[H]):
     connector_cls: type
     #: Sleep between engine steps: a real transport progresses in its own threads.
     poll_s: float = 0.0
-    #: ``slow_peer_past_deadline``: seconds after D added the load at which the slow P
-    #: answers and writes; None: only once the load was reported (P never answers first).
-    slow_peer_delay_s: float | None = None
+    #: Why :func:`kvfail.conformance.resolve.resolve` chose this driver (the run's header
+    #: prints it). A driver that claims classes has a classmethod ``claims(probe)``
+    #: (:mod:`kvfail.conformance.claims`).
+    chosen: str = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -135,6 +280,18 @@ class Driver(ABC, Generic[H]):
                     stacklevel=2,
                 )
                 setattr(cls, new, vars(cls)[old])
+        if "faults" in vars(cls) and getattr(cls.injectors, "__isabstractmethod__", False):
+            # A driver written before the fault table: its own ``provoke`` still acts,
+            # and its table is its list, each point with an injector that does nothing.
+            warnings.warn(
+                f"{cls.__qualname__}.faults is deprecated: map each fault point to an "
+                "Injector in injectors (the fault list is derived from it)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.injectors = property(  # type: ignore[assignment]
+                lambda self: {point: Injector() for point in self.faults}
+            )
 
     def unavailable(self) -> str | None:
         """None when the driver can run, else why not (printed in every skip)."""
@@ -146,19 +303,36 @@ class Driver(ABC, Generic[H]):
     def stop(self) -> None:
         """Stop whatever :meth:`start` started; idempotent, bounded."""
 
+    # ------------------------------------------------------------ what it can do
+
     @property
     @abstractmethod
+    def injectors(self) -> Mapping[FaultPoint, Injector]:
+        """The fault table: every fault point this driver can provoke, and how."""
+
+    @property
     def faults(self) -> frozenset[FaultPoint]:
-        """The fault points this driver can provoke."""
+        """The fault points this driver can provoke: its table's keys."""
+        return frozenset(self.injectors)
 
     @abstractmethod
     def declared(self) -> Declared:
-        """Capabilities introspection cannot see: name -> (value, evidence or reason)."""
+        """Capabilities introspection cannot see, each with its evidence or reason."""
 
     def capabilities(self) -> Capabilities:
         return Capabilities.build(
-            self.connector_cls, driver=self.name, faults=self.faults, declared=self.declared()
+            self.connector_cls,
+            driver=self.name,
+            faults=self.faults,
+            declared=declared_capabilities(self),
+            rank_limits={
+                point: injector.not_alone
+                for point, injector in self.injectors.items()
+                if injector.not_alone
+            },
         )
+
+    # ------------------------------------------------------------ D
 
     @abstractmethod
     def engine_spec(
@@ -201,7 +375,9 @@ class Driver(ABC, Generic[H]):
         return found
 
     def forget_engines(self) -> None:
-        """Drop every engine's handle (after a scenario: its engines are closed)."""
+        """Drop every engine's handle. The suite calls it after each scenario, before
+        :meth:`after_scenario` (a handle holds its engine, and a closed engine's
+        transport may live until the engine is collected); idempotent."""
         handles = getattr(self, "_handles", None)
         if handles is not None:
             handles.clear()
@@ -211,14 +387,43 @@ class Driver(ABC, Generic[H]):
         handles = getattr(self, "_handles", None)
         return [] if handles is None else list(handles.values())
 
-    def arm(self, engine: Engine, request_id: str, point: FaultPoint | str) -> Fault:
+    # ------------------------------------------------------------ loads and faults
+
+    def arm(
+        self,
+        engine: Engine,
+        request_id: str,
+        point: FaultPoint,
+        *,
+        ranks: Iterable[int] | None = None,
+    ) -> Fault:
         """Arm ``point`` for the request about to be added as ``request_id``: call before
         :meth:`add_remote_request`, which sets up whatever must exist before the request
         does (e.g. a bad address in P's ``kv_transfer_params``); the rest happens in
-        :meth:`provoke`. Returns the :class:`Fault`, filed on the engine's handle."""
-        fault = Fault(point, request_id)
+        :meth:`provoke`. ``ranks``: the TP ranks a fault on one rank hits (a driver that
+        acts before D adds the request reads them here; :meth:`provoke` gets them again).
+        Returns the :class:`Fault`, filed on the engine's handle."""
+        fault = Fault(point, request_id, ranks=None if ranks is None else tuple(ranks))
         self.handle(engine).faults[request_id] = fault
         return fault
+
+    def take_fault(self, engine: Engine, request_id: str) -> tuple[Fault, Injector] | None:
+        """The fault armed for ``request_id`` and its injector (None: none armed), the
+        fault now active, its state made by the injector's ``state``."""
+        fault = self.handle(engine).take_fault(request_id)
+        if fault is None:
+            return None
+        injector = self.injector(fault.point)
+        if injector.state is not None:
+            fault.state = injector.state()
+        return fault, injector
+
+    def injector(self, point: FaultPoint) -> Injector:
+        """``point``'s injector; a ``ValueError`` for a point this driver cannot provoke."""
+        found = self.injectors.get(point)
+        if found is None:
+            raise ValueError(f"driver {self.name!r} cannot provoke {point.value}")
+        return found
 
     @abstractmethod
     def add_remote_request(
@@ -247,10 +452,11 @@ class Driver(ABC, Generic[H]):
         prompt_len: int = 100,
         max_tokens: int = 3,
         peer: int = 0,
+        ranks: Iterable[int] | None = None,
     ) -> list[str]:
         """Add several remote-prefill requests from the same P, their loads to be in
         flight together, with ``fault`` armed for every one (then :meth:`provoke` each,
-        as for one request).
+        as for one request; ``ranks`` as for :meth:`arm`).
 
         Why a method of its own: a fault on P itself (killed, stopped) is ONE event for
         all of them and must come after P prefilled every one; armed per request, the
@@ -268,19 +474,18 @@ class Driver(ABC, Generic[H]):
             raise NotImplementedError(f"driver {self.name!r} has one P: no peer {peer}")
         for request_id in request_ids:
             if fault is not None:
-                self.arm(engine, request_id, fault)
+                self.arm(engine, request_id, fault, ranks=ranks)
             self.add_remote_request(
                 engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
             )
         return list(request_ids)
 
-    @abstractmethod
     def settle(
         self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
     ) -> None:
-        """Let the request's load complete successfully (on ``ranks``; None: all)."""
+        """Let the request's load complete successfully (on ``ranks``; None: all).
+        Default: nothing to do, a real transport completes a good load by itself."""
 
-    @abstractmethod
     def provoke(
         self,
         engine: Engine,
@@ -290,33 +495,16 @@ class Driver(ABC, Generic[H]):
         ranks: Iterable[int] | None = None,
         block_index: int | None = None,
     ) -> None:
-        """Make the request's in-flight load hit ``point`` (one of :attr:`faults`)."""
+        """Make the request's in-flight load hit ``point``: its injector's ``provoke``."""
+        hook = self.injector(point).provoke
+        if hook is not None:
+            hook(Provocation(engine, request_id, point, ranks, block_index))
 
-    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        """After a successful load: None when D's blocks hold P's bytes, else the mismatch.
-
-        Only called when the capabilities say ``byte_verification``.
-        """
-        raise NotImplementedError(f"driver {self.name!r} cannot verify bytes")
-
-    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
-        """After any load: why D ran ``request_id`` on KV that is not P's, else None.
-
-        Unlike :meth:`verify_bytes`, a request that was recomputed locally is fine: this is
-        the oracle for a failure reported as success (the HF3FS pattern), which under
-        ``recompute`` no policy-outcome check can see. Default: cannot tell (None).
-        """
-        return None
+    # ------------------------------------------------------------ evidence and repair
 
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
         """Seconds from adding ``request_id`` to its first report, when the driver timed it."""
         return None
-
-    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
-        """``slow_peer_past_deadline``: None until the slow P's late write for
-        ``request_id`` has happened, then what it did (for the report). Only called for a
-        load armed with that fault, by a driver that advertises it."""
-        raise NotImplementedError(f"driver {self.name!r} has no slow peer")
 
     def integrity_findings(self, engine: Engine) -> list[str]:
         """The KV-integrity oracle's findings for everything ``engine`` ran (clause first;
@@ -338,12 +526,6 @@ class Driver(ABC, Generic[H]):
         finding, never a verdict. Empty when the driver cannot look."""
         return []
 
-    def add_malformed_request(
-        self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
-    ) -> str:
-        """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
-        raise NotImplementedError(f"driver {self.name!r} cannot build malformed params")
-
     def peer_output(self) -> list[str]:
         """What the driver's peer processes printed during this scenario that looks like
         a problem (errors, warnings, tracebacks): attached to a failing scenario's
@@ -355,4 +537,35 @@ class Driver(ABC, Generic[H]):
         or an error: a driver may stop trusting the peers that scenario used."""
 
     def after_scenario(self) -> None:
-        """Called after every scenario's engines are closed: repair shared peers."""
+        """Called after every scenario, once its engines are closed and their handles
+        dropped: repair shared peers."""
+
+
+def declared_capabilities(driver: Any) -> dict[str, tuple[bool, str]]:
+    """What ``driver`` declares plus what it implements (:data:`ABILITIES`).
+
+    A driver whose table has a point of :data:`POINT_NEEDS` must implement its protocol
+    (the scenario asks it where the late write landed). A
+    ``declared()`` of the older form, a dict of names, still loads, with a warning; an
+    ability it names must agree with what the class implements."""
+    for point, protocol in POINT_NEEDS.items():
+        if point in driver.faults and not isinstance(driver, protocol):
+            raise TypeError(
+                f"driver {driver.name!r} provokes {point.value} but does not implement "
+                f"{protocol.__name__}"
+            )
+    found = abilities(driver)
+    declared = driver.declared()
+    if isinstance(declared, Declared):
+        return {**declared.claims(), **found}
+    warnings.warn(
+        f"driver {driver.name!r}: declared() returning a dict is deprecated: return a "
+        "kvfail.conformance.driver.Declared",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    claims = {k: (bool(v[0]), str(v[1])) for k, v in dict(declared).items()}
+    for key, (has, why) in found.items():
+        if key in claims and claims[key][0] != has:
+            raise TypeError(f"driver {driver.name!r} declares {key}={claims[key][0]}, but {why}")
+    return {**claims, **found}

@@ -15,6 +15,7 @@ from kvfail.conformance.driver import (
     Driver,
     DriverUnavailable,
     EngineHandle,
+    Injector,
 )
 from kvfail.faults.points import FaultPoint
 
@@ -36,21 +37,15 @@ class GenericDriver(Driver[EngineHandle]):
         self._registry_name = registry_name
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset()
+    def injectors(self) -> dict[FaultPoint, Injector]:
+        return {}  # no peer, so no fault to provoke
+
+    @property
+    def why_not(self) -> str:
+        return f"no kvfail driver for {self.name!r} (register one in {ENTRY_POINT_GROUP!r})"
 
     def declared(self) -> Declared:
-        why = f"no kvfail driver for {self.name!r} (register one in {ENTRY_POINT_GROUP!r})"
-        return {
-            "async_load": (False, why),
-            "sync_load": (False, why),
-            "remote_prefill": (False, why),
-            "two_groups": (False, why),
-            "real_transport": (False, why),
-            "tp2": (False, why),
-            "byte_verification": (False, why),
-            "malformed_params": (False, why),
-        }
+        return Declared.nothing(self.why_not)
 
     def engine_spec(
         self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
@@ -125,20 +120,9 @@ class GenericDriver(Driver[EngineHandle]):
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
-        raise NotImplementedError(self.declared()["remote_prefill"][1])
+        raise NotImplementedError(self.why_not)
 
     def settle(
         self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
     ) -> None:
-        raise NotImplementedError(self.declared()["remote_prefill"][1])
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        raise NotImplementedError(f"driver {self.name!r} provokes no fault")
+        raise NotImplementedError(self.why_not)

@@ -9,8 +9,11 @@ is rewritten, at the one place every engine is built from a spec
 holding X's extra config. P engines (``role="producer"``) are left alone: P stays X's P.
 
 A deadline the scenario asks for (the key kvfail's connectors read,
-:data:`kvfail.deadline.DEADLINE_KEY`) becomes the guard's ``deadline_s``; without one
-the guard keeps its default. The suite judges by what the guard declares.
+:data:`kvfail.deadline.DEADLINE_KEY`) becomes the guard's ``deadline_s``. A driver that
+puts no deadline into X's config (X has none to set: a store driver) still gets one when
+the scenario asks for it: :data:`SCENARIO_DEADLINE_S` (or the inner driver's own
+``SCENARIO_DEADLINE_S``). Otherwise the guard keeps its default. The suite judges by what
+the guard declares.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.capabilities import Capabilities
-from kvfail.conformance.driver import Driver
+from kvfail.conformance.driver import Driver, declared_capabilities
 from kvfail.deadline import DEADLINE_KEY
 
 if TYPE_CHECKING:
@@ -30,20 +33,33 @@ __all__ = [
     "GUARD_CONNECTOR",
     "GUARD_MODULE",
     "GUARD_PREFIX",
+    "INNER_OPTION",
     "GuardDriver",
-    "control_inner",
     "guard_spec",
 ]
 
 GUARD_PREFIX = "guard:"
 GUARD_CONNECTOR = "KvfailGuardConnector"
 GUARD_MODULE = "connectors.guard"
+#: The ``--connector`` option (``module:Class?inner=X``) that runs a guard class of the
+#: user's (a negative control) around X under X's driver: the user names the inner, the
+#: class under test does not.
+INNER_OPTION = "inner"
+#: The guard's deadline in a scenario that asks for one when X's driver sets none: the
+#: pair drivers' value (``PairDriver.SCENARIO_DEADLINE_S``), short enough for the suite's
+#: bounded wait.
+SCENARIO_DEADLINE_S = 3.0
 
 
 def guard_spec(
-    spec: EngineSpec, *, connector: str = GUARD_CONNECTOR, module: str = GUARD_MODULE
+    spec: EngineSpec,
+    *,
+    connector: str = GUARD_CONNECTOR,
+    module: str = GUARD_MODULE,
+    deadline_s: float | None = None,
 ) -> EngineSpec:
-    """``spec`` with a consumer's connector wrapped by the guard (others unchanged)."""
+    """``spec`` with a consumer's connector wrapped by the guard (others unchanged);
+    ``deadline_s``: the guard's deadline when ``spec`` asks for none."""
     if spec.role != "consumer" or (spec.connector, spec.connector_module) == (connector, module):
         return spec
     inner_extra = dict(spec.extra_config)
@@ -53,7 +69,7 @@ def guard_spec(
         else f"{spec.connector_module}:{spec.connector}"
     )
     extra: dict[str, Any] = {"inner": inner, "inner_extra_config": inner_extra}
-    deadline = inner_extra.get(DEADLINE_KEY)
+    deadline = inner_extra.get(DEADLINE_KEY) or deadline_s
     if deadline:
         extra["deadline_s"] = deadline
     return dataclasses.replace(
@@ -92,37 +108,28 @@ class GuardDriver:
         return getattr(inner, attr)
 
     def capabilities(self) -> Capabilities:
-        """The guard's class, introspected, with X's driver's faults and declarations."""
+        """The guard's class, introspected, with X's driver's faults, declarations and
+        abilities."""
         return Capabilities.build(
             self.connector_cls,
             driver=self.name,
             faults=self.inner.faults,
-            declared=self.inner.declared(),
+            declared=declared_capabilities(self.inner),
         )
 
-    def rewrite(self, spec: EngineSpec) -> EngineSpec:
+    def rewrite(self, spec: EngineSpec, deadline: bool = False) -> EngineSpec:
         connector, module = self._guard
-        return guard_spec(spec, connector=connector, module=module)
+        fallback = getattr(self.inner, "SCENARIO_DEADLINE_S", SCENARIO_DEADLINE_S)
+        return guard_spec(
+            spec, connector=connector, module=module, deadline_s=fallback if deadline else None
+        )
 
     def build_engine(self, *args: Any, **kwargs: Any) -> Engine:
         from kvfail.harness.engine import rewriting_specs
 
-        with rewriting_specs(self.rewrite):
+        deadline = bool(kwargs.get("deadline", False))
+        with rewriting_specs(lambda spec: self.rewrite(spec, deadline)):
             return self.inner.build_engine(*args, **kwargs)
 
 
 Driver.register(GuardDriver)  # a Driver by its whole API, the inner's
-
-
-def control_inner(cls: type) -> str | None:
-    """For a guard class named by ``module:Class`` (a negative control), the
-    ``--connector`` value of the inner it names in ``kvfail_control_inner``, whose driver
-    runs it wrapped; None for any other class."""
-    inner = getattr(cls, "kvfail_control_inner", None)
-    try:
-        from connectors.guard import KvfailGuardConnector
-    except Exception:  # the guard cannot be imported here: not a guard class either
-        return None
-    if not isinstance(inner, str) or not issubclass(cls, KvfailGuardConnector):
-        return None
-    return inner

@@ -18,9 +18,9 @@ class                  what is broken                                         fl
                        late: the failed load is reported as a success
 =====================  =====================================================  =========
 
-Each class names the inner connector it guards in :attr:`kvfail_control_inner` (a
-``--connector`` value), which :mod:`kvfail.conformance.resolve` reads to run that
-connector's own driver, as ``guard:X`` does.
+The suite names the inner connector each guards (:data:`GUARD_INNER`, given as
+``--connector kvfail.conformance.guard_negative:<Class>?inner=<X>``), and that
+connector's own driver runs it, as ``guard:X`` does; the class under test never chooses.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from typing import Any
 
 from connectors.guard import KvfailGuardConnector
 
-__all__ = ["EXPECTED_GUARD_FLAGS", "DropsLateFailure", "FreesAtDeadline"]
+__all__ = ["EXPECTED_GUARD_FLAGS", "GUARD_INNER", "DropsLateFailure", "FreesAtDeadline"]
+
+#: The inner connector the selftest runs each control around (a ``--connector`` value).
+GUARD_INNER = "vllm:MooncakeConnector"
 
 
 class FreesAtDeadline(KvfailGuardConnector):
     """Claims every overdue load fenced: the tracker frees it at the deadline."""
-
-    kvfail_control_inner = "vllm:MooncakeConnector"
 
     def kvfail_fence(self, req_id: str) -> bool:
         return True
@@ -43,8 +44,6 @@ class FreesAtDeadline(KvfailGuardConnector):
 
 class DropsLateFailure(KvfailGuardConnector):
     """Absorbs the inner's failed blocks after the drain instead of before it."""
-
-    kvfail_control_inner = "vllm:MooncakeConnector"
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         self._late_invalid = self._guard_inner.get_block_ids_with_load_errors()

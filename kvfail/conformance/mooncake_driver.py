@@ -6,21 +6,34 @@ API (see the class for the fault points it provokes and how).
 
 from __future__ import annotations
 
-import json
-import signal
+import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared
-from kvfail.conformance.pair_driver import PairDriver, register_producer, shared_producer
+from kvfail.conformance.claims import DriverClaim, Probe
+from kvfail.conformance.claims import probe as probe_of
+from kvfail.conformance.driver import Claim, Declared, abort_request
+from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
     from kvfail.harness.engine import Engine
 
-__all__ = ["MooncakeDriver", "make_driver", "make_upstream_driver", "mooncake_bases"]
+__all__ = [
+    "BOOTSTRAP_ON_RANK_0",
+    "MooncakeDriver",
+    "make_driver",
+    "make_upstream_driver",
+    "mooncake_bases",
+]
+
+#: Why ``tp_one_rank`` cannot kill P's rank 0 alone: the reason a skip of that rank prints.
+BOOTSTRAP_ON_RANK_0 = (
+    "P's TP rank 0 also runs Mooncake's bootstrap server, which a cold D asks for every "
+    "P rank's address: killing rank 0 fails every rank's load, not one"
+)
 
 
 @dataclass
@@ -41,6 +54,8 @@ class MooncakeDriver(PairDriver):
 
     * process faults on P: SIGKILL after P prefilled (``kill_before_pull``; D cold, or
       warm when the scenario pulled once first), SIGSTOP (``freeze_peer``, a silent P);
+      SIGKILL of one P TP rank (``tp_one_rank``: rank 1 for a cold D, see
+      :data:`BOOTSTRAP_ON_RANK_0`; ``tp_one_rank_warm``: any rank, D warm);
       SIGKILL one of two P processes D loads from at once (``kill_one_peer``: the pair's
       second P, a real process with its own bootstrap server, started for the scenario);
     * protocol faults answered by the real P process (``peer_error_response``,
@@ -69,13 +84,10 @@ class MooncakeDriver(PairDriver):
 
     pair_module = "kvfail.peers.mooncake"
     pair_name = "MooncakePair"
-    layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
+    #: Every (D's TP, groups, P's TP) of 1 or 2: P's TP may differ from D's (p2d1, p1d2).
+    layouts = frozenset(itertools.product((1, 2), (1, 2), (1, 2)))
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
-    #: Faults on P's whole process: one event for every request in flight from it.
-    PEER_WIDE = frozenset(
-        {FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER, FaultPoint.FREEZE_PEER}
-    )
 
     def __init__(
         self,
@@ -97,31 +109,66 @@ class MooncakeDriver(PairDriver):
     def _connector_bases() -> tuple[type, type | None] | None:
         return mooncake_bases()
 
-    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
-        """A pair whose P has this layout; P is shared by the drivers of a session that
-        want the same P connector and layout."""
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector whose constructor builds a Mooncake ``TransferEngine`` (the P2P
+        pull this pair serves). P runs the registered connector whose worker D builds
+        (kvfail's, whose P answers kvfail's reply format, or upstream's): what speaks D's
+        side of the wire, chosen by the transport D builds, never a verdict."""
+        engines = probe.builds_from("mooncake")
+        if not engines:
+            return None
+        upstream, ours = mooncake_bases() or (None, None)
+        p: type | None = upstream
+        if upstream is not None and ours is not None:
+            extra = probe_of(ours).built - probe_of(upstream).built
+            if extra and extra <= probe.built:
+                p = ours
+        # None: P runs D's own class, named as D's is (the registered drivers' way).
+        p_side = (None, None) if p is None or p is probe.cls else (p.__name__, p.__module__)
+        if p is upstream and p_side[0] is not None:
+            p_side = ("MooncakeConnector", None)  # upstream's by its registry name
+        d_cls, d_module = probe.d_side
+        why = (
+            f"builds {', '.join(c.__qualname__ for c in engines)} (Mooncake P2P pull); "
+            f"P runs {p_side[0] or d_cls}"
+        )
+        return DriverClaim(
+            why,
+            lambda name: cls(
+                name,
+                connector=d_cls,
+                connector_module=d_module,
+                p_connector=p_side[0],
+                p_connector_module=p_side[1],
+            ),
+        )
+
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int, p_tp_size: int) -> Any:
+        """A pair of this layout; P is shared by the drivers of a session that want the
+        same P connector and P layout (P's TP size: a P pairs with D's of any TP size)."""
         from kvfail.peers.mooncake import MooncakePair
 
         if self._p_connector is not None:
             p_side: list[Any] = [self._p_connector, self._p_module]
         else:  # P runs D's connector (as MooncakePair decides)
             p_side = [self._connector, self._module]
-        key = json.dumps([*p_side, tp_size, num_kv_cache_groups])
-        shared = shared_producer(key)
-        pair = MooncakePair(
-            policy="fail",
-            connector=self._connector,
-            connector_module=self._module,
-            p_connector=self._p_connector,
-            p_connector_module=self._p_module,
-            tp_size=tp_size,
-            num_kv_cache_groups=num_kv_cache_groups,
-            abort_request_timeout_s=5,
-            ready_timeout_s=180.0,
-            producer=shared,
+        pair, _key = self._pair_sharing_p(
+            [*p_side, p_tp_size, num_kv_cache_groups],
+            lambda shared: MooncakePair(
+                policy="fail",
+                connector=self._connector,
+                connector_module=self._module,
+                p_connector=self._p_connector,
+                p_connector_module=self._p_module,
+                tp_size=tp_size,
+                p_tp_size=p_tp_size,
+                num_kv_cache_groups=num_kv_cache_groups,
+                abort_request_timeout_s=5,
+                ready_timeout_s=180.0,
+                producer=shared,
+            ),
         )
-        if shared is None:
-            register_producer(key, pair.p)
         return pair
 
     def _p_replaced(self, pair: Any) -> None:
@@ -132,47 +179,82 @@ class MooncakeDriver(PairDriver):
         super().stop()
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset(
-            {
-                FaultPoint.PEER_ERROR_RESPONSE,
-                FaultPoint.PEER_ERR_REQS,
-                FaultPoint.PEER_FINISH_WITHOUT_RESULT,
-                FaultPoint.KILL_BEFORE_PULL,
-                FaultPoint.KILL_DURING_TRANSFER,
-                FaultPoint.KILL_ONE_PEER,
-                FaultPoint.FREEZE_PEER,
-                FaultPoint.REFUSE,
-                FaultPoint.UNKNOWN_ENGINE,
-                FaultPoint.NET_BLACKHOLE,
-                FaultPoint.NET_DELAY,
-                FaultPoint.SLOW_PEER_PAST_DEADLINE,
-                FaultPoint.ABORT_WHILE_WAITING,
-                FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
-                FaultPoint.TP_ONE_RANK,
-            }
-        )
+    def injectors(self) -> dict[FaultPoint, PairInjector]:
+        from kvfail.peers.mooncake import refused_bootstrap, unknown_engine
+
+        kill = PairInjector(on_peer=_kill)  # the P the requests come from dies
+        return {
+            # Protocol faults answered by the real P process (kvfail.peers.producer).
+            FaultPoint.PEER_ERROR_RESPONSE: PairInjector(before_add=_p_does("error_response")),
+            FaultPoint.PEER_ERR_REQS: PairInjector(before_add=_p_does("err_reqs")),
+            FaultPoint.PEER_FINISH_WITHOUT_RESULT: PairInjector(
+                before_add=_p_does("finish_without_result")
+            ),
+            FaultPoint.NET_DELAY: PairInjector(before_add=_p_does("delay", self.NET_DELAY_S)),
+            FaultPoint.SLOW_PEER_PAST_DEADLINE: PairInjector(before_add=self._late_push),
+            FaultPoint.KILL_BEFORE_PULL: kill,
+            FaultPoint.KILL_ONE_PEER: kill,
+            FaultPoint.KILL_DURING_TRANSFER: PairInjector(before_add=self._die_mid_transfer),
+            # One P rank SIGKILLed, the others serve. A cold D asks P's bootstrap server
+            # (in P's rank 0) for every rank's address, so rank 0 dies alone only for a
+            # D that has loaded from P already (tp_one_rank_warm).
+            FaultPoint.TP_ONE_RANK: PairInjector(
+                on_peer=self._kill_p_rank, not_alone={0: BOOTSTRAP_ON_RANK_0}
+            ),
+            FaultPoint.TP_ONE_RANK_WARM: PairInjector(on_peer=self._kill_p_rank),
+            FaultPoint.FREEZE_PEER: PairInjector(on_peer=_freeze),
+            # Network and params faults: D is sent where P is not, or is not answered.
+            FaultPoint.REFUSE: PairInjector(before_add=lambda _, p: refused_bootstrap(p)),
+            FaultPoint.UNKNOWN_ENGINE: PairInjector(before_add=lambda _, p: unknown_engine(p)),
+            FaultPoint.NET_BLACKHOLE: PairInjector(before_add=self._blackhole),
+            # Driver-side: the scenario aborts, or adds a request with no block to load.
+            FaultPoint.ABORT_WHILE_WAITING: PairInjector(provoke=abort_request),
+            FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: PairInjector(),
+        }
+
+    def _late_push(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        """``slow_peer_past_deadline``: P's sender sleeps past D's deadline, then pushes."""
+        arming.pair.inject(arming.fault.request_id, "delay", delay_s=self.slow_peer_delay_s)
+        arming.fault.state = _LatePush(arming.pair.p)
+        return params
+
+    def _die_mid_transfer(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        """P's sender really writes half of the pull into D, then SIGKILLs itself."""
+        arming.pair.inject(arming.fault.request_id, "die_mid_transfer")
+        self._broken.add(id(arming.pair))
+        return params
+
+    def _blackhole(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        """D's bootstrap query goes through a proxy that swallows it, connection open."""
+        from kvfail.faults import ProxyMode
+
+        pair: Any = arming.pair
+        proxy = self._proxies.get(id(pair))
+        if proxy is None:
+            proxy = self._proxies[id(pair)] = pair.bootstrap_proxy()
+        proxy.set_mode(ProxyMode.BLACKHOLE)
+        return dict(pair.via_proxy(params, proxy))
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (True, "Mooncake pulls asynchronously"),
-            "sync_load": (False, "Mooncake only advertises asynchronous loads"),
-            "remote_prefill": (True, "a real P process prefills and serves the pull"),
-            "two_groups": (
+        return Declared(
+            async_load=Claim(True, "Mooncake pulls asynchronously"),
+            sync_load=Claim(False, "Mooncake only advertises asynchronous loads"),
+            remote_prefill=Claim(True, "a real P process prefills and serves the pull"),
+            two_groups=Claim(
                 True,
                 "P and D both built with two KV-cache groups (MooncakeConnector is SupportsHMA)",
             ),
-            "real_transport": (True, "Mooncake TransferEngine over TCP loopback"),
-            "tp2": (
+            real_transport=Claim(True, "Mooncake TransferEngine over TCP loopback"),
+            tp2=Claim(
                 True,
                 "P and D each run two TP rank processes in a real gloo world (tp_mode=processes)",
             ),
-            "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
-            "malformed_params": (
+            hetero_tp=Claim(
                 True,
-                "P's real params, one field broken: " + ", ".join(self.MALFORMED),
+                "P runs its own TP size (p2d1, p1d2); D's connector pairs its ranks with P's "
+                "from the handshake's TP sizes, as in production",
             ),
-        }
+        )
 
     @staticmethod
     def malformed(params: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -190,57 +272,23 @@ class MooncakeDriver(PairDriver):
         self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
     ) -> str:
         """Add a request whose params P produced but one field is broken (``MALFORMED``)."""
-        self.arm(engine, request_id, kind)
-        return self.add_remote_request(engine, request_id, prompt_len=prompt_len)
+        pair = self._live(self._pair_of(engine))
+        params = self.malformed(pair.prefill(request_id, prompt_len), kind)
+        pair.add(request_id, params, prompt_len=prompt_len, max_tokens=3, consumer=engine)
+        return request_id
 
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
-        from kvfail.faults import ProxyMode
-        from kvfail.peers.mooncake import refused_bootstrap, unknown_engine
-
+        """P prefills; the armed fault's ``before_add`` breaks the params or tells P what
+        to do, and its ``on_peer`` (one request: its P is the one that dies or stops)
+        happens before D adds the request."""
         pair = self._live(self._pair_of(engine))
         params = pair.prefill(request_id, prompt_len)
-        fault = self.handle(engine).take_fault(request_id)
-        point = None if fault is None else fault.point
-        if isinstance(point, str) and not isinstance(point, FaultPoint):
-            params = self.malformed(params, point)
-        elif point is FaultPoint.REFUSE:
-            params = refused_bootstrap(params)
-        elif point is FaultPoint.UNKNOWN_ENGINE:
-            params = unknown_engine(params)
-        elif point is FaultPoint.NET_BLACKHOLE:
-            proxy = self._proxies.get(id(pair))
-            if proxy is None:
-                proxy = self._proxies[id(pair)] = pair.bootstrap_proxy()
-            proxy.set_mode(ProxyMode.BLACKHOLE)
-            params = pair.via_proxy(params, proxy)
-        elif point is FaultPoint.PEER_ERROR_RESPONSE:
-            pair.inject(request_id, "error_response")
-        elif point is FaultPoint.PEER_ERR_REQS:
-            pair.inject(request_id, "err_reqs")
-        elif point is FaultPoint.PEER_FINISH_WITHOUT_RESULT:
-            pair.inject(request_id, "finish_without_result")
-        elif point is FaultPoint.NET_DELAY:
-            pair.inject(request_id, "delay", delay_s=self.NET_DELAY_S)
-        elif point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            pair.inject(request_id, "delay", delay_s=self.slow_peer_delay_s)
-            assert fault is not None
-            fault.state = _LatePush(pair.p)
-        elif point in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
-            pair.kill_p()  # one request: its P is the one that dies
-        elif point is FaultPoint.KILL_DURING_TRANSFER:
-            # P's sender really writes half of the pull into D, then SIGKILLs itself.
-            pair.inject(request_id, "die_mid_transfer")
-            self._broken.add(id(pair))
-        elif point is FaultPoint.TP_ONE_RANK:
-            # A real one-rank crash: P's TP rank 1 is SIGKILLed, rank 0 serves its pull.
-            # (Rank 1: P's rank 0 also hosts Mooncake's bootstrap server, so killing it
-            # would fail every rank's query, not one rank's transfer.)
-            pair.signal_p_rank(1, signal.SIGKILL)
-            self._broken.add(id(pair))
-        elif point is FaultPoint.FREEZE_PEER:
-            pair.freeze_p()
+        params, fault = self._before_add(engine, pair, request_id, params)
+        on_peer = self._on_peer(None if fault is None else fault.point)
+        if on_peer is not None and fault is not None:
+            on_peer(OnPeer(engine, pair, pair.p, 0, [request_id], fault.point, ranks=fault.ranks))
         pair.add(
             request_id,
             params,
@@ -259,24 +307,28 @@ class MooncakeDriver(PairDriver):
         prompt_len: int = 100,
         max_tokens: int = 3,
         peer: int = 0,
+        ranks: Iterable[int] | None = None,
     ) -> list[str]:
         """P (``peer`` 1: the pair's second P) prefills every request, then a fault on
-        that P itself (SIGKILL, SIGSTOP) happens once, then D adds them all; other faults
-        are armed per request (see the base), on the driver's P only."""
-        if peer == 0 and fault not in self.PEER_WIDE:
+        that P itself (SIGKILL, SIGSTOP, one of its ranks killed) happens once, then D
+        adds them all; other faults are armed per request (see the base), on the
+        driver's P only."""
+        on_peer = self._on_peer(fault)
+        if peer == 0 and on_peer is None:
             return super().add_remote_requests(
-                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+                engine,
+                request_ids,
+                fault=fault,
+                prompt_len=prompt_len,
+                max_tokens=max_tokens,
+                ranks=ranks,
             )
         pair = self._live(self._pair_of(engine))
         producer = self._peer_producer(pair, peer, fault)
         params = {rid: producer.prefill(rid, prompt_len, rid) for rid in request_ids}
-        if fault in (FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER):
-            if peer == 0:
-                pair.kill_p()
-            else:
-                pair.kill_second_p()
-        elif fault is FaultPoint.FREEZE_PEER:
-            pair.freeze_p()
+        if on_peer is not None and fault is not None:
+            hit = None if ranks is None else tuple(ranks)
+            on_peer(OnPeer(engine, pair, producer, peer, list(request_ids), fault, ranks=hit))
         for rid, rid_params in params.items():
             pair.add(
                 rid,
@@ -286,19 +338,6 @@ class MooncakeDriver(PairDriver):
                 consumer=engine,
             )
         return list(request_ids)
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        if point is FaultPoint.ABORT_WHILE_WAITING:
-            engine.abort(request_id)
-        # The others were armed before the request was added (see arm()).
 
     def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         """Whether P's delayed push for ``request_id`` ran on every P rank (asked of P
@@ -329,6 +368,32 @@ class MooncakeDriver(PairDriver):
             f"wrote into D on rank(s) {written} of {sorted(pushed)}"
         )
         return late.done
+
+
+def _p_does(kind: str, delay_s: float | None = None) -> Any:
+    """A ``before_add`` telling the real P to answer the pull with ``kind``
+    (:mod:`kvfail.peers.producer`); ``delay_s``: P's sender sleeps that long first."""
+
+    def before_add(arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        extra = {} if delay_s is None else {"delay_s": delay_s}
+        arming.pair.inject(arming.fault.request_id, kind, **extra)  # type: ignore[attr-defined]
+        return params
+
+    return before_add
+
+
+def _kill(call: OnPeer) -> None:
+    """SIGKILL the P the requests come from (the pair's P, or its second P)."""
+    pair: Any = call.pair
+    if call.peer == 0:
+        pair.kill_p()
+    else:
+        pair.kill_second_p()
+
+
+def _freeze(call: OnPeer) -> None:
+    """SIGSTOP the pair's P: its sockets stay open, nothing answers."""
+    call.pair.freeze_p()
 
 
 def mooncake_bases() -> tuple[type, type | None] | None:

@@ -43,46 +43,40 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared
+from kvfail.conformance.claims import DriverClaim, Probe
+from kvfail.conformance.driver import Claim, Declared, Injector, Provocation
 from kvfail.conformance.store_driver import ExampleDriver, write_pattern
 from kvfail.faults.points import FaultPoint
 from kvfail.rig.environ import environ_set
 
 if TYPE_CHECKING:
-    from kvfail.faults.process import PeerProcess
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
+    from kvfail.rig.processes import PeerProcess
 
 __all__ = [
-    "STORE_PROCESS_FAULTS",
     "MooncakeStoreDriver",
     "cpu_cuda_event",
     "make_driver",
-    "store_base",
 ]
 
-STORE_PROCESS_FAULTS = frozenset(
-    {
-        FaultPoint.STORE_MASTER_KILLED,
-        FaultPoint.STORE_MASTER_FROZEN,
-        FaultPoint.STORE_MASTER_RESTARTED,
-        FaultPoint.STORE_KEY_REMOVED,
-        FaultPoint.STORE_KEY_EVICTED,
-        FaultPoint.STORE_SEGMENT_OWNER_KILLED,
-    }
-)
 #: Bounds: a process coming up, P's puts landing, D's lookup answering.
 READY_TIMEOUT_S = 60.0
 SAVE_TIMEOUT_S = 20.0
 LOOKUP_STEPS = 50
+#: P's prefill-and-put is tried this often before the driver gives up on the set-up.
+SAVE_TRIES = 3
 #: Per-process sizes: small, so several stores fit in a small machine's memory.
 SEGMENT_SIZE = "32MB"
-#: Each D engine's lookup channel (an IPC path named by this number) is its own.
-_LOOKUP_PORTS = itertools.count(40_000 + os.getpid() % 10_000 * 2)
+#: Each engine's lookup channel is an IPC path named by this number, in a directory every
+#: process of the machine shares: a number another process also uses makes D ask that
+#: process's store (a second bind takes the path over). So the number holds this process's
+#: whole pid, then a count: unique on the machine, not only in this process.
+_LOOKUP_PORTS = itertools.count(os.getpid() * 100_000)
 
 
 class _NoCudaEvent:
@@ -120,23 +114,25 @@ def cpu_cuda_event() -> Iterator[None]:
         rig_patches.record("cpu_cuda_event", "P's save steps")
 
 
-def store_base() -> type | None:
-    """vLLM's ``MooncakeStoreConnector`` class, None where it cannot be imported."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
-            MooncakeStoreConnector,
-        )
-    except Exception:
-        return None
-    return MooncakeStoreConnector
-
-
 class MooncakeStoreDriver(ExampleDriver):
     """vLLM's MooncakeStoreConnector over a real master and segment owner (see the module
     docstring). The P-in-this-process and integrity oracle are the ExampleDriver's.
 
     ``connector_cls``: a subclass to run on D instead (a negative control); P always runs
     the registered connector."""
+
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector whose code imports the Mooncake store client (``mooncake.store``):
+        its loads depend on this driver's master and segment owner."""
+        store = [m for m in probe.imports_from("mooncake") if m.startswith("mooncake.store")]
+        if not store:
+            return None
+        return DriverClaim(
+            f"imports {store[0]} (a Mooncake distributed store client); P runs "
+            "MooncakeStoreConnector",
+            lambda name: cls(name, connector_cls=probe.cls),
+        )
 
     def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -165,7 +161,8 @@ class MooncakeStoreDriver(ExampleDriver):
     # ------------------------------------------------------------ processes
 
     def _start_master(self) -> None:
-        from kvfail.faults.process import PeerProcess, wait_for_port
+        from kvfail.rig.ports import wait_for_port
+        from kvfail.rig.processes import PeerProcess
 
         assert self._ports is not None
         rpc, http, metrics = self._ports
@@ -187,7 +184,7 @@ class MooncakeStoreDriver(ExampleDriver):
         wait_for_port(http, READY_TIMEOUT_S, peer=self._master)
 
     def _start_owner(self) -> None:
-        from kvfail.faults.process import PeerProcess
+        from kvfail.rig.processes import PeerProcess
 
         self._owner = PeerProcess(
             [sys.executable, "-m", "kvfail.peers.store_segment", "--size", SEGMENT_SIZE],
@@ -199,7 +196,7 @@ class MooncakeStoreDriver(ExampleDriver):
         self._owner_segment = line.split("segment ", 1)[1].strip()
 
     def start(self) -> None:
-        from kvfail.faults.process import free_ports
+        from kvfail.rig.ports import free_ports
 
         super().start()
         if self._master is not None:
@@ -309,26 +306,66 @@ class MooncakeStoreDriver(ExampleDriver):
     # ------------------------------------------------------------ capabilities
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return STORE_PROCESS_FAULTS
+    def injectors(self) -> dict[FaultPoint, Injector]:
+        """Each breaks the store between D's lookup (answered in
+        :meth:`add_remote_request`) and D's load (D's next step); the next scenario gets
+        a fresh store."""
+
+        def breaks(how: Callable[[Provocation], object]) -> Injector:
+            return Injector(provoke=lambda call: self._break_store(how, call))
+
+        return {
+            FaultPoint.STORE_MASTER_KILLED: breaks(lambda call: self._master_proc.kill()),
+            FaultPoint.STORE_MASTER_FROZEN: breaks(lambda call: self._master_proc.freeze()),
+            FaultPoint.STORE_MASTER_RESTARTED: breaks(lambda call: self._restart_master()),
+            FaultPoint.STORE_KEY_REMOVED: breaks(lambda call: self._remove_all_keys()),
+            FaultPoint.STORE_KEY_EVICTED: breaks(
+                lambda call: self._evict_last_block(call.engine, call.request_id)
+            ),
+            FaultPoint.STORE_SEGMENT_OWNER_KILLED: breaks(lambda call: self._owner_proc.kill()),
+        }
+
+    def _break_store(self, how: Callable[[Provocation], object], call: Provocation) -> None:
+        self._dirty = True
+        how(call)
+
+    @property
+    def _master_proc(self) -> PeerProcess:
+        assert self._master is not None, "the store is not started"
+        return self._master
+
+    @property
+    def _owner_proc(self) -> PeerProcess:
+        assert self._owner is not None, "the store is not started"
+        return self._owner
+
+    def _restart_master(self) -> None:
+        """Killed and started again, empty."""
+        self._master_proc.kill()
+        self._master_proc.close()
+        self._start_master()
+
+    def _remove_all_keys(self) -> None:
+        store = self._producer().workers[0].connector.connector_worker.store
+        if store.remove_all(force=True) < 0:
+            raise RuntimeError("MooncakeStoreDriver: the master refused to remove the keys")
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (True, "receive threads get the blocks; D reports them finished later"),
-            "sync_load": (False, "the connector loads asynchronously (load_async)"),
-            "remote_prefill": (
+        return Declared(
+            async_load=Claim(True, "receive threads get the blocks; D reports them finished later"),
+            sync_load=Claim(False, "the connector loads asynchronously (load_async)"),
+            remote_prefill=Claim(
                 True,
                 "P, a harness engine, puts real blocks into a real Mooncake store",
             ),
-            "two_groups": (False, "the driver builds one KV-cache group"),
-            "real_transport": (
+            two_groups=Claim(False, "the driver builds one KV-cache group"),
+            real_transport=Claim(
                 True,
                 "mooncake_master and a segment-owner process, TransferEngine over TCP",
             ),
-            "tp2": (False, "the driver runs TP 1 only"),
-            "byte_verification": (True, "both forwards write a per-token pattern"),
-            "malformed_params": (False, "a store connector takes no kv_transfer_params"),
-        }
+            tp2=Claim(False, "the driver runs TP 1 only"),
+            hetero_tp=Claim(False, "the driver runs TP 1 only"),
+        )
 
     # ------------------------------------------------------------ engines
 
@@ -361,27 +398,40 @@ class MooncakeStoreDriver(ExampleDriver):
         """P prefills the prompt and its blocks are put into the store; then D gets the
         same prompt (its lookup finds them)."""
         p = self._producer()
-        p.add_request(f"P-{request_id}", prompt_len=prompt_len, prompt_seed=request_id)
-        with cpu_cuda_event():
-            p.run_until_idle(max_steps=20)
-        if p.crashed is not None:
-            raise RuntimeError(f"MooncakeStoreDriver: P crashed saving {request_id}: {p.crashed}")
-        sender = p.workers[0].connector.connector_worker.kv_send_thread
-        deadline = time.monotonic() + SAVE_TIMEOUT_S
-        while sender is not None and sender.request_queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"MooncakeStoreDriver: P's puts for {request_id} never ended")
-            time.sleep(0.01)
+        for attempt in range(SAVE_TRIES):
+            stored = self._prefill_and_put(p, f"P-{request_id}-{attempt}", request_id, prompt_len)
+            if stored:
+                break
+        else:
+            raise RuntimeError(
+                f"MooncakeStoreDriver: P's puts for {request_id} did not reach the store "
+                f"({SAVE_TRIES} tries; P's log says why)"
+            )
         engine.add_request(
             request_id, prompt_len=prompt_len, prompt_seed=request_id, max_tokens=max_tokens
         )
         self._await_lookup(engine, request_id)
         return request_id
 
-    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        """What the integrity oracle saw while ``request_id`` ran (None: every loaded
-        position held P's pattern at every step)."""
-        return self.wrong_bytes_finding(engine, request_id)
+    def _prefill_and_put(self, p: Engine, p_request: str, seed: str, prompt_len: int) -> bool:
+        """P prefills the prompt seeded by ``seed`` and its sender puts the blocks; True
+        when P's own lookup then finds them. A put can fail on a loaded machine (P only
+        logs it), and D's lookup would then match nothing: a set-up that did not happen,
+        so the driver puts again rather than hand the scenario a request with no load."""
+        p.add_request(p_request, prompt_len=prompt_len, prompt_seed=seed)
+        with cpu_cuda_event():
+            p.run_until_idle(max_steps=20)
+        if p.crashed is not None:
+            raise RuntimeError(f"MooncakeStoreDriver: P crashed saving {seed}: {p.crashed}")
+        worker = p.workers[0].connector.connector_worker
+        sender = worker.kv_send_thread
+        deadline = time.monotonic() + SAVE_TIMEOUT_S
+        while sender is not None and sender.request_queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"MooncakeStoreDriver: P's puts for {seed} never ended")
+            time.sleep(0.01)
+        found = worker.lookup(prompt_len, p.requests[p_request].block_hashes)
+        return getattr(found, "hit_length", 0) > 0
 
     def _await_lookup(self, engine: Engine, request_id: str) -> None:
         """Step D until its asynchronous lookup of ``request_id`` has answered, and no
@@ -394,45 +444,24 @@ class MooncakeStoreDriver(ExampleDriver):
         for _ in range(LOOKUP_STEPS):
             future = client.futures.get(request_id)
             if future is not None:
-                with contextlib.suppress(Exception):
-                    future.result(timeout=max(deadline - time.monotonic(), 0.0))
+                try:
+                    found = future.result(timeout=max(deadline - time.monotonic(), 0.0))
+                except Exception as e:
+                    raise RuntimeError(
+                        f"MooncakeStoreDriver: D's lookup of {request_id} did not answer: {e!r}"
+                    ) from e
+                if getattr(found, "hit_length", 1) <= 0:
+                    # Without a hit D computes the prompt itself and no fault provoked
+                    # next can be seen: a precondition that did not hold, not a verdict.
+                    raise RuntimeError(
+                        f"MooncakeStoreDriver: D's lookup of {request_id} matched nothing, "
+                        "though P's own lookup found its blocks (D's log says why)"
+                    )
                 return
             if request_id in engine.waiting_for_remote() or engine.crashed is not None:
                 return
             engine.step()
         raise RuntimeError(f"MooncakeStoreDriver: D's lookup of {request_id} never started")
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        """Break the store between D's lookup (answered in :meth:`add_remote_request`)
-        and D's load (D's next step)."""
-        if point not in STORE_PROCESS_FAULTS:
-            raise ValueError(f"MooncakeStoreDriver cannot provoke {point.value}")
-        self._dirty = True
-        assert self._master is not None and self._owner is not None
-        if point is FaultPoint.STORE_MASTER_KILLED:
-            self._master.kill()
-        elif point is FaultPoint.STORE_MASTER_FROZEN:
-            self._master.freeze()
-        elif point is FaultPoint.STORE_MASTER_RESTARTED:
-            self._master.kill()
-            self._master.close()
-            self._start_master()
-        elif point is FaultPoint.STORE_KEY_REMOVED:
-            store = self._producer().workers[0].connector.connector_worker.store
-            if store.remove_all(force=True) < 0:
-                raise RuntimeError("MooncakeStoreDriver: the master refused to remove the keys")
-        elif point is FaultPoint.STORE_KEY_EVICTED:
-            self._evict_last_block(engine, request_id)
-        elif point is FaultPoint.STORE_SEGMENT_OWNER_KILLED:
-            self._owner.kill()
 
     def _evict_last_block(self, engine: Engine, request_id: str) -> None:
         """Remove, through the master, the keys of the last block of ``request_id``'s

@@ -15,15 +15,17 @@ tells which bytes D ran on.
 
 Fault points (all on disk, before D steps):
 
-* the store faults of :data:`~kvfail.conformance.store_driver.STORE_FAULTS`, on the
+* the store faults of :data:`~kvfail.conformance.store_driver.DAMAGE`, on the
   loading child's entry (child 0);
 * ``store_bystander_damaged``: child 1's entry keeps its format but holds other bytes:
   a parent that loads only from the child it chose runs on P's bytes;
 * ``store_all_children_damaged``: both children's entries are deleted after the lookup.
 
-With ``child`` set to kvfail's ``KvfailExampleConnector`` (entry point ``multi-example``)
-the children report their failures through kvfail's mixin, so the same faults show
-whether the parent merges a child's report into its own.
+With ``child`` set to kvfail's ``KvfailExampleConnector`` (entry point ``multi-example``,
+or the option ``?children=connectors.example:KvfailExampleConnector`` after any class this
+driver claims) the children report their failures through kvfail's mixin, so the same
+faults show whether the parent merges a child's report into its own. The children come
+from the entry point or the user's option, never from the class under test.
 
 TP 1, one KV-cache group.
 """
@@ -32,11 +34,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
-from kvfail.conformance.driver import Declared
-from kvfail.conformance.store_driver import STORE_FAULTS, ExampleDriver, damage
+from kvfail.conformance.capabilities import Claim
+from kvfail.conformance.claims import DriverClaim, Probe, connector_side
+from kvfail.conformance.driver import Declared, Injector, Provocation
+from kvfail.conformance.store_driver import ExampleDriver, damage
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -44,35 +49,22 @@ if TYPE_CHECKING:
     from kvfail.harness.engine import Engine
 
 __all__ = [
-    "MULTI_FAULTS",
     "MultiDriver",
     "make_driver",
     "make_kvfail_children_driver",
-    "multi_base",
 ]
-
-MULTI_FAULTS = STORE_FAULTS | {
-    FaultPoint.STORE_BYSTANDER_DAMAGED,
-    FaultPoint.STORE_ALL_CHILDREN_DAMAGED,
-}
-
-
-def multi_base() -> type | None:
-    """vLLM's ``MultiConnector`` class, None where it cannot be imported."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-            MultiConnector,
-        )
-    except Exception:
-        return None
-    return MultiConnector
 
 
 class MultiDriver(ExampleDriver):
     """vLLM's MultiConnector over two ExampleConnectors (see the module docstring).
 
-    ``connector_cls``: a MultiConnector subclass to run on D (a negative control); P
-    always runs the registered MultiConnector."""
+    ``connector_cls``: the class to run on D (a negative control, any class this driver
+    claims); P always runs the registered MultiConnector over the same children."""
+
+    #: ``--connector`` options (``?key=value``) this driver takes.
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "children": "both children's connector (vllm:<Name> or module:Class)"
+    }
 
     def __init__(
         self,
@@ -85,9 +77,7 @@ class MultiDriver(ExampleDriver):
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         super().__init__(name)
-        #: A D class may name the children it is built to compose (``CONFORMANCE_CHILD``,
-        #: a negative control of kvfail's children): set-up, never a verdict.
-        self.child = getattr(connector_cls, "CONFORMANCE_CHILD", None) or child
+        self.child = child
         self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
             "MultiConnector"
         )
@@ -99,6 +89,22 @@ class MultiDriver(ExampleDriver):
         self._bystander_root: Path | None = None
         #: request id -> the bystander child's files for its prompt.
         self._bystander_files: dict[str, list[Path]] = {}
+
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector that reads a ``connectors`` list from its extra config and builds
+        each through vLLM's connector factory: a composition of children."""
+        factories = [c for c in probe.built if c.__name__ == "KVConnectorFactory"]
+        if not probe.reads("connectors") or not factories:
+            return None
+        given = probe.options.get("children")
+        child = ("ExampleConnector", None) if given is None else connector_side(given)
+        return DriverClaim(
+            "reads kv_connector_extra_config 'connectors' and builds each child through "
+            f"KVConnectorFactory; children: two {child[0]} "
+            f"({'the option' if given is not None else 'the default'})",
+            lambda name: cls(name, connector_cls=probe.cls, child=child),
+        )
 
     @property
     def bystander_root(self) -> Path:
@@ -118,18 +124,33 @@ class MultiDriver(ExampleDriver):
         self._bystander_files.clear()
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return MULTI_FAULTS
+    def injectors(self) -> dict[FaultPoint, Injector]:
+        """The store faults on the loading child (0), and two on the bystander (1)."""
+        return {
+            **super().injectors,
+            FaultPoint.STORE_BYSTANDER_DAMAGED: Injector(provoke=self._damage_bystander),
+            FaultPoint.STORE_ALL_CHILDREN_DAMAGED: Injector(provoke=self._delete_both),
+        }
+
+    def _damage_bystander(self, call: Provocation) -> None:
+        """Child 1's entry keeps its format but holds other bytes."""
+        damage(self._bystander_files[call.request_id][0], FaultPoint.STORE_DATA_OVERWRITTEN)
+
+    def _delete_both(self, call: Provocation) -> None:
+        """Both children's entries are deleted after the lookup."""
+        rid = call.request_id
+        for path in (self._files[rid][0], self._bystander_files[rid][0]):
+            damage(path, FaultPoint.STORE_FILE_DELETED)
 
     def declared(self) -> Declared:
-        return {
-            **super().declared(),
-            "remote_prefill": (
+        return replace(
+            super().declared(),
+            remote_prefill=Claim(
                 True,
                 "P, a harness engine with a MultiConnector, saves real files into both children",
             ),
-            "real_transport": (True, f"two {self.child[0]} children, files on local disk"),
-        }
+            real_transport=Claim(True, f"two {self.child[0]} children, files on local disk"),
+        )
 
     def _spec(
         self,
@@ -171,24 +192,6 @@ class MultiDriver(ExampleDriver):
             raise RuntimeError(f"MultiDriver: P wrote no file for {request_id} in child 1")
         self._bystander_files[request_id] = files
         return request_id
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Any = None,
-        block_index: int | None = None,
-    ) -> None:
-        """A store fault on the loading child (0), the bystander (1), or both."""
-        if point is FaultPoint.STORE_BYSTANDER_DAMAGED:
-            damage(self._bystander_files[request_id][0], FaultPoint.STORE_DATA_OVERWRITTEN)
-        elif point is FaultPoint.STORE_ALL_CHILDREN_DAMAGED:
-            for path in (self._files[request_id][0], self._bystander_files[request_id][0]):
-                damage(path, FaultPoint.STORE_FILE_DELETED)
-        else:
-            super().provoke(engine, request_id, point, ranks=ranks, block_index=block_index)
 
 
 def make_driver(name: str) -> MultiDriver:

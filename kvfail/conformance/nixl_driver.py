@@ -46,9 +46,10 @@ are real with NIXL here:
   the scenario the driver checks that it fired and that P was never told, then ends P's
   send lease (what ``kv_lease_duration`` does 30 s later) so P gets its blocks back;
 * ``abort_while_waiting`` and ``notify_only_empty_blocks`` (driver-side).
-* ``tp_one_rank`` (layout ``tp2``): SIGKILL P's TP rank 1 only, after P prefilled; P's
-  scheduler (which serves the side channel for both ranks) and rank 0 live on, so D's
-  rank 0 pulls its shard and D's rank 1 fails its READ to the dead rank.
+* ``tp_one_rank`` (layout ``tp2``): SIGKILL the P TP rank the scenario names (either),
+  after P prefilled every request and before D steps; P's scheduler (which serves the
+  side channel for both ranks) and the other rank live on, so D's other rank pulls its
+  shard and D's rank of the dead one fails its READ.
 
 TP 2 is real (``--layout tp2``): P and D each run two TP rank processes in a real gloo
 world (``tp_mode="processes"``), D's rank ``r`` handshakes for and READs P's rank ``r``,
@@ -67,16 +68,16 @@ the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the p
 
 from __future__ import annotations
 
-import json
-import signal
+import itertools
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Fault
-from kvfail.conformance.pair_driver import PairDriver, register_producer, shared_producer
+from kvfail.conformance.claims import DriverClaim, Probe
+from kvfail.conformance.driver import Claim, Declared, Fault, Provocation, abort_request
+from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class _LateRead:
 @dataclass
 class _KillOnProvoke:
     """A kill on a warm D: P was stopped when D added the request, and the first
-    :meth:`NixlDriver.provoke` kills it (see ``NixlDriver._fault_on_peer``)."""
+    :meth:`NixlDriver.provoke` kills it (see ``NixlDriver._kill``)."""
 
     producer: Any
 
@@ -156,26 +157,13 @@ class NixlDriver(PairDriver):
 
     pair_module = "kvfail.peers.nixl"
     pair_name = "NixlPair"
-    layouts = frozenset({(1, 1), (2, 1), (1, 2), (2, 2)})
+    #: Every (D's TP, groups, P's TP) of 1 or 2: P's TP may differ from D's (p2d1, p1d2).
+    layouts = frozenset(itertools.product((1, 2), (1, 2), (1, 2)))
     hand_off_p = True
     collect_closed_engines = True
-    #: Faults on P's whole process: one event for every request in flight from it.
-    PEER_WIDE = frozenset(
-        {
-            FaultPoint.KILL_BEFORE_PULL,
-            FaultPoint.KILL_ONE_PEER,
-            FaultPoint.FREEZE_PEER,
-            FaultPoint.NET_DELAY,
-            FaultPoint.SLOW_PEER_PAST_DEADLINE,
-        }
-    )
-    #: SIGKILL faults: the pair's P (or its second P, ``kill_one_peer``) dies.
-    KILLS = frozenset({FaultPoint.KILL_BEFORE_PULL, FaultPoint.KILL_ONE_PEER})
-    #: The bad handshake metadata P serves for each fault point (``kvfail.peers.nixl``).
-    BAD_METADATA: ClassVar[dict[FaultPoint, str]] = {
-        FaultPoint.PEER_BAD_METADATA: "garbled",
-        FaultPoint.PEER_METADATA_MISMATCH: "layout",
-    }
+    #: What P's registry key starts with: P's transfer mode is part of its compatibility
+    #: hash, so a pull P is never shared with a push driver.
+    P_KEY = "nixl-P"
     #: After a ``slow_peer_past_deadline`` P is thawed, how long its UCX worker gets to
     #: answer the READ it was sent while stopped (a loopback GET takes milliseconds).
     LATE_SETTLE_S = 0.5
@@ -215,26 +203,48 @@ class NixlDriver(PairDriver):
     def _connector_bases() -> tuple[type, type | None] | None:
         return nixl_bases()
 
-    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
-        """A pair whose P has this layout. P always runs upstream's connector, so every
-        NIXL driver of a session can pull from the same P: a driver that stops hands its
-        healthy P on (``hand_off_p``) and the next one starts warm."""
-        from kvfail.peers.nixl import NixlPair
+    #: The worker method that moves the blocks in this driver's transfer mode (pull: D's
+    #: worker READs them from P).
+    MOVES_BLOCKS_BY = "_read_blocks"
+    #: How that mode reads in the run's header.
+    MODE = "pull: D READs from P"
 
-        key = json.dumps(["nixl-P", tp_size, num_kv_cache_groups])
-        shared = shared_producer(key)
-        pair = NixlPair(
-            connector=self._connector,
-            connector_module=self._module,
-            ready_timeout_s=240.0,
-            build_default_consumer=False,
-            tp_size=tp_size,
-            num_kv_cache_groups=num_kv_cache_groups,
-            producer=shared,
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector whose constructor opens a NIXL agent and builds a worker that moves
+        blocks this driver's way. P always runs upstream's connector of the mode."""
+        agents = probe.builds_from("nixl")
+        workers = probe.builds_with(cls.MOVES_BLOCKS_BY)
+        if not agents or not workers:
+            return None
+        why = (
+            f"builds a NIXL agent ({agents[0].__module__}) and "
+            f"{', '.join(w.__qualname__ for w in workers)} ({cls.MODE})"
+        )
+        return DriverClaim(why, lambda name: cls.for_class(name, probe.cls, probe.registry_name))
+
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int, p_tp_size: int) -> Any:
+        """A pair of this layout. P always runs upstream's connector, so every
+        NIXL driver of a session (of one transfer mode: :attr:`P_KEY`) can pull from the
+        same P: a driver that stops hands its healthy P on (``hand_off_p``) and the next
+        one starts warm."""
+        import importlib
+
+        pair_cls = getattr(importlib.import_module(self.pair_module), self.pair_name)
+        pair, key = self._pair_sharing_p(
+            [self.P_KEY, p_tp_size, num_kv_cache_groups],
+            lambda shared: pair_cls(
+                connector=self._connector,
+                connector_module=self._module,
+                ready_timeout_s=240.0,
+                build_default_consumer=False,
+                tp_size=tp_size,
+                p_tp_size=p_tp_size,
+                num_kv_cache_groups=num_kv_cache_groups,
+                producer=shared,
+            ),
         )
         pair.kvfail_share_key = key
-        if shared is None:
-            register_producer(key, pair.p)
         self._warm_p(pair)
         return pair
 
@@ -303,7 +313,6 @@ class NixlDriver(PairDriver):
         bad, notify, unreleased = self._bad_metadata, self._notify_armed, self._unreleased
         self._bad_metadata, self._notify_armed, self._unreleased = None, [], []
         self._scenario_pair = None
-        self.forget_engines()  # their armed faults (a P to kill, late reads) with them
         self._end_delays(now=True)
         self._repair_peers()
         if pair is None or pair.p is None or not pair.p.process.alive:
@@ -321,48 +330,53 @@ class NixlDriver(PairDriver):
             raise RuntimeError("NixlDriver: fault not injected: " + "; ".join(problems))
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset(
-            {
-                FaultPoint.KILL_BEFORE_PULL,
-                FaultPoint.KILL_ONE_PEER,
-                FaultPoint.FREEZE_PEER,
-                FaultPoint.NET_DELAY,
-                FaultPoint.SLOW_PEER_PAST_DEADLINE,
-                FaultPoint.REFUSE,
-                FaultPoint.UNKNOWN_ENGINE,
-                FaultPoint.PEER_BAD_METADATA,
-                FaultPoint.PEER_METADATA_MISMATCH,
-                FaultPoint.NOTIFY_FAILED,
-                FaultPoint.ABORT_WHILE_WAITING,
-                FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
-                FaultPoint.TP_ONE_RANK,
-            }
-        )
+    def injectors(self) -> dict[FaultPoint, PairInjector]:
+        from kvfail.peers.nixl import unknown_engine, wrong_port
+
+        # The pair's P (or its second P, ``kill_one_peer``) dies after D's handshake.
+        kill = PairInjector(on_peer=self._kill, provoke=self._kill_stopped_p)
+        return {
+            FaultPoint.KILL_BEFORE_PULL: kill,
+            FaultPoint.KILL_ONE_PEER: kill,
+            FaultPoint.FREEZE_PEER: PairInjector(on_peer=self._freeze),
+            FaultPoint.NET_DELAY: PairInjector(on_peer=self._stall),
+            FaultPoint.SLOW_PEER_PAST_DEADLINE: PairInjector(on_peer=self._late_read),
+            FaultPoint.REFUSE: PairInjector(before_add=self._never_reaches_p(wrong_port)),
+            FaultPoint.UNKNOWN_ENGINE: PairInjector(
+                before_add=self._never_reaches_p(unknown_engine)
+            ),
+            # The bad handshake metadata P serves (kvfail.peers.nixl).
+            FaultPoint.PEER_BAD_METADATA: PairInjector(before_add=self._serves("garbled")),
+            FaultPoint.PEER_METADATA_MISMATCH: PairInjector(before_add=self._serves("layout")),
+            FaultPoint.NOTIFY_FAILED: PairInjector(before_add=self._lose_notification),
+            FaultPoint.ABORT_WHILE_WAITING: PairInjector(provoke=abort_request),
+            FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: PairInjector(),
+            # Any one P rank: P's scheduler process serves every rank's handshake.
+            FaultPoint.TP_ONE_RANK: PairInjector(on_peer=self._kill_p_rank),
+        }
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (True, "NIXL pulls asynchronously (READ, polled each step)"),
-            "sync_load": (False, "NIXL only advertises asynchronous loads"),
-            "remote_prefill": (True, "a real P process prefills; D READs its blocks"),
-            "two_groups": (
+        return Declared(
+            async_load=Claim(True, "NIXL pulls asynchronously (READ, polled each step)"),
+            sync_load=Claim(False, "NIXL only advertises asynchronous loads"),
+            remote_prefill=Claim(True, "a real P process prefills; D READs its blocks"),
+            two_groups=Claim(
                 True,
                 "P and D both built with two full-attention KV-cache groups "
                 "(NixlConnector is SupportsHMA)",
             ),
-            "real_transport": (True, "nixl agent, UCX over TCP loopback, DRAM"),
-            "tp2": (
+            real_transport=Claim(True, "nixl agent, UCX over TCP loopback, DRAM"),
+            tp2=Claim(
                 True,
                 "P and D each run two TP rank processes in a real gloo world "
                 "(tp_mode=processes); D rank r READs P rank r",
             ),
-            "byte_verification": (True, "D's pulled blocks are compared with P's pattern"),
-            "malformed_params": (
-                False,
-                "the suite's malformations (transfer_id, bootstrap addr) are Mooncake fields; "
-                "NIXL's bad params are unknown_engine / refuse",
+            hetero_tp=Claim(
+                True,
+                "P runs its own TP size (p2d1, p1d2), named in its kv_transfer_params; D's "
+                "connector splits or joins P's head shards, as in production",
             ),
-        }
+        )
 
     def observe(self, engine: Engine) -> None:
         super().observe(engine)
@@ -383,18 +397,13 @@ class NixlDriver(PairDriver):
             if isinstance(f.state, _LateRead)
         ]
 
-    def _on_peer(
-        self, engine: Engine, request_ids: Sequence[str], point: FaultPoint, state: object
-    ) -> None:
-        """File a fault on P's whole process for each of ``request_ids`` (its state:
-        what :meth:`provoke` and :meth:`observe` act on later)."""
-        active = self.handle(engine).active
+    def _file_on_peer(self, call: OnPeer, state: object, request_ids: Sequence[str]) -> None:
+        """File a fault on P's whole process for each of ``request_ids`` (its state: what
+        :meth:`provoke` and :meth:`observe` act on later); a request armed on its own
+        has its fault active already."""
+        active = self.handle(call.engine).active
         for rid in request_ids:
-            armed = active.get(rid)
-            if armed is not None and armed.point is point:  # armed for this one request
-                armed.state = state
-            else:
-                active[rid] = Fault(point, rid, state)
+            active.setdefault(rid, Fault(call.point, rid)).state = state
 
     def _delay(self, producer: Any, seconds: float | None = None) -> None:
         """``net_delay``: stop P now and let it go on :attr:`NET_DELAY_S` (or ``seconds``)
@@ -434,11 +443,42 @@ class NixlDriver(PairDriver):
                 for entry, digests in zip(late, before, strict=True):
                     entry.settle(digests, self.slow_peer_delay_s)
 
+    def _never_reaches_p(
+        self, breaks: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> Callable[[Arming, dict[str, Any]], dict[str, Any]]:
+        """A ``before_add`` sending D where P is not (``breaks`` P's params). D never
+        reaches P for these, so P is never told: its send lease is ended after the
+        scenario, or many such pulls would fill P's blocks for the next."""
+
+        def before_add(arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+            self._unreleased.append(params["remote_request_id"])
+            return breaks(params)
+
+        return before_add
+
+    def _serves(self, metadata: str) -> Callable[[Arming, dict[str, Any]], dict[str, Any]]:
+        """A ``before_add`` arming P's side channel to answer the handshake with bad
+        ``metadata`` (checked after the scenario: it must have been asked for)."""
+
+        def before_add(arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+            self._bad_metadata = metadata
+            arming.pair.serve_bad_metadata(metadata)  # type: ignore[attr-defined]
+            self._unreleased.append(params["remote_request_id"])
+            return params
+
+        return before_add
+
+    def _lose_notification(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        """``notify_failed``: D's done-notification for this pull never reaches P."""
+        faults = arming.pair.break_notifications(arming.engine)  # type: ignore[attr-defined]
+        faults.arm(params["remote_request_id"])
+        self._notify_armed.append((faults, params["remote_request_id"]))
+        self._unreleased.append(params["remote_request_id"])
+        return params
+
     def add_remote_request(
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
-        from kvfail.peers.nixl import unknown_engine, wrong_port
-
         pair = self._live(self._pair_of(engine))
         self._scenario_pair = pair
         if len(self._unreleased) >= self.UNRELEASED_BATCH and not self._notify_armed:
@@ -446,65 +486,72 @@ class NixlDriver(PairDriver):
             pair.expire_leases(self._unreleased)
             self._unreleased = []
         params = self._prefill(pair, request_id, prompt_len)
-        fault = self.handle(engine).take_fault(request_id)
-        point = None if fault is None else fault.point
-        if point in (FaultPoint.REFUSE, FaultPoint.UNKNOWN_ENGINE):
-            # D never reaches P for these, so P is never told: its send lease is ended
-            # after the scenario, or many such pulls would fill P's blocks for the next.
-            self._unreleased.append(params["remote_request_id"])
-            params = wrong_port(params) if point is FaultPoint.REFUSE else unknown_engine(params)
-        elif point in self.BAD_METADATA:
-            self._bad_metadata = self.BAD_METADATA[point]
-            pair.serve_bad_metadata(self._bad_metadata)
-            self._unreleased.append(params["remote_request_id"])
-        elif point is FaultPoint.NOTIFY_FAILED:
-            faults = pair.break_notifications(engine)
-            faults.arm(params["remote_request_id"])
-            self._notify_armed.append((faults, params["remote_request_id"]))
-            self._unreleased.append(params["remote_request_id"])
-        elif point is FaultPoint.TP_ONE_RANK:
-            # A real one-rank crash: P's TP rank 1 is SIGKILLed; P's scheduler (the side
-            # channel for both ranks) and rank 0 go on, so only D's rank 1 READ fails.
-            pair.signal_p_rank(1, signal.SIGKILL)
-            self._broken.add(id(pair))
+        params, fault = self._before_add(engine, pair, request_id, params)
         warm = pair.handshaked(engine)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        if point is not None and point in self.PEER_WIDE:
+        on_peer = self._on_peer(None if fault is None else fault.point)
+        if on_peer is not None and fault is not None:
             # One request: its P is the one that dies, stops or stalls.
-            self._fault_on_peer(engine, pair, pair.producer(), [request_id], point, warm)
+            call = OnPeer(engine, pair, pair.producer(), 0, [request_id], fault.point, warm)
+            on_peer(replace(call, ranks=fault.ranks))
         return request_id
 
-    def _fault_on_peer(
-        self,
-        engine: Engine,
-        pair: Any,
-        producer: Any,
-        request_ids: Sequence[str],
-        fault: FaultPoint,
-        warm: bool,
-    ) -> None:
-        """A fault on ``producer``'s whole process, once D added ``request_ids`` from it."""
-        if fault is FaultPoint.NET_DELAY:
-            self._delay(producer)
-        elif fault is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            if not warm:
-                raise RuntimeError(
-                    f"NixlDriver: {fault.value} needs a warm D (one load from P first): a "
-                    "cold D's READ would wait for the handshake, and no late write could land"
-                )
-            self._delay(producer, self.slow_peer_delay_s)
-            for rid in request_ids:
-                self._on_peer(engine, [rid], fault, _LateRead(producer, engine))
-        elif fault in self.KILLS and warm:
-            # A warm D posts its READ in the step that schedules the request, and a READ
-            # to a dead P fails in that same step: the request would never be seen
-            # waiting. So P is stopped now (the READ goes out to it, nothing answers)
-            # and killed by provoke(), before it ever served the pull.
-            producer.process.freeze()
-            self._on_peer(engine, request_ids, fault, _KillOnProvoke(producer))
+    # ------------------------------------------------------------ faults on P's process
+
+    def _stall(self, call: OnPeer) -> None:
+        """``net_delay``: P stops now and goes on :attr:`NET_DELAY_S` later."""
+        self._delay(call.producer)
+
+    def _late_read(self, call: OnPeer) -> None:
+        """``slow_peer_past_deadline``: P stops until after D's deadline, with D's READ
+        posted to it; what lands at the thaw is digested (:class:`_LateRead`)."""
+        if not call.warm:
+            raise RuntimeError(
+                f"NixlDriver: {call.point.value} needs a warm D (one load from P first): a "
+                "cold D's READ would wait for the handshake, and no late write could land"
+            )
+        self._delay(call.producer, self.slow_peer_delay_s)
+        for rid in call.request_ids:
+            self._file_on_peer(call, _LateRead(call.producer, call.engine), [rid])
+
+    def _kill(self, call: OnPeer) -> None:
+        """SIGKILL P before it served the READ. A warm D posts its READ in the step that
+        schedules the request, and a READ to a dead P fails in that same step: the
+        request would never be seen waiting. So P is stopped now (the READ goes out to
+        it, nothing answers) and killed by :meth:`provoke`. A cold D: P dies once D's
+        handshake with it is over."""
+        if call.warm:
+            call.producer.process.freeze()
+            self._file_on_peer(call, _KillOnProvoke(call.producer), call.request_ids)
         else:
-            kind = "kill" if fault in self.KILLS else "freeze"
-            pair.fault_after_handshake(request_ids[0], kind, consumer=engine, producer=producer)
+            self._after_handshake(call, "kill")
+
+    def _freeze(self, call: OnPeer) -> None:
+        """SIGSTOP P once D's handshake with it is over: the READ stays in ``PROC``."""
+        self._after_handshake(call, "freeze")
+
+    @staticmethod
+    def _after_handshake(call: OnPeer, kind: str) -> None:
+        pair: Any = call.pair
+        pair.fault_after_handshake(
+            call.request_ids[0], kind, consumer=call.engine, producer=call.producer
+        )
+
+    def _kill_stopped_p(self, call: Provocation) -> None:
+        """Kill the P a warm D's READ went out to while it was stopped (see :meth:`_kill`);
+        once for several requests. The detection clock starts at the kill."""
+        fault = self.handle(call.engine).active.get(call.request_id)
+        if fault is None or not isinstance(fault.state, _KillOnProvoke):
+            return  # a cold D: P died after the handshake
+        producer = fault.state.producer
+        fault.state = None  # killed once
+        pair = self._pair_of(call.engine)
+        if producer.process.alive:  # once for several requests
+            producer.process.kill(timeout_s=pair.kill_timeout_s)
+        rec = pair.records.get(call.request_id)
+        if rec is not None:  # the detection clock starts at the kill
+            rec.injected_at = time.monotonic()
+            rec.steps_at_injection = call.engine.record.steps
 
     def add_remote_requests(
         self,
@@ -515,14 +562,21 @@ class NixlDriver(PairDriver):
         prompt_len: int = 100,
         max_tokens: int = 3,
         peer: int = 0,
+        ranks: Iterable[int] | None = None,
     ) -> list[str]:
         """P (``peer`` 1: the pair's second P) prefills every request and D adds them
-        all, then a fault on that P itself (SIGKILL, SIGSTOP, a stall) happens once, as
-        :meth:`add_remote_request` times it for one request; other faults are armed per
-        request (see the base), on the driver's P only."""
-        if peer == 0 and fault not in self.PEER_WIDE:
+        all, then a fault on that P itself (SIGKILL, SIGSTOP, a stall, one of its ranks
+        killed) happens once, as :meth:`add_remote_request` times it for one request;
+        other faults are armed per request (see the base), on the driver's P only."""
+        on_peer = self._on_peer(fault)
+        if peer == 0 and on_peer is None:
             return super().add_remote_requests(
-                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+                engine,
+                request_ids,
+                fault=fault,
+                prompt_len=prompt_len,
+                max_tokens=max_tokens,
+                ranks=ranks,
             )
         pair = self._live(self._pair_of(engine))
         self._scenario_pair = pair
@@ -535,34 +589,10 @@ class NixlDriver(PairDriver):
         warm = pair.handshaked(engine, producer)
         for rid, rid_params in params.items():
             pair.add(rid, rid_params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        if fault is not None:
-            self._fault_on_peer(engine, pair, producer, request_ids, fault, warm)
+        if on_peer is not None and fault is not None:
+            hit = None if ranks is None else tuple(ranks)
+            on_peer(OnPeer(engine, pair, producer, peer, list(request_ids), fault, warm, hit))
         return list(request_ids)
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        if point is FaultPoint.ABORT_WHILE_WAITING:
-            engine.abort(request_id)
-            return
-        fault = self.handle(engine).active.get(request_id)
-        if fault is not None and isinstance(fault.state, _KillOnProvoke):
-            producer = fault.state.producer
-            fault.state = None  # killed once
-            pair = self._pair_of(engine)
-            if producer.process.alive:  # once for several requests
-                producer.process.kill(timeout_s=pair.kill_timeout_s)
-            rec = pair.records.get(request_id)
-            if rec is not None:  # the detection clock starts at the kill
-                rec.injected_at = time.monotonic()
-                rec.steps_at_injection = engine.record.steps
-        # The others were armed before or while the request was added (see arm()).
 
 
 def make_driver(name: str) -> NixlDriver:

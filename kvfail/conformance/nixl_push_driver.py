@@ -31,27 +31,12 @@ handshakes with D: a D-side scenario would test P), ``kill_one_peer`` and the TP
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from typing import Any
-
-from kvfail.conformance.driver import Declared
+from kvfail.conformance.driver import Claim, Declared
 from kvfail.conformance.nixl_driver import NixlDriver, _KillOnProvoke, _LateRead
-from kvfail.conformance.pair_driver import register_producer, shared_producer
+from kvfail.conformance.pair_driver import OnPeer, PairInjector
 from kvfail.faults.points import FaultPoint
 
-__all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver", "push_base"]
-
-
-def push_base() -> type | None:
-    """Upstream's ``NixlPushConnector`` class, None without NIXL/vLLM."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-            NixlPushConnector,
-        )
-    except Exception:
-        return None
-    return NixlPushConnector
+__all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver"]
 
 
 class _LateWrite(_LateRead):
@@ -72,16 +57,11 @@ class NixlPushDriver(NixlDriver):
 
     pair_module = "kvfail.peers.nixl_push"
     pair_name = "NixlPushPair"
-    layouts = frozenset({(1, 1)})
-    PEER_WIDE = frozenset(
-        {
-            FaultPoint.KILL_BEFORE_PULL,
-            FaultPoint.FREEZE_PEER,
-            FaultPoint.NET_DELAY,
-            FaultPoint.SLOW_PEER_PAST_DEADLINE,
-        }
-    )
-    KILLS = frozenset({FaultPoint.KILL_BEFORE_PULL})
+    layouts = frozenset({(1, 1, 1)})
+    #: Shared by every push driver of the session, never with the pull drivers.
+    P_KEY = "nixl-push-P"
+    MOVES_BLOCKS_BY = "_send_registration_to_p"
+    MODE = "push: D registers its blocks, P WRITEs them"
 
     def __init__(
         self,
@@ -92,93 +72,70 @@ class NixlPushDriver(NixlDriver):
     ) -> None:
         super().__init__(name, connector=connector, connector_module=connector_module)
 
-    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> Any:
-        """A push pair; its P (upstream's push connector) is shared by every push driver
-        of the session, never with the pull drivers (P's transfer mode is part of its
-        compatibility hash)."""
-        from kvfail.peers.nixl_push import NixlPushPair
-
-        key = json.dumps(["nixl-push-P", tp_size, num_kv_cache_groups])
-        shared = shared_producer(key)
-        pair = NixlPushPair(
-            connector=self._connector,
-            connector_module=self._module,
-            ready_timeout_s=240.0,
-            build_default_consumer=False,
-            producer=shared,
-        )
-        pair.kvfail_share_key = key
-        if shared is None:
-            register_producer(key, pair.p)
-        self._warm_p(pair)
-        return pair
-
-    def _fault_on_peer(
-        self,
-        engine: Any,
-        pair: Any,
-        producer: Any,
-        request_ids: Sequence[str],
-        fault: FaultPoint,
-        warm: bool,
-    ) -> None:
-        """Freeze or kill P at once, before D steps, warm D or cold.
-
-        Why not after D's handshake, as in pull mode: a push D sends its registration as
-        soon as its handshake ends, and P WRITEs right away, so a fault injected after
-        the handshake races the very write it means to stop. A cold D's handshake with
-        a stopped or dead P never ends (the load fails; nothing was registered). A warm
-        D's registration waits, unread, in a stopped P's socket buffer; for a kill, P is
-        stopped now and killed by ``provoke`` (so it dies holding the registration)."""
-        if fault is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            if not warm:
-                raise RuntimeError(
-                    f"NixlPushDriver: {fault.value} needs a warm D (one push from P first): "
-                    "a cold D's handshake with the stopped P outlasts its deadline, so its "
-                    "registration is never sent and nothing could be written late"
-                )
-            self._delay(producer, self.slow_peer_delay_s)
-            for rid in request_ids:
-                self._on_peer(engine, [rid], fault, _LateWrite(producer, engine))
-        elif fault is FaultPoint.FREEZE_PEER:
-            producer.process.freeze()
-        elif fault in self.KILLS and warm:
-            producer.process.freeze()
-            self._on_peer(engine, request_ids, fault, _KillOnProvoke(producer))
-        elif fault in self.KILLS:
-            producer.process.kill(timeout_s=pair.kill_timeout_s)
-        else:
-            super()._fault_on_peer(engine, pair, producer, request_ids, fault, warm)
-
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset(
-            {
-                FaultPoint.KILL_BEFORE_PULL,
-                FaultPoint.FREEZE_PEER,
-                FaultPoint.NET_DELAY,
-                FaultPoint.SLOW_PEER_PAST_DEADLINE,
-                FaultPoint.REFUSE,
-                FaultPoint.UNKNOWN_ENGINE,
-                FaultPoint.ABORT_WHILE_WAITING,
-            }
+    def injectors(self) -> dict[FaultPoint, PairInjector]:
+        """Pull mode's, where push is the same (a stall, a params fault, an abort); P's
+        kill, stop and late write come at once, before D steps (see :meth:`_late_write`)."""
+        pull = super().injectors
+        same = (
+            FaultPoint.NET_DELAY,
+            FaultPoint.REFUSE,
+            FaultPoint.UNKNOWN_ENGINE,
+            FaultPoint.ABORT_WHILE_WAITING,
         )
+        return {
+            **{point: pull[point] for point in same},
+            FaultPoint.KILL_BEFORE_PULL: PairInjector(
+                on_peer=self._kill_at_once, provoke=self._kill_stopped_p
+            ),
+            FaultPoint.FREEZE_PEER: PairInjector(on_peer=_freeze_at_once),
+            FaultPoint.SLOW_PEER_PAST_DEADLINE: PairInjector(on_peer=self._late_write),
+        }
+
+    def _late_write(self, call: OnPeer) -> None:
+        """P stopped with D's registration unread, and continued after D's deadline.
+
+        Why at once, and not after D's handshake as in pull mode (true of every fault on
+        P here): a push D sends its registration as soon as its handshake ends, and P
+        WRITEs right away, so a fault injected after the handshake races the very write
+        it means to stop. A warm D's registration waits, unread, in a stopped P's socket
+        buffer."""
+        if not call.warm:
+            raise RuntimeError(
+                f"NixlPushDriver: {call.point.value} needs a warm D (one push from P first): "
+                "a cold D's handshake with the stopped P outlasts its deadline, so its "
+                "registration is never sent and nothing could be written late"
+            )
+        self._delay(call.producer, self.slow_peer_delay_s)
+        for rid in call.request_ids:
+            self._file_on_peer(call, _LateWrite(call.producer, call.engine), [rid])
+
+    def _kill_at_once(self, call: OnPeer) -> None:
+        """A warm D: P stopped now and killed by ``provoke``, so it dies holding the
+        registration. A cold D's handshake with a dead P never ends (the load fails;
+        nothing was registered)."""
+        if call.warm:
+            call.producer.process.freeze()
+            self._file_on_peer(call, _KillOnProvoke(call.producer), call.request_ids)
+        else:
+            call.producer.process.kill(timeout_s=call.pair.kill_timeout_s)
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (True, "P WRITEs asynchronously; D polls its notifications each step"),
-            "sync_load": (False, "NIXL only advertises asynchronous loads"),
-            "remote_prefill": (True, "a real P process prefills and WRITEs into D's blocks"),
-            "two_groups": (False, "the push pair is built with one KV-cache group"),
-            "real_transport": (True, "nixl agent, UCX over TCP loopback, DRAM"),
-            "tp2": (False, "the push pair runs TP 1 only"),
-            "byte_verification": (True, "D's pushed blocks are compared with P's pattern"),
-            "malformed_params": (
-                False,
-                "the suite's malformations name Mooncake fields; NIXL's bad params are "
-                "unknown_engine / refuse",
-            ),
-        }
+        return Declared(
+            async_load=Claim(True, "P WRITEs asynchronously; D polls its notifications each step"),
+            sync_load=Claim(False, "NIXL only advertises asynchronous loads"),
+            remote_prefill=Claim(True, "a real P process prefills and WRITEs into D's blocks"),
+            two_groups=Claim(False, "the push pair is built with one KV-cache group"),
+            real_transport=Claim(True, "nixl agent, UCX over TCP loopback, DRAM"),
+            tp2=Claim(False, "the push pair runs TP 1 only"),
+            hetero_tp=Claim(False, "the push pair runs TP 1 only"),
+        )
+
+
+def _freeze_at_once(call: OnPeer) -> None:
+    """SIGSTOP P before D steps: D's registration waits in its socket buffer, P writes
+    nothing; only D's deadline ends the load."""
+    call.producer.process.freeze()
 
 
 def make_driver(name: str) -> NixlPushDriver:

@@ -10,25 +10,29 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import json
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Driver, EngineHandle
+from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
-    from kvfail.faults.process import PeerProcess
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
     from kvfail.peers.base import PeerPair
+    from kvfail.rig.processes import PeerProcess
 
 __all__ = [
+    "Arming",
+    "OnPeer",
     "PairDriver",
     "PairHandle",
+    "PairInjector",
     "close_shared_producers",
     "prestart_for",
     "register_producer",
@@ -118,6 +122,45 @@ def prestart_for(specs: Iterable[str], modules: Mapping[str, str]) -> bool:
     return prestart_p_zygote()
 
 
+@dataclass(frozen=True)
+class Arming:
+    """A fault being set up on a pair, before D adds its request."""
+
+    engine: Engine
+    pair: PeerPair
+    fault: Fault
+
+
+@dataclass(frozen=True)
+class OnPeer:
+    """A fault on one P's whole process, for the requests D loads from it together."""
+
+    engine: Engine
+    pair: PeerPair
+    #: The P process handle the requests come from.
+    producer: Any
+    #: 0: the pair's P; 1: its second P (``kill_one_peer``).
+    peer: int
+    request_ids: Sequence[str]
+    point: FaultPoint
+    #: Whether D had talked to that P before (None: the driver does not ask).
+    warm: bool | None = None
+    #: The P ranks a fault on one rank hits (None: the fault names no rank).
+    ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PairInjector(Injector):
+    """A fault on a real pair. ``before_add`` turns P's ``kv_transfer_params`` into the
+    ones D gets, before D adds the request (a broken address, a P told to misbehave).
+    ``on_peer`` hits P's whole process (kill, stop, stall): one event for every request
+    D loads from it together (``add_remote_requests``), and for a lone one; the driver
+    decides when, relative to D adding them."""
+
+    before_add: Callable[[Arming, dict[str, Any]], dict[str, Any]] | None = None
+    on_peer: Callable[[OnPeer], None] | None = None
+
+
 @dataclass(eq=False)
 class PairHandle(EngineHandle):
     """A D engine built through a pair: the pair it belongs to and its name there."""
@@ -162,7 +205,7 @@ class PairDriver(Driver[PairHandle]):
     collect_closed_engines = False
 
     @property
-    def slow_peer_delay_s(self) -> float:  # type: ignore[override]
+    def slow_peer_delay_s(self) -> float:
         """``slow_peer_past_deadline``: P answers this long after D added the load."""
         return self.SCENARIO_DEADLINE_S + self.SLOW_PEER_PAST_S
 
@@ -177,8 +220,9 @@ class PairDriver(Driver[PairHandle]):
         #: What the driver did to its P's since then (a warm-up, a replacement), shown
         #: with their output as evidence.
         self._driver_notes: list[str] = []
-        #: Pairs for the other layouts, by (tp_size, groups); ``_pair`` is TP 1, one group.
-        self._layout_pairs: dict[tuple[int, int], PeerPair] = {}
+        #: Pairs for the other layouts, by (D's TP, groups, P's TP); ``_pair`` is TP 1,
+        #: one group.
+        self._layout_pairs: dict[tuple[int, int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
         self._broken: set[int] = set()
         #: The last scenario failed: its P's are checked for a spinning thread.
@@ -230,8 +274,11 @@ class PairDriver(Driver[PairHandle]):
         num_kv_cache_groups: int = 1,
         tp_size: int = 1,
         deadline: bool = False,
+        p_tp_size: int | None = None,
     ) -> Engine:
-        pair = self._layout_pair(tp_size, num_kv_cache_groups)
+        """D at ``tp_size``, loading from a P at ``p_tp_size`` (default: D's; another size
+        is a heterogeneous-TP layout, built only where :attr:`layouts` has it)."""
+        pair = self._layout_pair(tp_size, num_kv_cache_groups, p_tp_size or tp_size)
         self._seq += 1
         name = f"{policy}-{self._seq}"  # a fresh name: a cold D that never talked to P
         engine = self._consumer(pair, policy, name, deadline)
@@ -241,32 +288,47 @@ class PairDriver(Driver[PairHandle]):
 
     # ------------------------------------------------------------ pairs and their P
 
-    #: The (tp_size, groups) layouts this driver's pairs can be built in.
-    layouts: frozenset[tuple[int, int]] = frozenset({(1, 1)})
+    #: The (D's TP, groups, P's TP) layouts this driver's pairs can be built in.
+    layouts: frozenset[tuple[int, int, int]] = frozenset({(1, 1, 1)})
+    #: The faults that may be armed on a pair's second P (``add_remote_requests``, peer 1).
+    SECOND_P_FAULTS = frozenset({FaultPoint.KILL_ONE_PEER})
     #: At ``stop``, leave a healthy P to the session's registry for the next driver that
     #: wants the same P, instead of closing it (see ``_SHARED_P``).
     hand_off_p: bool = False
 
-    def _new_pair(self, tp_size: int, num_kv_cache_groups: int) -> PeerPair:
-        """A started pair whose P and D have this layout."""
+    def _new_pair(self, tp_size: int, num_kv_cache_groups: int, p_tp_size: int) -> PeerPair:
+        """A started pair whose D has this layout and whose P runs at ``p_tp_size``."""
         raise NotImplementedError
+
+    def _pair_sharing_p(
+        self, key_parts: Sequence[Any], make: Callable[[Any], PeerPair]
+    ) -> tuple[PeerPair, str]:
+        """A new pair, ``make(P)``, and its P's registry key: P is the live one the drivers
+        of this session registered under ``key_parts`` (borrowed), or None, and then the
+        pair starts its own, registered for the others."""
+        key = json.dumps(list(key_parts))
+        shared = shared_producer(key)
+        pair = make(shared)
+        if shared is None:
+            register_producer(key, pair.p)
+        return pair, key
 
     def start(self) -> None:
         if self._pair is None:
-            self._pair = self._new_pair(1, 1)
+            self._pair = self._new_pair(1, 1, 1)
 
-    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int) -> PeerPair:
-        """The pair whose P matches this D layout (built on first use), with a live P."""
-        layout = (tp_size, num_kv_cache_groups)
+    def _layout_pair(self, tp_size: int, num_kv_cache_groups: int, p_tp_size: int) -> PeerPair:
+        """The pair of this layout (built on first use), with a live P."""
+        layout = (tp_size, num_kv_cache_groups, p_tp_size)
         if layout not in self.layouts:
             raise NotImplementedError(
                 f"{self.pair_name} builds layouts {sorted(self.layouts)} only, not {layout}"
             )
         self.start()
-        if layout == (1, 1):
+        if layout == (1, 1, 1):
             return self._live(self._pair)
         if layout not in self._layout_pairs:
-            self._layout_pairs[layout] = self._new_pair(tp_size, num_kv_cache_groups)
+            self._layout_pairs[layout] = self._new_pair(*layout)
         return self._live(self._layout_pairs[layout])
 
     def _pairs(self) -> list[PeerPair]:
@@ -392,7 +454,7 @@ class PairDriver(Driver[PairHandle]):
     def _spinning_ps(self) -> dict[int, str]:
         """The live P's with a thread spinning while no scenario runs (their processes'
         and their ranks' threads, one common window): P pid -> the threads, described."""
-        from kvfail.faults.process import spinning_threads
+        from kvfail.rig.procfs import spinning_threads
 
         owner: dict[int, int] = {}
         for pair in self._pairs():
@@ -408,7 +470,6 @@ class PairDriver(Driver[PairHandle]):
         return {pid: ", ".join(threads) for pid, threads in out.items()}
 
     def after_scenario(self) -> None:
-        self.forget_engines()
         self._repair_peers()
 
     def _producers(self) -> list[PeerProcess]:
@@ -450,6 +511,42 @@ class PairDriver(Driver[PairHandle]):
         if pair is not None:
             pair.observe(engine)
 
+    def _on_peer(self, point: FaultPoint | None) -> Callable[[OnPeer], None] | None:
+        """``point``'s fault on P's whole process, if it is one (None: per request)."""
+        if point is None:
+            return None
+        injector = self.injector(point)
+        return injector.on_peer if isinstance(injector, PairInjector) else None
+
+    def _before_add(
+        self, engine: Engine, pair: PeerPair, request_id: str, params: Any
+    ) -> tuple[Any, Fault | None]:
+        """Take the fault armed for ``request_id`` (if any) and apply its ``before_add``
+        to P's ``params``: (the params D gets, the fault). Its ``on_peer`` is the
+        caller's to time."""
+        taken = self.take_fault(engine, request_id)
+        if taken is None:
+            return params, None
+        fault, injector = taken
+        if isinstance(injector, PairInjector) and injector.before_add is not None:
+            params = injector.before_add(Arming(engine, pair, fault), params)
+        return params, fault
+
+    def _kill_p_rank(self, call: OnPeer) -> None:
+        """``tp_one_rank`` (and ``tp_one_rank_warm``): a real one-rank crash, the P rank
+        the scenario names SIGKILLed after P prefilled every request, once for all of
+        them; P's other ranks serve their shards. Which ranks a driver cannot kill alone
+        it declares in its table (``not_alone``). The pair is replaced after the
+        scenario."""
+        import signal
+
+        if not call.ranks or len(call.ranks) != 1:
+            raise ValueError(
+                f"driver {self.name!r}: {call.point.value} needs one rank, not {call.ranks}"
+            )
+        call.pair.signal_p_rank(call.ranks[0], signal.SIGKILL)
+        self._broken.add(id(call.pair))
+
     def _peer_producer(self, pair: PeerPair, peer: int, fault: FaultPoint | None) -> Any:
         """P number ``peer`` of ``pair``, ready: 0 is its P, 1 its second P (started now
         if it has none). The second P serves plain loads, or is killed (``kill_one_peer``)."""
@@ -457,7 +554,7 @@ class PairDriver(Driver[PairHandle]):
             return pair._ready_producer()
         if peer != 1:
             raise ValueError(f"{self.pair_name} has two P's (peer 0 and 1), not peer {peer}")
-        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+        if fault is not None and fault not in self.SECOND_P_FAULTS:
             raise ValueError(f"driver {self.name!r}: {fault} cannot be armed on the second P")
         return pair.second_p()
 

@@ -57,7 +57,7 @@ class Record:
     nodeid: str = ""
     #: Measurements the scenario noted (e.g. ``detected_s``: add -> first report).
     details: dict[str, Any] = field(default_factory=dict)
-    #: Engine layout (``tp1``, ``tp2``, ``tp1-g2``, ``tp2-g2``; see ``layout.py``).
+    #: Engine layout (``tp1``, ``tp2-g2``, ``p2d1``, ...; see ``layout.py``).
     layout: str = "tp1"
     #: The oracles' findings, clause first, when the scenario failed on them.
     violations: list[str] = field(default_factory=list)

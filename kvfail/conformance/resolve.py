@@ -4,10 +4,13 @@ are), ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory``) and ``module:Class
 them after ``guard:`` runs that driver with D's connector wrapped by kvfail's guard
 (:mod:`kvfail.conformance.guard_driver`).
 
-Why a module of its own: :mod:`kvfail.conformance.driver` is the base API every driver
-imports, so it must import no driver; this module is the one place that maps a connector
-class to the in-tree driver for its transport (each driver module is imported when a
-value needs it, since those modules import their transports' code).
+A class (``vllm:``/``module:``) gets the driver whose claim wins on what the class does
+(:mod:`kvfail.conformance.claims`), whichever way it is named; ``?key=value`` options
+after it are the user's set-up of that driver (e.g. ``?children=...`` for a Multi
+connector), never read from the class. Why a module of its own:
+:mod:`kvfail.conformance.driver` is the base API every driver imports, so it must import
+no driver; each driver module is imported when a value needs it, since those modules
+import their transports' code.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib
 import importlib.metadata
 from typing import Any
 
+from kvfail.conformance.claims import split_options
 from kvfail.conformance.driver import ENTRY_POINT_GROUP, Driver, DriverUnavailable
 
 __all__ = ["entry_point_modules", "registered", "resolve", "spec_problem"]
@@ -47,63 +51,47 @@ def _import_class(path: str) -> type:
     return obj
 
 
-def _driver_for_class(name: str, cls: type, registry_name: str | None = None) -> Driver:
-    from kvfail.conformance.guard_driver import GuardDriver, control_inner
+def _driver_for_class(
+    name: str, cls: type, registry_name: str | None = None, options: dict[str, str] | None = None
+) -> Driver:
+    """The driver whose claim wins for ``cls`` (:mod:`kvfail.conformance.claims`), or the
+    generic one; ``driver.chosen`` says why. With ``?inner=X``: ``cls`` is a guard the
+    user runs around X, under X's driver (as ``guard:X`` runs kvfail's guard)."""
+    from kvfail.conformance.guard_driver import INNER_OPTION, GuardDriver
 
-    inner = control_inner(cls)  # a broken guard: its inner's driver, D wrapped by it
+    options = dict(options or {})
+    inner = options.pop(INNER_OPTION, None)
     if inner is not None:
+        if options:
+            raise DriverUnavailable(
+                f"?{INNER_OPTION}= takes no other option, got {sorted(options)}"
+            )
         wrapped = GuardDriver(
             name, resolve(inner), guard_connector=cls.__name__, guard_module=cls.__module__
         )
+        wrapped.chosen = f"the option ?{INNER_OPTION}={inner}: {cls.__qualname__} wraps D"
         return wrapped  # type: ignore[return-value]
-    from kvfail.conformance.mooncake_driver import MooncakeDriver, mooncake_bases
-    from kvfail.conformance.toy_driver import ToyDriver
-    from kvfail.harness.toy import ToyConnector
+    from kvfail.conformance.claims import choose, claimants, probe
 
-    if issubclass(cls, ToyConnector):
-        return ToyDriver(name, cls)
-    mooncake = mooncake_bases()
-    if mooncake is not None and issubclass(cls, mooncake[0]):
-        upstream, kvfail_cls = mooncake
-        # P runs the unbroken connector nearest above D's: a D-side control tests D only.
-        p_cls = kvfail_cls if kvfail_cls is not None and issubclass(cls, kvfail_cls) else upstream
-        if registry_name is not None:
-            return MooncakeDriver(name, connector=registry_name, connector_module=None)
-        return MooncakeDriver(
-            name,
-            connector=cls.__name__,
-            connector_module=cls.__module__,
-            p_connector=p_cls.__name__,
-            p_connector_module=None if p_cls is upstream else p_cls.__module__,
+    chosen = choose(probe(cls, registry_name, options or {}))
+    if chosen.claim is None:
+        from kvfail.conformance.generic_driver import GenericDriver
+
+        driver: Driver = GenericDriver(name, cls, registry_name)
+        accepted: dict[str, str] = {}
+    else:
+        driver_cls = claimants()[chosen.claimant or ""]
+        accepted = dict(getattr(driver_cls, "OPTIONS", {}))
+    unknown = sorted(set(options or {}) - set(accepted))
+    if unknown:
+        raise DriverUnavailable(
+            f"options {unknown} are not taken by the driver chosen for {cls.__qualname__} "
+            f"({chosen.why}); it takes {sorted(accepted) or 'none'}"
         )
-    from kvfail.conformance.nixl_push_driver import NixlPushDriver, push_base
-
-    push = push_base()
-    if push is not None and issubclass(cls, push):
-        return NixlPushDriver.for_class(name, cls, registry_name)
-    from kvfail.conformance.nixl_driver import NixlDriver, nixl_bases
-
-    nixl = nixl_bases()
-    if nixl is not None and issubclass(cls, nixl[0]):
-        return NixlDriver.for_class(name, cls, registry_name)
-    from kvfail.conformance.mooncake_store_driver import MooncakeStoreDriver, store_base
-
-    store = store_base()
-    if store is not None and issubclass(cls, store) and cls is not store:
-        return MooncakeStoreDriver(name, connector_cls=cls)  # a subclass: a negative control
-    from kvfail.conformance.multi_driver import MultiDriver, multi_base
-
-    multi = multi_base()
-    if multi is not None and issubclass(cls, multi) and cls is not multi:
-        return MultiDriver(name, connector_cls=cls)  # a subclass: a negative control
-    from kvfail.conformance.store_driver import ExampleDriver, example_base
-
-    example = example_base()
-    if example is not None and issubclass(cls, example) and cls is not example:
-        return ExampleDriver(name, connector_cls=cls)  # a subclass: a negative control
-    from kvfail.conformance.generic_driver import GenericDriver
-
-    return GenericDriver(name, cls, registry_name)
+    if chosen.claim is not None:
+        driver = chosen.claim.build(name)
+    driver.chosen = chosen.why
+    return driver
 
 
 def spec_problem(spec: str) -> str | None:
@@ -111,11 +99,18 @@ def spec_problem(spec: str) -> str | None:
     cheap, imports nothing, so a typo stops the run before any vLLM import."""
     accepted = (
         f"accepted: one of {registered()} (a {ENTRY_POINT_GROUP!r} entry point), "
-        "vllm:<RegistryName> or module:Class, each also after guard:"
+        "vllm:<RegistryName> or module:Class (each of these two with ?key=value options), "
+        "each also after guard:"
     )
     if spec.startswith("guard:"):
         inner = spec.removeprefix("guard:")
         return spec_problem(inner) if inner else f"no connector after 'guard:'; {accepted}"
+    try:
+        spec, options = split_options(spec)
+    except ValueError as exc:
+        return f"{exc}; options follow vllm:<Name> or module:Class as ?key=value&key=value"
+    if options and not spec.startswith("vllm:") and ":" not in spec:
+        return f"options follow vllm:<Name> or module:Class, not {spec!r}; {accepted}"
     if spec in _entry_point_drivers():
         return None
     if spec.startswith("vllm:"):
@@ -132,22 +127,25 @@ def resolve(spec: str) -> Driver:
     A ``kvfail.drivers`` entry-point name (``toy``, ``mooncake``, ``nixl``, ...) |
     ``vllm:<RegistryName>`` (vLLM's ``KVConnectorFactory`` registry) | ``module:Class`` |
     ``guard:`` followed by any of these. A registered name wins over the other forms
-    (``vllm:MooncakeConnector`` is one).
+    (``vllm:MooncakeConnector`` is one) unless options follow it; its driver is the one a
+    claim would give the same class.
     Raises :class:`DriverUnavailable` when the name cannot be resolved to a class at all.
     """
     if spec.startswith("guard:"):
         from kvfail.conformance.guard_driver import GuardDriver
 
         return GuardDriver(spec, resolve(spec.removeprefix("guard:")))  # type: ignore[return-value]
+    base, options = split_options(spec)
     entry_points = _entry_point_drivers()
-    if spec in entry_points:
+    if base in entry_points and not options:
         factory = entry_points[spec].load()
         driver = factory(spec)
         if not isinstance(driver, Driver):
             raise TypeError(f"entry point {spec!r} returned {type(driver).__name__}, not Driver")
+        driver.chosen = driver.chosen or f"registered as {spec!r} in {ENTRY_POINT_GROUP!r}"
         return driver
-    if spec.startswith("vllm:"):
-        registry_name = spec.removeprefix("vllm:")
+    if base.startswith("vllm:"):
+        registry_name = base.removeprefix("vllm:")
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         try:
@@ -156,15 +154,15 @@ def resolve(spec: str) -> Driver:
             raise DriverUnavailable(
                 f"vLLM connector {registry_name!r} cannot be loaded ({type(exc).__name__}: {exc})"
             ) from exc
-        return _driver_for_class(spec, cls, registry_name)
-    if ":" in spec:
+        return _driver_for_class(spec, cls, registry_name, options)
+    if ":" in base:
         try:
-            cls = _import_class(spec)
+            cls = _import_class(base)
         except Exception as exc:
             raise DriverUnavailable(
-                f"{spec} cannot be imported ({type(exc).__name__}: {exc})"
+                f"{base} cannot be imported ({type(exc).__name__}: {exc})"
             ) from exc
-        return _driver_for_class(spec, cls)
+        return _driver_for_class(spec, cls, None, options)
     known = sorted(entry_points)
     raise DriverUnavailable(
         f"unknown connector {spec!r}: use one of {known}, vllm:<RegistryName> or module:Class"

@@ -8,13 +8,14 @@ directory and loads the files synchronously, layer by layer, in ``start_load_kv`
 driver of its own: its faults are the store's (a file deleted, truncated, corrupted,
 replaced by a directory, overwritten), not a peer's.
 
-P is a harness engine in this process running the same connector (the real save path:
+P is a harness engine in this process running kvfail's Example connector for every D
+(:func:`store_producer`; the real save path:
 ``save_kv_layer`` per layer, through the harness's layer forward context), writing real
 files into a directory on disk that the driver creates and removes. Both engines' forwards
 write a pattern that is a function of the token and the layer, so any KV slot D computed
 or loaded can be compared with what it must hold (the integrity oracle).
 
-Fault points (all provoked by :meth:`ExampleDriver.provoke` on P's files, before D steps):
+Fault points (all provoked on P's files, before D steps; :data:`DAMAGE` says how):
 ``store_file_deleted``, ``store_file_truncated``, ``store_garbage_header``,
 ``store_replaced_by_dir``, ``store_data_overwritten``. TP 1, one KV-cache group.
 """
@@ -23,43 +24,44 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Driver, EngineHandle
+from kvfail.conformance.claims import DriverClaim, Probe
+from kvfail.conformance.driver import (
+    Claim,
+    Declared,
+    Driver,
+    EngineHandle,
+    Injector,
+    Provocation,
+)
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvfail.harness.config import EngineSpec, Policy
-    from kvfail.harness.engine import Engine, Worker
+    from kvfail.harness.engine import Engine
+    from kvfail.harness.workers import Worker
 
 __all__ = [
+    "DAMAGE",
     "STORE_FAULTS",
     "ExampleDriver",
     "damage",
-    "example_base",
     "kvfail_example",
     "make_driver",
     "make_kvfail_driver",
     "pattern_value",
-    "producer_of",
     "require_kvfail_example",
+    "store_producer",
     "write_pattern",
 ]
 
-STORE_FAULTS = frozenset(
-    {
-        FaultPoint.STORE_FILE_DELETED,
-        FaultPoint.STORE_FILE_TRUNCATED,
-        FaultPoint.STORE_GARBAGE_HEADER,
-        FaultPoint.STORE_REPLACED_BY_DIR,
-        FaultPoint.STORE_DATA_OVERWRITTEN,
-    }
-)
 BLOCK_SIZE = 32
 
 
@@ -86,26 +88,50 @@ def write_pattern(engine: Engine, worker: Worker, so: SchedulerOutput) -> None:
             view[slot // bs, :, slot % bs] = pattern_value(request.all_token_ids[pos], i)
 
 
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garble_header(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(b"\xff" * 16 + data[16:])
+
+
+def _replace_by_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _overwrite_data(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    save_file({k: v + 1.0 for k, v in tensors.items()}, str(path))
+
+
+#: What each store fault does to one stored file.
+DAMAGE: Mapping[FaultPoint, Callable[[Path], None]] = MappingProxyType(
+    {
+        FaultPoint.STORE_FILE_DELETED: _delete,
+        FaultPoint.STORE_FILE_TRUNCATED: _truncate,
+        FaultPoint.STORE_GARBAGE_HEADER: _garble_header,
+        FaultPoint.STORE_REPLACED_BY_DIR: _replace_by_dir,
+        FaultPoint.STORE_DATA_OVERWRITTEN: _overwrite_data,
+    }
+)
+STORE_FAULTS = frozenset(DAMAGE)
+
+
 def damage(path: Path, point: FaultPoint) -> None:
     """Provoke store fault ``point`` on one stored file."""
-    if point is FaultPoint.STORE_FILE_DELETED:
-        path.unlink()
-    elif point is FaultPoint.STORE_FILE_TRUNCATED:
-        data = path.read_bytes()
-        path.write_bytes(data[: len(data) // 2])
-    elif point is FaultPoint.STORE_GARBAGE_HEADER:
-        data = path.read_bytes()
-        path.write_bytes(b"\xff" * 16 + data[16:])
-    elif point is FaultPoint.STORE_REPLACED_BY_DIR:
-        path.unlink()
-        path.mkdir()
-    elif point is FaultPoint.STORE_DATA_OVERWRITTEN:
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(str(path))
-        save_file({k: v + 1.0 for k, v in tensors.items()}, str(path))
-    else:
+    if point not in DAMAGE:
         raise ValueError(f"no store fault {point.value}")
+    DAMAGE[point](path)
 
 
 def wrong_positions(engine: Engine, request_id: str, upto: int) -> list[str]:
@@ -131,17 +157,6 @@ def wrong_positions(engine: Engine, request_id: str, upto: int) -> list[str]:
     return out
 
 
-def example_base() -> type | None:
-    """vLLM's ``ExampleConnector`` class, None where it cannot be imported."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-            ExampleConnector,
-        )
-    except Exception:
-        return None
-    return ExampleConnector
-
-
 def kvfail_example() -> type | None:
     """kvfail's ``KvfailExampleConnector``, None where it cannot be imported."""
     try:
@@ -161,22 +176,24 @@ def require_kvfail_example() -> type:
     return cls
 
 
-def producer_of(cls: type | None) -> tuple[str, str | None]:
-    """P's (connector, module) for D class ``cls``: the unbroken connector nearest above
-    it, so a D-side negative control tests D only, and a D that checks what its own save
-    path wrote beside each file finds it there. This picks the store's writer, never a
-    verdict: every scenario judges D by what it did."""
+def store_producer() -> tuple[str, str | None]:
+    """P's (connector, module), the same for every D of this store: kvfail's Example
+    connector, which writes each file exactly as vLLM's does and a digest beside it
+    (``<file>.sha256``); vLLM's where kvfail's cannot be imported. Why one writer for
+    every D: the rig is chosen by the transport, not by D's lineage, so any D may use
+    the digest (and pass ``store_data_overwritten`` by checking it) or ignore it (and
+    be judged on the bytes it ran on); the verdict is what D did either way."""
     ours = kvfail_example()
-    if cls is not None and ours is not None and issubclass(cls, ours):
-        return (ours.__name__, ours.__module__)
-    return ("ExampleConnector", None)
+    if ours is None:
+        return ("ExampleConnector", None)
+    return (ours.__name__, ours.__module__)
 
 
 class ExampleDriver(Driver["_StoreHandle"]):
     """vLLM's ExampleConnector over real files on disk (see the module docstring).
 
-    ``connector_cls``: a subclass to run on D instead (kvfail's connector, or a negative
-    control); P runs the unbroken connector nearest above it (:func:`producer_of`)."""
+    ``connector_cls``: the class to run on D instead (kvfail's connector, a negative
+    control, any class this driver claims); P is :func:`store_producer` for every D."""
 
     def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -192,7 +209,7 @@ class ExampleDriver(Driver["_StoreHandle"]):
             else (connector_cls.__name__, connector_cls.__module__)
         )
         #: P's (connector, module).
-        self._p_connector = producer_of(connector_cls)
+        self._p_connector = store_producer()
         self._root: Path | None = None
         self._p: Engine | None = None
         #: request id -> the files P wrote for its prompt (one per layer).
@@ -203,6 +220,20 @@ class ExampleDriver(Driver["_StoreHandle"]):
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="kvfail-example-store-"))
         return self._root
+
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector that reads ``shared_storage_path`` from its extra config and whose
+        lookup checks for a prompt's files there: a store of files in a directory, which
+        this driver creates and damages (a connector that only saves there is not one)."""
+        checks = probe.calls("get_num_new_matched_tokens", "exists", "isdir", "is_dir")
+        if not probe.reads("shared_storage_path") or not checks:
+            return None
+        return DriverClaim(
+            "reads kv_connector_extra_config 'shared_storage_path' and its lookup checks "
+            f"the files there ({checks[0]}); P runs {store_producer()[0]}",
+            lambda name: cls(name, connector_cls=probe.cls),
+        )
 
     def start(self) -> None:
         self.root  # noqa: B018 - the store directory exists before any engine
@@ -217,20 +248,24 @@ class ExampleDriver(Driver["_StoreHandle"]):
         self._files.clear()
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return STORE_FAULTS
+    def injectors(self) -> dict[FaultPoint, Injector]:
+        """Every store fault damages the first layer's file of the request (D has not
+        stepped yet)."""
+        return {point: Injector(provoke=self._damage_first_file) for point in DAMAGE}
+
+    def _damage_first_file(self, call: Provocation) -> None:
+        damage(self._files[call.request_id][0], call.point)
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (False, "ExampleConnector loads synchronously in start_load_kv"),
-            "sync_load": (True, "get_num_new_matched_tokens answers (n, False)"),
-            "remote_prefill": (True, "P, a harness engine, saves real files the D loads"),
-            "two_groups": (False, "the driver builds one KV-cache group"),
-            "real_transport": (True, "safetensors files in a directory on local disk"),
-            "tp2": (False, "the driver runs TP 1 only"),
-            "byte_verification": (True, "both forwards write a per-token pattern"),
-            "malformed_params": (False, "a store connector takes no kv_transfer_params"),
-        }
+        return Declared(
+            async_load=Claim(False, "ExampleConnector loads synchronously in start_load_kv"),
+            sync_load=Claim(True, "get_num_new_matched_tokens answers (n, False)"),
+            remote_prefill=Claim(True, "P, a harness engine, saves real files the D loads"),
+            two_groups=Claim(False, "the driver builds one KV-cache group"),
+            real_transport=Claim(True, "safetensors files in a directory on local disk"),
+            tp2=Claim(False, "the driver runs TP 1 only"),
+            hetero_tp=Claim(False, "the driver runs TP 1 only"),
+        )
 
     def engine_spec(
         self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
@@ -296,23 +331,6 @@ class ExampleDriver(Driver["_StoreHandle"]):
         )
         return request_id
 
-    def settle(
-        self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None
-    ) -> None:
-        """Nothing to do: the load happens in D's next step."""
-
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        """Damage the first layer's file of ``request_id`` (D has not stepped yet)."""
-        damage(self._files[request_id][0], point)
-
     def observe(self, engine: Engine) -> None:
         """After each step: every running request's computed positions hold the pattern
         (what P wrote for the loaded ones, what D's forward wrote for the rest)."""
@@ -335,8 +353,10 @@ class ExampleDriver(Driver["_StoreHandle"]):
     def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
         return self.handle(engine).wrong.get(request_id)
 
-    def after_scenario(self) -> None:
-        self.forget_engines()
+    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
+        """What the integrity oracle saw while ``request_id`` ran (None: every loaded
+        position held P's pattern at every step)."""
+        return self.wrong_bytes_finding(engine, request_id)
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvfail import compat
+from kvfail.conformance import timebase
 from kvfail.conformance.capabilities import Capabilities, CapabilityMissing
 from kvfail.conformance.layout import DEFAULT_LAYOUT, Layout
 from kvfail.faults.points import FaultPoint
@@ -25,7 +26,8 @@ from kvfail.faults.points import FaultPoint
 if TYPE_CHECKING:
     from kvfail.conformance.driver import Driver
     from kvfail.harness.config import Policy
-    from kvfail.harness.engine import Engine, RunResult
+    from kvfail.harness.engine import Engine
+    from kvfail.harness.records import RunResult
 
 __all__ = [
     "ACTIVE_BUDGET",
@@ -156,7 +158,7 @@ def deadline_findings(
             f"the connector {declared_text(deadline)}"
         )
     if deadline is not None:
-        margin = max(DEADLINE_MARGIN_FLOOR_S, deadline)
+        margin = timebase.scaled(max(DEADLINE_MARGIN_FLOOR_S, deadline))
         late = [t for t in times if t > deadline + margin]
         if late:
             what = (
@@ -166,6 +168,22 @@ def deadline_findings(
             )
             out.append(f"C10 past deadline: {what}; deadline {deadline:g} s + margin {margin:g} s")
     return out
+
+
+def only_holds_left(engine: Engine) -> bool:
+    """The scheduler's own work is over and what keeps D stepping is blocks its connector
+    holds back (quarantine, through ``has_pending_push_work``).
+
+    Why the run may end there: waiting out the run's budget while a stopped P keeps the
+    hold gains nothing (nothing but P's end can release it), and the oracles' own wait
+    (``ScenarioContext._await_held_blocks``) ends the peers' faults and steps D, watching
+    every step, until the blocks are back. A connector with pending work and no block held
+    keeps stepping in the run, where a late write into a freed block is seen."""
+    sched = engine.scheduler
+    if sched.has_unfinished_requests() or sched.has_finished_requests():
+        return False
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return free < engine.spec.num_blocks - 1  # the null block is never free
 
 
 @dataclass
@@ -217,6 +235,15 @@ class ScenarioContext:
             compat.require("block_pool_binding", f"{self.scenario} ({point.value})")
         return point
 
+    def require_fault_on_rank(self, rank: int, *candidates: FaultPoint) -> FaultPoint:
+        """The first of ``candidates`` the driver can provoke on TP rank ``rank`` alone,
+        by what it declares (its fault table and the ranks each entry cannot hit alone),
+        else a skip naming every candidate and the driver's reason."""
+        try:
+            return self.caps.require_fault_on_rank(rank, *candidates)
+        except CapabilityMissing as exc:
+            raise SuiteSkip(str(exc), ("fault",)) from None
+
     def require_layout(self, *names: str) -> None:
         """Skip unless this run's layout is one of ``names`` (a scenario whose cost or
         meaning belongs to one layout; the others cover it there)."""
@@ -230,10 +257,10 @@ class ScenarioContext:
     def deadline_budget(self, deadline: float | None) -> float:
         """The suite's bounded wait for a load only a deadline can end (see
         :data:`DEADLINE_BUDGET_FLOOR_S`)."""
-        wait = float(self.silent_wait_s)
+        wait = float(self.silent_wait_s)  # already in the machine's time (the fixture)
         if deadline is None:
             return wait
-        return min(wait, max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S))
+        return min(wait, timebase.scaled(max(3 * deadline + 1.0, DEADLINE_BUDGET_FLOOR_S)))
 
     def declared_deadline_s(self, engine: Engine) -> float | None:
         """The load deadline D's connector declares (see :mod:`kvfail.deadline`); None
@@ -268,9 +295,12 @@ class ScenarioContext:
             # Block ids are not unique across groups: without failed_recving no connector
             # can report a failure right (C5), so this is an error, never a verdict.
             compat.require("request_level_channel", f"{self.scenario} with {groups} groups")
+        # P's TP size goes only to a driver of a heterogeneous layout (one that declares
+        # hetero_tp: the layout requires it), so other drivers keep the plain signature.
+        p_tp = {"p_tp_size": self.layout.p_tp} if self.layout.heterogeneous else {}
         try:
             engine = self.driver.build_engine(
-                self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline
+                self.policy, num_kv_cache_groups=groups, tp_size=tp, deadline=deadline, **p_tp
             )
         except Exception as exc:
             pytest.fail(
@@ -281,8 +311,9 @@ class ScenarioContext:
         return engine
 
     def close(self, *, failed: bool = False) -> None:
-        """Close this scenario's engines, then let the driver repair shared peers (told
-        first when the scenario ``failed``)."""
+        """Close this scenario's engines and drop the driver's handles of them (their
+        faults and records go with them: no driver has to remember it), then let the
+        driver repair shared peers (told first when the scenario ``failed``)."""
         try:
             for engine in self.engines:
                 engine.close()
@@ -290,6 +321,7 @@ class ScenarioContext:
         finally:
             if failed:
                 self.driver.scenario_failed()
+            self.driver.forget_engines()
             self.driver.after_scenario()
 
     def note(self, key: str, value: Any) -> None:
@@ -331,7 +363,7 @@ class ScenarioContext:
         """Evidence for a precondition that failed (a warm-up that never loaded): what D's
         and P's sides hold for ``request_ids`` and the machine's busiest processes, so a
         failure shows whether a peer was idle, busy, or got no CPU."""
-        from kvfail.faults.process import busiest_processes
+        from kvfail.rig.procfs import busiest_processes
 
         try:
             state = list(self.driver.stuck_state(engine, request_ids))
@@ -371,15 +403,22 @@ class ScenarioContext:
         return f"{stem}-{self.policy}-{self._tag}-{self._seq}"
 
     def add_loading(
-        self, engine: Engine, request_id: str, *, fault: FaultPoint | None = None, **kwargs: Any
+        self,
+        engine: Engine,
+        request_id: str,
+        *,
+        fault: FaultPoint | None = None,
+        ranks: Iterable[int] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         """Add a remote-prefill request and step until its load is in flight.
 
-        ``fault`` is armed first, for drivers that must set it up before the request exists.
-        Returns the block ids its load uses (all groups, flattened), for :func:`check_not_late`.
+        ``fault`` is armed first (on ``ranks``, for a fault on one rank), for drivers
+        that must set it up before the request exists. Returns the block ids its load
+        uses (all groups, flattened), for :func:`check_not_late`.
         """
         if fault is not None:
-            self.driver.arm(engine, request_id, fault)
+            self.driver.arm(engine, request_id, fault, ranks=ranks)
         self.driver.add_remote_request(engine, request_id, **kwargs)
         driver = self.driver
 
@@ -387,7 +426,7 @@ class ScenarioContext:
             driver.observe(e)
             return request_id in e.waiting_for_remote()
 
-        result = engine.run_until(waiting, max_steps=10, timeout_s=10.0)
+        result = engine.run_until(waiting, max_steps=10, timeout_s=timebase.scaled(10.0))
         if not result.ok:
             raise self.violation(
                 [f"C12 setup: {request_id} never entered WAITING_FOR_REMOTE_KVS ({result})"]
@@ -402,14 +441,14 @@ class ScenarioContext:
             # Wall-clock bound: a deadline or a real transport progresses in real time.
             budget = {
                 "max_steps": 1_000_000,
-                "timeout_s": timeout_s or REAL_BUDGET_S,
+                "timeout_s": timeout_s or timebase.scaled(REAL_BUDGET_S),
                 "min_steps": MIN_STEPS,
             }
         driver = self.driver
 
         def idle(e: Engine) -> bool:
             driver.observe(e)
-            return e.is_idle()
+            return e.is_idle() or only_holds_left(e)
 
         poll_s = self.driver.poll_s or (0.01 if timeout_s else 0.0)
         result = engine.run_until(idle, poll_s=poll_s, **budget)
@@ -480,7 +519,10 @@ class ScenarioContext:
         started = time.monotonic()
         self.driver.end_faults(engine)
         while pool.get_num_free_blocks() < expected:
-            if time.monotonic() - started > HELD_BLOCKS_WAIT_S or engine.crashed is not None:
+            if (
+                time.monotonic() - started > timebase.scaled(HELD_BLOCKS_WAIT_S)
+                or engine.crashed is not None
+            ):
                 return
             engine.step()
             self.driver.observe(engine)

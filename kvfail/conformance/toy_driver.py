@@ -13,7 +13,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Declared, Driver, EngineHandle
+from kvfail.conformance.claims import DriverClaim, Probe
+from kvfail.conformance.driver import (
+    Claim,
+    Declared,
+    Driver,
+    EngineHandle,
+    Injector,
+    Provocation,
+    abort_request,
+)
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -64,45 +73,59 @@ class ToyDriver(Driver["_ToyHandle"]):
 
     def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:
         from kvfail.harness.toy import ToyConnector
+        from kvfail.peers.integrity import IntegrityLedger
 
         self.name = name
         self.connector_cls = connector_cls or ToyConnector
-        if not issubclass(self.connector_cls, ToyConnector):
-            raise TypeError(f"{self.connector_cls.__name__} is not a ToyConnector")
-        from kvfail.peers.integrity import IntegrityLedger
 
         #: The KV-integrity oracle; the in-memory P sends every rank the same bytes.
         self._integrity = IntegrityLedger(rank_seeded=False)
         #: Engine ids of the in-memory P's killed in this scenario (``kill_one_peer``).
         self._dead_peers: set[str] = set()
 
-    @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset(
-            {
-                FaultPoint.PEER_ERROR_RESPONSE,  # toy transport reports an error
-                FaultPoint.FREEZE_PEER,  # toy transport never answers
-                FaultPoint.ABORT_WHILE_WAITING,
-                FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS,
-                FaultPoint.TP_ONE_RANK,
-                FaultPoint.NET_DELAY,  # the in-memory P answers DELAY_STEPS steps late
-                FaultPoint.KILL_ONE_PEER,  # a second in-memory P, whose loads all fail
-                FaultPoint.SLOW_PEER_PAST_DEADLINE,  # writes once the load stopped waiting
-            }
+    @classmethod
+    def claims(cls, probe: Probe) -> DriverClaim | None:
+        """A connector that reads ``toy_mode`` from its extra config: it runs on the toy's
+        in-memory transport, the one this driver commands."""
+        if not probe.reads("toy_mode"):
+            return None
+        return DriverClaim(
+            "reads kv_connector_extra_config 'toy_mode' (the in-memory toy transport)",
+            lambda name: cls(name, probe.cls),
         )
+
+    #: ``slow_peer_past_deadline``: the in-memory P writes only once the load was reported.
+    slow_peer_delay_s: float | None = None
+
+    @property
+    def injectors(self) -> dict[FaultPoint, _ToyInjector]:
+        fail = _ToyInjector(provoke=self._fail_load)
+        nothing = _ToyInjector()
+        return {
+            FaultPoint.PEER_ERROR_RESPONSE: fail,  # toy transport reports an error
+            FaultPoint.TP_ONE_RANK: fail,  # ... on the ranks the scenario names
+            FaultPoint.FREEZE_PEER: nothing,  # toy transport never answers
+            FaultPoint.ABORT_WHILE_WAITING: _ToyInjector(provoke=abort_request),
+            FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: nothing,  # the scenario's request has no block
+            # The in-memory P answers DELAY_STEPS steps late (see observe).
+            FaultPoint.NET_DELAY: _ToyInjector(state=_ToyDelay),
+            # A second in-memory P, whose loads all fail (see add_remote_requests).
+            FaultPoint.KILL_ONE_PEER: _ToyInjector(provoke=self._fail_dead_peers, kills_peer=True),
+            # Writes once the load stopped waiting (see observe).
+            FaultPoint.SLOW_PEER_PAST_DEADLINE: _ToyInjector(state=_ToyLateWrite),
+        }
 
     def declared(self) -> Declared:
         cls = self.connector_cls.__name__
-        return {
-            "async_load": (True, f"{cls} loads asynchronously (load_kv_async=True)"),
-            "sync_load": (False, f"{cls} only advertises asynchronous loads"),
-            "remote_prefill": (True, "the toy transport plays P in memory"),
-            "two_groups": (True, "the harness builds D with two KV-cache groups"),
-            "real_transport": (False, f"{cls} is an in-memory test double, not a transport"),
-            "tp2": (True, "harness simulates TP=2; the toy's reporting is rank-independent"),
-            "byte_verification": (True, "D's blocks are compared with P's seeded pattern"),
-            "malformed_params": (False, f"{cls}'s in-memory transport has no params to break"),
-        }
+        return Declared(
+            async_load=Claim(True, f"{cls} loads asynchronously (load_kv_async=True)"),
+            sync_load=Claim(False, f"{cls} only advertises asynchronous loads"),
+            remote_prefill=Claim(True, "the toy transport plays P in memory"),
+            two_groups=Claim(True, "the harness builds D with two KV-cache groups"),
+            real_transport=Claim(False, f"{cls} is an in-memory test double, not a transport"),
+            tp2=Claim(True, "harness simulates TP=2; the toy's reporting is rank-independent"),
+            hetero_tp=Claim(False, "the in-memory P has no TP size of its own"),
+        )
 
     def engine_spec(
         self, policy: Policy, *, num_kv_cache_groups: int = 1, tp_size: int = 1, deadline: bool
@@ -152,19 +175,27 @@ class ToyDriver(Driver["_ToyHandle"]):
         prompt_len: int = 100,
         max_tokens: int = 3,
         peer: int = 0,
+        ranks: Iterable[int] | None = None,
     ) -> list[str]:
         """As the base, from in-memory P number ``peer``; ``kill_one_peer`` kills that P
         once it has "prefilled" them (its loads fail while in flight, see the class)."""
-        if fault is not FaultPoint.KILL_ONE_PEER and peer == 0:
+        injector = None if fault is None else self.injector(fault)
+        kills = isinstance(injector, _ToyInjector) and injector.kills_peer
+        if not kills and peer == 0:
             return super().add_remote_requests(
-                engine, request_ids, fault=fault, prompt_len=prompt_len, max_tokens=max_tokens
+                engine,
+                request_ids,
+                fault=fault,
+                prompt_len=prompt_len,
+                max_tokens=max_tokens,
+                ranks=ranks,
             )
-        if fault not in (None, FaultPoint.KILL_ONE_PEER):
+        if fault is not None and not kills:
             raise ValueError(f"toy driver: {fault} is not armed on peer {peer}")
         remote = self.remote_engine(peer)
         for request_id in request_ids:
             self._add(engine, request_id, prompt_len, max_tokens, remote)
-        if fault is FaultPoint.KILL_ONE_PEER:
+        if kills:
             self._dead_peers.add(remote)
         return list(request_ids)
 
@@ -192,11 +223,7 @@ class ToyDriver(Driver["_ToyHandle"]):
         handle = self.handle(engine)
         handle.added_at[request_id] = time.monotonic()
         handle.peer_of[request_id] = remote
-        fault = handle.take_fault(request_id)
-        if fault is not None and fault.point is FaultPoint.NET_DELAY:
-            fault.state = _ToyDelay()
-        elif fault is not None and fault.point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            fault.state = _ToyLateWrite()
+        self.take_fault(engine, request_id)  # its state: a delay, a late write (injectors)
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
@@ -229,36 +256,22 @@ class ToyDriver(Driver["_ToyHandle"]):
         for worker in self._workers(engine, ranks):
             worker.connector.complete(request_id)
 
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
+    def _fail_load(self, call: Provocation) -> None:
+        """The in-memory P answers the load with an error, on the ranks the call names."""
         from kvfail import Stage
 
-        if point not in self.faults:
-            raise ValueError(f"toy driver cannot provoke {point}")
-        if point in (FaultPoint.PEER_ERROR_RESPONSE, FaultPoint.TP_ONE_RANK):
-            for worker in self._workers(engine, ranks):
-                worker.connector.fail(
-                    request_id,
-                    stage=Stage.PEER,
-                    reason=f"toy: provoked {point.value}",
-                    block_index=block_index,
-                )
-        elif point is FaultPoint.ABORT_WHILE_WAITING:
-            engine.abort(request_id)
-        elif point is FaultPoint.KILL_ONE_PEER:
-            self._fail_dead_peers(engine)
-        # FREEZE_PEER: the toy transport simply never answers; NOTIFY_ONLY_EMPTY_BLOCKS is
-        # set up by the scenario (a request with no loadable block); NET_DELAY answers by
-        # itself (see observe): nothing to do here.
+        for worker in self._workers(call.engine, call.ranks):
+            worker.connector.fail(
+                call.request_id,
+                stage=Stage.PEER,
+                reason=f"toy: provoked {call.point.value}",
+                block_index=call.block_index,
+            )
 
-    def _fail_dead_peers(self, engine: Engine) -> None:
+    def _fail_dead_peers(self, call: Provocation) -> None:
+        self._fail_loads_of_dead_peers(call.engine)
+
+    def _fail_loads_of_dead_peers(self, engine: Engine) -> None:
         """Fail, on every worker, each load in flight from a killed in-memory P (its
         death as the transport sees it: the peer is gone, not an answer from it)."""
         from kvfail import Stage
@@ -287,7 +300,7 @@ class ToyDriver(Driver["_ToyHandle"]):
 
     def observe(self, engine: Engine) -> None:
         self._integrity.after_step(engine)
-        self._fail_dead_peers(engine)
+        self._fail_loads_of_dead_peers(engine)
         handle = self.handle(engine)
         # Detection times: when a report first named each request (for detection_s).
         reports = engine.record.kv_reports
@@ -360,16 +373,19 @@ class ToyDriver(Driver["_ToyHandle"]):
     def integrity_findings(self, engine: Engine) -> list[str]:
         return self._integrity.final_findings(engine)
 
+    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
+        """Never anything but P's bytes: the in-memory P writes only the seeded pattern,
+        so a wrong byte is the integrity oracle's (a stray write), not a load's."""
+        return None
+
     def after_scenario(self) -> None:
         self._integrity.engines.clear()  # the scenario's engines are closed
-        self.forget_engines()  # their faults, detection times and byte checks with them
         self._dead_peers.clear()  # the next scenario's second P is a new one
 
     def stop(self) -> None:
         from kvfail.harness.toy import TRANSPORT
 
         TRANSPORT.clear()
-        self.forget_engines()
 
 
 @dataclass(eq=False)
@@ -386,6 +402,14 @@ class _ToyHandle(EngineHandle):
     reported_s: dict[str, float] = field(default_factory=dict)
     #: How many of the engine's ``kv_reports`` :meth:`ToyDriver.observe` has read.
     reports_read: int = 0
+
+
+@dataclass(frozen=True)
+class _ToyInjector(Injector):
+    """A toy fault: ``kills_peer``, the in-memory P the requests come from dies once
+    they were added (``add_remote_requests``), one event for all of them."""
+
+    kills_peer: bool = False
 
 
 @dataclass

@@ -4,9 +4,9 @@ walks through, and that ``test_minimal_driver.py`` registers and runs.
 It drives kvfail's ``ToyConnector`` (an in-process test double whose "transport" is a
 dict), because a guide's example must run anywhere in seconds; a driver for a real
 connector has the same shape, with a real P behind :meth:`MinimalDriver.add_remote_request`
-and real faults behind :meth:`MinimalDriver.provoke`. Nothing here imports a private name
-of kvfail: only the Driver API (``kvfail.conformance.driver``), the fault points and the
-harness's ``EngineSpec``.
+and real faults behind the injectors of :attr:`MinimalDriver.injectors`. Nothing here
+imports a private name of kvfail: only the Driver API (``kvfail.conformance.driver``), the
+fault points and the harness's ``EngineSpec``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfail import Stage
-from kvfail.conformance.driver import Declared, Driver, EngineHandle
+from kvfail.conformance.driver import (
+    ABORT,
+    Claim,
+    Declared,
+    Driver,
+    EngineHandle,
+    Injector,
+    Provocation,
+)
 from kvfail.faults.points import FaultPoint
 
 if TYPE_CHECKING:
@@ -48,27 +56,29 @@ class MinimalDriver(Driver[EngineHandle]):
     # -- what this driver can do -------------------------------------------------------
 
     @property
-    def faults(self) -> frozenset[FaultPoint]:
-        return frozenset(
-            {
-                FaultPoint.PEER_ERROR_RESPONSE,  # P answers the load with an error
-                FaultPoint.FREEZE_PEER,  # P never answers: only D's deadline ends it
-                FaultPoint.NET_DELAY,  # P answers, DELAY_STEPS D steps late
-                FaultPoint.ABORT_WHILE_WAITING,  # the request is aborted mid-load
-            }
-        )
+    def injectors(self) -> dict[FaultPoint, Injector]:
+        """The fault table: each fault point this driver can provoke, and how."""
+        return {
+            # P answers the load with an error.
+            FaultPoint.PEER_ERROR_RESPONSE: Injector(provoke=self.p_says_no),
+            # P never answers: only D's deadline ends the load, nothing to do.
+            FaultPoint.FREEZE_PEER: Injector(),
+            # P answers, DELAY_STEPS D steps late: observe() counts them in the state.
+            FaultPoint.NET_DELAY: Injector(state=Delay),
+            # The request is aborted mid-load (the same for every driver).
+            FaultPoint.ABORT_WHILE_WAITING: ABORT,
+        }
 
     def declared(self) -> Declared:
-        return {
-            "async_load": (True, "ToyConnector loads asynchronously"),
-            "sync_load": (False, "ToyConnector only advertises asynchronous loads"),
-            "remote_prefill": (True, "an in-memory P answers each load"),
-            "two_groups": (False, "this example builds one KV-cache group"),
-            "real_transport": (False, "an in-memory test double"),
-            "tp2": (False, "this example builds TP 1 only"),
-            "byte_verification": (False, "this example moves no bytes"),
-            "malformed_params": (False, "the in-memory P has no params to break"),
-        }
+        return Declared(
+            async_load=Claim(True, "ToyConnector loads asynchronously"),
+            sync_load=Claim(False, "ToyConnector only advertises asynchronous loads"),
+            remote_prefill=Claim(True, "an in-memory P answers each load"),
+            two_groups=Claim(False, "this example builds one KV-cache group"),
+            real_transport=Claim(False, "an in-memory test double"),
+            tp2=Claim(False, "this example builds TP 1 only"),
+            hetero_tp=Claim(False, "this example builds TP 1 only"),
+        )
 
     # -- D ----------------------------------------------------------------------------
 
@@ -93,11 +103,10 @@ class MinimalDriver(Driver[EngineHandle]):
         self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
     ) -> str:
         # A real driver has P prefill here and passes P's kv_transfer_params on. A fault
-        # that must exist before D sees the request is set up now, from the Fault that
-        # Driver.arm filed on this engine's handle.
-        fault = self.handle(engine).take_fault(request_id)
-        if fault is not None and fault.point is FaultPoint.NET_DELAY:
-            fault.state = Delay()
+        # that must exist before D sees the request is set up now: take_fault hands over
+        # the Fault the scenario armed (its state made by the injector's `state`) and its
+        # injector.
+        self.take_fault(engine, request_id)
         engine.add_request(
             request_id,
             prompt_len=prompt_len,
@@ -114,21 +123,10 @@ class MinimalDriver(Driver[EngineHandle]):
             if ranks is None or worker.rank in ranks:
                 worker.connector.complete(request_id)
 
-    def provoke(
-        self,
-        engine: Engine,
-        request_id: str,
-        point: FaultPoint,
-        *,
-        ranks: Iterable[int] | None = None,
-        block_index: int | None = None,
-    ) -> None:
-        if point is FaultPoint.PEER_ERROR_RESPONSE:
-            for worker in engine.workers:
-                worker.connector.fail(request_id, stage=Stage.PEER, reason="P said no")
-        elif point is FaultPoint.ABORT_WHILE_WAITING:
-            engine.abort(request_id)
-        # FREEZE_PEER: P never answers, so nothing to do. NET_DELAY: observe() answers.
+    def p_says_no(self, call: Provocation) -> None:
+        """``peer_error_response``'s provoke hook: every rank's load fails."""
+        for worker in call.engine.workers:
+            worker.connector.fail(call.request_id, stage=Stage.PEER, reason="P said no")
 
     def observe(self, engine: Engine) -> None:
         """After every D step: a delayed P answers once its load waited long enough."""
@@ -141,9 +139,6 @@ class MinimalDriver(Driver[EngineHandle]):
             if fault.state.steps >= self.DELAY_STEPS:
                 del handle.active[request_id]
                 self.settle(engine, request_id)
-
-    def after_scenario(self) -> None:
-        self.forget_engines()  # the scenario's engines are closed
 
 
 def make_driver(name: str) -> MinimalDriver:

@@ -62,7 +62,9 @@ def test_the_example_runs_the_suite_as_a_registered_driver(tmp_path: Path) -> No
     site = _third_party_install(tmp_path)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    # The kvfail under test stays importable (a checkout run with PYTHONPATH set).
+    paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     selected = " or ".join(EXPECTED_PASSED)
     run = subprocess.run(
         [

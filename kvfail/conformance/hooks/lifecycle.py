@@ -13,13 +13,14 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Generator, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from kvfail.conformance.baseline import Baseline, BaselineError
-from kvfail.conformance.hooks import options, reporting, shm_sweep, verdicts
+from kvfail.conformance.hooks import distributed, options, reporting, shm_sweep, verdicts
 from kvfail.conformance.hooks.state import (
     PHASES,
     STATE,
@@ -52,7 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     for key, value in _QUIET_OFFLINE.items():
         os.environ.setdefault(key, value)
-    from kvfail.faults.process import close_peers_on_sigterm
+    from kvfail.rig.processes import close_peers_on_sigterm
 
     close_peers_on_sigterm()  # a run stopped with SIGTERM still closes its peers
     # Claim the shared-memory prefix before any peer starts, so peers inherit it and the
@@ -66,6 +67,9 @@ def pytest_configure(config: pytest.Config) -> None:
     shm_sweep.snapshot()
     config.addinivalue_line("markers", "clauses(*ids): contract clauses a scenario exercises")
     config.addinivalue_line("markers", "guards(*issues): upstream issues a scenario guards")
+    # Each connector's scenarios carry one (see hooks.distributed); xdist, when installed,
+    # registers the same marker.
+    config.addinivalue_line("markers", "xdist_group(name): scenarios one xdist worker runs")
     policy = config.getoption("--policy", default="both")
     try:
         layouts, layout_policies = parse_layout_policies(options.layouts(config))
@@ -96,11 +100,20 @@ def pytest_configure(config: pytest.Config) -> None:
         patches=PatchLog(),
         seed=config.getoption("--kvfail-seed", default=None),
     )
-    report_dir = config.stash[STATE].report_dir
+    state = config.stash[STATE]
+    worker = distributed.is_worker(config)
+    if worker:  # the controller writes the run's one report and baseline
+        state.report_dir = state.write_baseline = None
+    elif distributed.is_controller(config):
+        config.pluginmanager.register(distributed.Merger(config), "kvfail-merge")
+    report_dir = state.report_dir
     if report_dir:  # records.jsonl is appended to as scenarios end: this run's only
         (Path(report_dir) / RECORDS_FILE).unlink(missing_ok=True)
     given = list(config.getoption("--connector", default=[]) or [])
-    if given and os.environ.get(_PRESTART_ENV, "1") != "0":
+    # Not on a distributed run: its controller runs no scenario, and a worker does not
+    # know yet whether it will get a connector's scenarios.
+    distributing = worker or distributed.is_controller(config)
+    if given and not distributing and os.environ.get(_PRESTART_ENV, "1") != "0":
         from kvfail.conformance.pair_driver import prestart_for
         from kvfail.conformance.resolve import entry_point_modules
 
@@ -123,12 +136,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for layout in state.layouts
         if p in only.get(layout, (p,))
     ]
-    # The default layout keeps the historical ids (connector-policy).
-    ids = [
-        f"{c}-{p}" if layout == DEFAULT_LAYOUT else f"{c}-{p}-{layout.name}"
+    # The default layout keeps the historical ids (connector-policy). One xdist group per
+    # connector: its scenarios share its driver's peers (see hooks.distributed).
+    params = [
+        pytest.param(
+            c,
+            p,
+            layout,
+            id=f"{c}-{p}" if layout == DEFAULT_LAYOUT else f"{c}-{p}-{layout.name}",
+            marks=distributed.group_mark(c),
+        )
         for c, p, layout in combos
     ]
-    metafunc.parametrize(("kvfail_connector", "kvfail_policy", "kvfail_layout"), combos, ids=ids)
+    metafunc.parametrize(("kvfail_connector", "kvfail_policy", "kvfail_layout"), params)
 
 
 @pytest.fixture
@@ -139,9 +159,11 @@ def scenario(
     kvfail_layout: Layout,
 ) -> Iterator[ScenarioContext]:
     """The scenario context: one connector under one policy and layout for one scenario."""
+    from kvfail.conformance import timebase
     from kvfail.conformance.suite import ScenarioContext, SuiteSkip
 
     state = request.config.stash[STATE]
+    scale = timebase.measure()
     driver = state.driver(kvfail_connector)
     if driver is None:
         if kvfail_connector in state.broken:
@@ -155,12 +177,15 @@ def scenario(
         caps=state.caps[kvfail_connector],
         policy=kvfail_policy,  # type: ignore[arg-type]
         scenario=request.node.originalname,
-        silent_wait_s=state.silent_wait_s,
+        # The machine's time now: every verdict-deciding wait of this scenario is
+        # stretched by how much a loaded machine slows it (kvfail.conformance.timebase).
+        silent_wait_s=timebase.scaled(state.silent_wait_s),
         node=request.node,
         layout=kvfail_layout,
         require_drivers=state.require_drivers,
         seed=state.seed,
     )
+    ctx.note("time_scale", round(scale, 2))
     ctx.require(*kvfail_layout.requires)
     try:
         yield ctx
@@ -256,6 +281,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     among the hooks, so that whatever records the exit status sees the gate's."""
     state = session.config.stash.get(STATE, None)
     if state is None:
+        return
+    if distributed.is_worker(session.config):
+        # A worker saw a share of the scenarios: the controller gates the merged set.
+        if state.patches is not None:
+            apps = [asdict(a) for a in state.patches.take_unsent()]
+            session.config.workeroutput[distributed.PATCHES_KEY] = apps  # type: ignore[attr-defined]
         return
     state.unverified = state.coverage.unverified()
     if state.unverified and session.exitstatus in (pytest.ExitCode.OK, 0):

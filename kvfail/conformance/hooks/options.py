@@ -34,8 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--layout",
         action="append",
         default=[],
-        help="engine layout(s) to run each scenario in: tp1 | tp2 | tp1-g2 | tp2-g2 | all "
-        "(TP size x KV-cache groups; repeatable or comma-separated; LAYOUT:POLICY limits a "
+        help="engine layout(s) to run each scenario in: tp1 | tp2 | p2d1 | p1d2 (P's TP, "
+        "D's TP), each with an optional -g2 (two KV-cache groups), or all (repeatable or "
+        "comma-separated; LAYOUT:POLICY limits a "
         "layout to one policy, e.g. tp2-g2:recompute; replaces the ini option "
         "kvfail_layouts, whose default is tp1)",
     )

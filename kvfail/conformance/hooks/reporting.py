@@ -32,12 +32,21 @@ _CAPABILITIES_SHOWN = (
     "hma",
     "real_transport",
     "tp2",
+    "hetero_tp",
     "byte_verification",
 )
 
 
-def scenario_ended(state: SessionState, record: Record) -> None:
-    """Keep the files up to date with one more record."""
+def scenario_ended(
+    state: SessionState, record: Record, *, verdict: bool, excuse: bool, why: str
+) -> None:
+    """One more record: into the session's list and the coverage ledger (``verdict``: it
+    ran to one; ``excuse``: it skipped for an optional capability; ``why``: what happened
+    otherwise), then into the files."""
+    state.records.append(record)
+    state.coverage.note(
+        record.connector, record.scenario, record.clauses, verdict=verdict, excuse=excuse, why=why
+    )
     if not state.report_dir:
         return
     append_record(state.report_dir, record)
@@ -71,15 +80,20 @@ def finish(config: pytest.Config) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
-    if state is None or not state.records:
-        return
+    if state is None or not state.records or hasattr(config, "workerinput"):
+        return  # an xdist worker's share is the controller's to show
     from kvfail.conformance.hooks import baselines
 
     tr = terminalreporter
     tr.write_sep("=", "kvfail conformance matrix (clauses: docs/contract.md)")
     for spec, caps in state.caps.items():
         have = [n for n in _CAPABILITIES_SHOWN if getattr(caps, n)]
-        tr.write_line(f"{spec}: {caps.connector} via driver {caps.driver}; has {', '.join(have)}")
+        driver = state.drivers.get(spec)
+        chosen = getattr(driver, "chosen", "")
+        why = f" ({type(driver).__name__}: {chosen})" if chosen else ""
+        tr.write_line(
+            f"{spec}: {caps.connector} via driver {caps.driver}{why}; has {', '.join(have)}"
+        )
     for spec, why in state.unavailable.items():
         tr.write_line(f"{spec}: driver unavailable: {why}")
     for spec, why in state.broken.items():

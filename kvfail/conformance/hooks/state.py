@@ -132,21 +132,45 @@ class PatchLog:
         self.offset = 0
         self.applied: list[rig_patches.Application] = []
         self.by_connector: dict[str, set[str]] = {}
+        #: Records read here and not yet passed on (a distributed run's worker sends them).
+        self.unsent: list[rig_patches.Application] = []
+
+    def _read(self) -> list[rig_patches.Application]:
+        new, self.offset = rig_patches.read_log(self.path, self.offset)
+        self.applied += new
+        self.unsent += new
+        return new
 
     def credit(self, connector: str) -> list[str]:
         """Read what was recorded since the last call; the patches ``connector`` ran under."""
-        new, self.offset = rig_patches.read_log(self.path, self.offset)
-        self.applied += new
-        names = self.by_connector.setdefault(connector, set())
-        names.update(a.name for a in new)
-        return [n for n in rig_patches.CATALOGUE if n in names]
+        self.merge(self._read(), connector, applied=False)
+        return [n for n in rig_patches.CATALOGUE if n in self.by_connector[connector]]
+
+    def merge(
+        self,
+        apps: list[rig_patches.Application],
+        connector: str | None,
+        *,
+        applied: bool = True,
+    ) -> None:
+        """Count ``apps`` (read elsewhere: a worker's; ``applied=False`` when already
+        counted) and credit them to ``connector`` when given."""
+        if applied:
+            self.applied += apps
+        if connector is not None:
+            self.by_connector.setdefault(connector, set()).update(a.name for a in apps)
+
+    def take_unsent(self) -> list[rig_patches.Application]:
+        """What was read and not yet passed on, after reading what is left; cleared."""
+        self._read()
+        out, self.unsent = self.unsent, []
+        return out
 
     def summary(self, *, read: bool = True) -> list[dict[str, Any]]:
         """Every patch applied so far; ``read=False`` leaves records not yet read for the
         next :meth:`credit` (a report written mid-run must not take them from it)."""
         if read:
-            new, self.offset = rig_patches.read_log(self.path, self.offset)
-            self.applied += new
+            self._read()
         out = rig_patches.summarize(self.applied)
         for entry in out:
             entry["connectors"] = sorted(

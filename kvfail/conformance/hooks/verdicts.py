@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvfail.compat import MISSING_FEATURE_MARK, MissingFeatureError
-from kvfail.conformance.hooks import baselines, coverage, reporting
+from kvfail.conformance.hooks import baselines, coverage, distributed, reporting
 from kvfail.conformance.hooks.state import (
     FAILURE,
     MISSING,
@@ -144,7 +144,9 @@ def pytest_runtest_makereport(
             item.stash[VIOLATIONS] = list(violations)
     item.stash.setdefault(PHASES, []).append((call.when, report))
     if call.when == "teardown":
-        record(item)
+        sent = record(item)
+        if sent is not None:  # to the controller of a distributed run
+            setattr(report, distributed.PAYLOAD_ATTR, sent)
     return report
 
 
@@ -198,12 +200,13 @@ def _outcome(item: pytest.Item) -> tuple[Outcome, str]:
     return "passed", ""
 
 
-def record(item: pytest.Item) -> None:
-    """The scenario's record: to the session, the coverage ledger and the live report."""
+def record(item: pytest.Item) -> dict[str, Any] | None:
+    """The scenario's record: to the session, the coverage ledger and the live report;
+    on an xdist worker, also what it sends the controller (see ``hooks.distributed``)."""
     state = item.config.stash[STATE]
     key = item_key(item)
     if key is None:
-        return
+        return None
     connector, scenario, policy, layout = key
     phases = item.stash.get(PHASES, [])
     outcome, reason = _outcome(item)
@@ -224,19 +227,32 @@ def record(item: pytest.Item) -> None:
         clauses=clauses,
         duration_s=round(sum(rep.duration for _w, rep in phases), 4),
         guards=guards,
-        nodeid=item.nodeid,
+        nodeid=distributed.plain_nodeid(item),
         details={str(k): v for k, v in getattr(item, "user_properties", [])},
         violations=violations,
         rig_patches=patched,
     )
-    state.records.append(rec)
     needs = item.stash.get(SKIP_NEEDS, ())
-    state.coverage.note(
-        connector,
-        scenario,
-        clauses,
-        verdict=outcome in ("passed", "xfailed") or bool(violations),
-        excuse=outcome == "skipped" and coverage.excused(needs, state.caps.get(connector)),
-        why=f"{outcome} ({reason.splitlines()[0][:200] if reason else 'no reason'})",
+    caps = state.caps.get(connector)
+    verdict = outcome in ("passed", "xfailed") or bool(violations)
+    excuse = outcome == "skipped" and coverage.excused(needs, caps)
+    why = f"{outcome} ({reason.splitlines()[0][:200] if reason else 'no reason'})"
+    reporting.scenario_ended(state, rec, verdict=verdict, excuse=excuse, why=why)
+    if not distributed.is_worker(item.config):
+        return None
+    problem = None
+    if connector in state.unavailable:
+        problem = ("unavailable", state.unavailable[connector])
+    elif connector in state.broken:
+        problem = ("broken", state.broken[connector])
+    entry = baselines.lookup(item, state)
+    return distributed.payload(
+        rec,
+        caps=caps,
+        verdict=verdict,
+        excuse=excuse,
+        why=why,
+        driver_problem=problem,
+        patches=state.patches.take_unsent() if state.patches is not None else [],
+        baseline_stale=entry.stale if entry is not None else "",
     )
-    reporting.scenario_ended(state, rec)

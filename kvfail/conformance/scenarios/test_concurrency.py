@@ -286,6 +286,41 @@ def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     scenario.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
 
 
+#: The P rank the many-loads one-rank scenario kills: not rank 0, the rank a connector
+#: that reads only its first worker's view sees (single loads fault each rank in turn).
+ONE_RANK = 1
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C6", "C8", "C10", "C11")
+@pytest.mark.guards("#42422", "#50719")
+def test_many_loads_one_rank_killed(scenario: ScenarioContext) -> None:
+    """TP=2: ``MANY`` loads in flight from one P when its rank ``ONE_RANK`` is SIGKILLed
+    (after it prefilled them all, before D pulled; the toy fails that rank's load of
+    each) while its other rank lives and serves its shard of every load. Every load
+    touched the dead rank (at TP 2 each load is sharded over both), so each is reported
+    failed exactly once through vLLM's KVOutputAggregator, paired with finished_recving,
+    and ends as the policy says; none is stranded because the connector gave up on the
+    rank after its first failure; no request runs on KV that is not P's, and nothing
+    writes into a block after its release (the integrity oracle's watch)."""
+    scenario.require("remote_prefill", "async_load", "tp2")
+    scenario.require_layout("tp2", "tp2-g2")
+    point = scenario.require_fault_on_rank(ONE_RANK, FaultPoint.TP_ONE_RANK)
+    engine = scenario.engine()
+    rids = _rids(scenario, "rank-killed-many")
+    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
+    scenario.driver.add_remote_requests(
+        engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
+    )
+    blocks = _start_loads(scenario, engine, rids)
+    for rid in rids:
+        scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
+        scenario.driver.settle(engine, rid, ranks=others)
+    scenario.run(engine)
+    _note_failure_steps(scenario, engine, rids)
+    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    scenario.check(engine, rids, failed=True, extra=extra)
+
+
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
 @pytest.mark.guards("#50719", "#26171")
 def test_two_peers_one_killed(scenario: ScenarioContext) -> None:

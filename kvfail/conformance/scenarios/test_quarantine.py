@@ -29,6 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
+from kvfail.conformance import timebase
 from kvfail.conformance.suite import (
     MIN_STEPS,
     REAL_BUDGET_S,
@@ -118,7 +119,7 @@ def _await_blocks_back(
     while (
         engine.crashed is None
         and pool.get_num_free_blocks() < want
-        and time.monotonic() - start < RETURN_WAIT_S
+        and time.monotonic() - start < timebase.scaled(RETURN_WAIT_S)
     ):
         if engine.is_idle():
             return pool.get_num_free_blocks(), time.monotonic() - start, True
@@ -208,7 +209,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             scenario,
             engine,
             written,
-            timeout_s=LATE_WRITE_WAIT_S,
+            timeout_s=timebase.scaled(LATE_WRITE_WAIT_S),
             poll_s=FILL_POLL_S,
             min_steps=MIN_STEPS,  # a step-driven late write (the toy) is not starved by load
         )
@@ -219,13 +220,14 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
                 scenario,
                 engine,
                 lambda e: e.record.steps >= after,
-                timeout_s=REAL_BUDGET_S,
+                timeout_s=timebase.scaled(REAL_BUDGET_S),
                 poll_s=FILL_POLL_S,
             )
         else:
             found.append(
                 f"C11 setup: the slow P's late write for {rid} did not happen within "
-                f"{LATE_WRITE_WAIT_S:g} s of the fillers' start: nothing was written late"
+                f"{timebase.scaled(LATE_WRITE_WAIT_S):g} s of the fillers' start: "
+                "nothing was written late"
             )
         # Report only: how many of the load's blocks the fillers got (none with a hold).
         scenario.note("reused_blocks", len(reused))
@@ -233,7 +235,13 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             running = [f for f in fillers if f in engine.scheduler.requests]
             if running:
                 engine.abort(running)
-        _step_until(scenario, engine, lambda e: e.is_idle(), timeout_s=DRAIN_S, poll_s=poll_s)
+        _step_until(
+            scenario,
+            engine,
+            lambda e: e.is_idle(),
+            timeout_s=timebase.scaled(DRAIN_S),
+            poll_s=poll_s,
+        )
     if engine.crashed is None and not engine.scheduler.requests:
         free, waited, idle = _await_blocks_back(scenario, engine, free_before)
         scenario.note("blocks_back_s", round(waited, 3))
@@ -248,8 +256,8 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
         elif free < free_before:
             found.append(
                 f"C11 leak: {free_before - free} blocks never returned to the free pool "
-                f"within {RETURN_WAIT_S:g} s after every request ended and the slow P's "
-                f"write was over ({free} free, {free_before} before the load)"
+                f"within {timebase.scaled(RETURN_WAIT_S):g} s after every request ended and "
+                f"the slow P's write was over ({free} free, {free_before} before the load)"
             )
     found += check_not_late(engine, rid, blocks)
     if scenario.caps.byte_verification:

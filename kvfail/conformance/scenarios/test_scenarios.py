@@ -26,7 +26,6 @@ pytestmark = pytest.mark.vllm
 ACTIVE = (
     FaultPoint.PEER_ERROR_RESPONSE,
     FaultPoint.KILL_DURING_TRANSFER,
-    FaultPoint.NET_RESET,
     FaultPoint.KILL_BEFORE_PULL,
     FaultPoint.REFUSE,
     FaultPoint.UNKNOWN_ENGINE,
@@ -337,23 +336,63 @@ def test_notify_only_empty_blocks(scenario: ScenarioContext) -> None:
     scenario.check(engine, [short], failed=False, extra=extra)
 
 
+#: The faults that hit one TP rank alone, preferred order: a cold D's first (P's rank
+#: killed before D's first pull), then the same kill once D has loaded from P. Each rank
+#: of the TP 2 layouts has its own scenario, so the report names the rank that failed.
+ONE_RANK_FAULTS = (FaultPoint.TP_ONE_RANK, FaultPoint.TP_ONE_RANK_WARM)
+
+
+def _failure_on_one_rank(scenario: ScenarioContext, rank: int) -> None:
+    """TP=2: P's rank ``rank`` fails (a real driver kills it; the toy fails that rank's
+    load), the other rank's load succeeds. vLLM's real KVOutputAggregator must still
+    deliver the failure once, and no rank may wait forever.
+
+    The fault is the first of :data:`ONE_RANK_FAULTS` the driver can provoke on that rank
+    alone, by what it declares: a rank it cannot fault without failing the others (the
+    P process that also serves the other ranks' bootstrap) is faulted once D has loaded
+    from P (``tp_one_rank_warm``: D asks the bootstrap nothing again), and skipped with
+    the driver's reason where it has no such fault. A warm D gets the deadline it asks
+    for, bounded as the warm kill of all of P is (``test_peer_killed_after_warm_pull``)."""
+    scenario.require("remote_prefill", "async_load", "tp2")
+    # A real TP 2 P and D cost a minute or more; the scenario runs in the TP 2 layouts
+    # where P's rank r serves D's rank r (a heterogeneous layout maps ranks otherwise).
+    scenario.require_layout("tp2", "tp2-g2")
+    point = scenario.require_fault_on_rank(rank, *ONE_RANK_FAULTS)
+    scenario.note("fault", point.value)
+    warm = point is FaultPoint.TP_ONE_RANK_WARM
+    engine = scenario.engine(deadline=warm)
+    deadline = scenario.declared_deadline_s(engine) if warm else None
+    if warm:
+        scenario.warm_up(engine)
+    rid = scenario.rid(f"tp-rank{rank}")
+    others = [r for r in range(scenario.layout.tp_size) if r != rank]
+    blocks = scenario.add_loading(engine, rid, fault=point, ranks=[rank])
+    scenario.driver.provoke(engine, rid, point, ranks=[rank], block_index=1)
+    scenario.driver.settle(engine, rid, ranks=others)
+    budget = scenario.deadline_budget(deadline) if warm else None
+    scenario.run(engine, timeout_s=budget)
+    extra = check_not_late(engine, rid, blocks)
+    if budget is not None:
+        seconds = _note_detection(scenario, engine, rid)
+        stranded = [rid] if rid in engine.waiting_for_remote() else []
+        times = [] if seconds is None else [seconds]
+        extra += deadline_findings([rid], stranded, times, deadline, budget)
+    scenario.check(engine, [rid], failed=True, extra=[*extra, *_wrong_bytes(scenario, engine, rid)])
+
+
 @pytest.mark.clauses("C1", "C2", "C6", "C8", "C11")
 @pytest.mark.guards("#42422")
-def test_tp2_failure_on_one_rank(scenario: ScenarioContext) -> None:
-    """TP=2: rank 0's load fails, rank 1's succeeds. vLLM's real KVOutputAggregator must
-    still deliver the failure once, and no rank may wait forever."""
-    scenario.require("remote_prefill", "async_load", "tp2")
-    scenario.require_fault(FaultPoint.TP_ONE_RANK)
-    if scenario.layout.tp_size < 2:
-        # A real TP 2 P and D cost a minute or more; the scenario runs in the TP 2 layouts.
-        scenario.require_layout("tp2", "tp2-g2")
-    engine = scenario.engine()
-    rid = scenario.rid("tp")
-    blocks = scenario.add_loading(engine, rid, fault=FaultPoint.TP_ONE_RANK)
-    scenario.driver.provoke(engine, rid, FaultPoint.TP_ONE_RANK, ranks=[0], block_index=1)
-    scenario.driver.settle(engine, rid, ranks=[1])
-    scenario.run(engine)
-    scenario.check(engine, [rid], failed=True, extra=check_not_late(engine, rid, blocks))
+def test_tp2_failure_on_one_rank_0(scenario: ScenarioContext) -> None:
+    """TP=2, rank 0 fails, rank 1 loads (see :func:`_failure_on_one_rank`)."""
+    _failure_on_one_rank(scenario, 0)
+
+
+@pytest.mark.clauses("C1", "C2", "C6", "C8", "C11")
+@pytest.mark.guards("#42422")
+def test_tp2_failure_on_one_rank_1(scenario: ScenarioContext) -> None:
+    """TP=2, rank 1 fails, rank 0 loads: a connector that reports only what its rank 0
+    sees (the rank vLLM's executor answers from) passes rank 0 and fails here."""
+    _failure_on_one_rank(scenario, 1)
 
 
 def _add_handshake_fault(

@@ -1,0 +1,389 @@
+"""Negative controls on the toy: the toy connector broken in exactly ONE way each.
+
+Each class is :class:`~kvfail.harness.toy.ToyConnector` (a test double) with one contract
+rule broken, the way real connectors broke it upstream; fast, they test the suite's
+oracles in isolation. ``conformance/selftest`` runs the suite against each and asserts
+it is flagged where :data:`EXPECTED_FLAGS` says, while the unbroken toy passes.
+
+=========================  ===========================================  =======  =========
+class                      what is broken                               clause   flagged by
+=========================  ===========================================  =======  =========
+``SwallowsFailure``        a failed load is only logged, never reported C1/C2    stall
+                           (pre-#50984 Mooncake): the request waits
+``ReportsLate``            failures are reported one pass after the id  C3       late
+                           was reported in ``finished_recving``
+``ReportsUnknownId``       a failure also reports an id the scheduler   C7       crash
+                           never tracked (stale/duplicate notification)
+``ReportsSuccessOnFailure``a failed transfer is reported as a plain     C1       unreported
+                           success with wrong bytes (the HF3FS pattern)
+``ReportsOneFailurePerStep``when several loads fail in one step, only the C1/C2    stall
+                           first is reported; the others wait forever
+``NoFailureChannel``       no failure channel at all: a failed load is  C1       unreported
+                           reported as a plain completion (not skipped)
+``ReportsFewerBlocks``     a failure names one block where none arrived C1       wrong KV
+                           (``recompute`` runs on unwritten blocks)
+``WritesAfterRelease``     fails fast without a fence; the transfer     C11      integrity
+                           writes after the blocks were released
+``FailsBeforeDeadline``    declares a 3 s deadline, but its watchdog    C10      early
+                           fails any load unanswered after one step
+``FailsEveryPeerOnLoss``   when one peer is lost, fails every load in   C8       false
+                           flight, the live peers' too                           failure
+``FreesWhileWriting``      fails an overdue load at its deadline and    C11      integrity
+                           frees its blocks at once, though a slow P            or leak
+                           still writes into them (no quarantine)
+``FailsOnlyOnRankZero``    only TP rank 0 reports a failure; another    C1       wrong KV
+                           rank's failed load goes out as a success             (TP 2)
+=========================  ===========================================  =======  =========
+
+``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
+(``kvfail/conformance/scenarios/test_concurrency.py``), and by its soak
+(:data:`EXTRA_FLAGS`): with one load in flight it is indistinguishable from a working
+connector, which is why those scenarios exist. ``FailsBeforeDeadline`` is flagged by the
+slow-peer scenario there: a peer that answers at once, or never, does not show it.
+``FailsEveryPeerOnLoss`` is flagged by the two-P scenario there: with one peer, all loads in
+flight are that peer's. ``FreesWhileWriting`` is flagged by
+``kvfail/conformance/scenarios/test_quarantine.py``: only a P that writes after the
+deadline, into blocks other requests were given, shows it. ``FailsOnlyOnRankZero`` shows
+only at TP 2 with rank 1 faulted (:data:`EXPECTED_FLAGS_TP2`): it passes every TP 1
+scenario and the fault on rank 0, which is why the one-rank fault runs for each rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from kvfail.compat import KVConnectorTransferResults, base_method
+from kvfail.conformance.negative.flag import Flag
+from kvfail.harness.toy import ToyConnector
+from kvfail.stages import Stage
+from kvfail.tracker import StepReport
+
+__all__ = [
+    "EXPECTED_FLAGS",
+    "EXPECTED_FLAGS_TP2",
+    "EXTRA_FLAGS",
+    "PASSES_TP2",
+    "FailsBeforeDeadline",
+    "FailsEveryPeerOnLoss",
+    "FailsOnlyOnRankZero",
+    "FreesWhileWriting",
+    "NoFailureChannel",
+    "ReportsFewerBlocks",
+    "ReportsLate",
+    "ReportsOneFailurePerStep",
+    "ReportsSuccessOnFailure",
+    "ReportsUnknownId",
+    "SwallowsFailure",
+    "WritesAfterRelease",
+]
+
+log = logging.getLogger("kvfail.conformance.negative")
+
+
+class SwallowsFailure(ToyConnector):
+    """Logs a failed load and drops it: no ``finished_recving``, so the request stalls."""
+
+    def load_failed(
+        self,
+        req_id: str,
+        stage: Stage | str,
+        reason: str,
+        *,
+        peer: Hashable | None = None,
+        settle: bool = True,
+        block_ids: object = None,
+    ) -> bool:
+        log.warning("load %s failed (%s): %s", req_id, stage, reason)  # and nothing else
+        return True
+
+
+class ReportsLate(ToyConnector):
+    """Reports ``finished_recving`` on time but holds the failure back one pass (C3)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._late_blocks: set[int] = set()
+        self._late_ids: set[str] = set()
+        self._held_blocks: set[int] = set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        late, self._late_ids = self._late_ids, set(results.failed_recving)
+        results.failed_recving = late
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        now = super().get_block_ids_with_load_errors()
+        late, self._held_blocks = self._held_blocks, set(now)
+        return late
+
+
+class ReportsUnknownId(ToyConnector):
+    """Whenever it reports a failure, also reports a retry id the scheduler never saw."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._kvfail_invalid or results.failed_recving:
+            failed = set(results.failed_recving) or set(results.finished_recving)
+            results.finished_recving |= {f"{rid}-retry" for rid in failed}
+        return results
+
+
+class ReportsSuccessOnFailure(ToyConnector):
+    """A failed transfer is reported as success; D's blocks keep whatever was there."""
+
+    def load_failed(
+        self,
+        req_id: str,
+        stage: Stage | str,
+        reason: str,
+        *,
+        peer: Hashable | None = None,
+        settle: bool = True,
+        block_ids: object = None,
+    ) -> bool:
+        self._inflight.pop(req_id, None)  # no bytes are copied
+        return self.load_succeeded(req_id)
+
+
+class ReportsOneFailurePerStep(ToyConnector):
+    """Keeps one failure slot per step: when several loads fail in the same drain, only
+    the first is reported; the others are dropped (neither failed nor finished), so their
+    requests wait for remote KV forever with their blocks held (C1/C2). A connector that
+    records "the" failed request of a step, or fails only the first request of a batch
+    when its peer dies, breaks this way; one failing load at a time never shows it."""
+
+    def drain_step(self) -> StepReport:
+        report = self.failure_reporter.drain()
+        lost = {rid for rid, _ in report.failures[1:]}
+        if lost:
+            lost_blocks = {b for rid in lost for g in self._inflight[rid].block_ids for b in g}
+            report = StepReport(
+                report.finished_recving - lost,
+                report.failed_recving - lost,
+                report.invalid_block_ids - lost_blocks,
+                report.failures[:1],
+            )
+        if report.invalid_block_ids:
+            self._kvfail_invalid.update(report.invalid_block_ids)
+        return report
+
+
+class NoFailureChannel(ToyConnector):
+    """Has no way to report a failed load: only the pre-contract ``get_finished``, so a
+    failure goes out as a plain completion. Its class overrides neither
+    ``get_transfer_results`` nor ``get_block_ids_with_load_errors`` (both are the base's),
+    so it has no failure channel by introspection; the failed-load scenarios must still
+    run for it and fail (reporting a failed load is a MUST), never be skipped."""
+
+    get_transfer_results = base_method("get_transfer_results")
+    get_block_ids_with_load_errors = KVConnectorBase_V1.get_block_ids_with_load_errors
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = ToyConnector.get_transfer_results(self, finished_req_ids)
+        ToyConnector.get_block_ids_with_load_errors(self)  # drained, and dropped
+        done = results.finished_recving | results.failed_recving
+        return set(results.finished_sending), set(done)
+
+
+class ReportsFewerBlocks(ToyConnector):
+    """Names fewer blocks than are missing: a transfer that delivered nothing is reported
+    as a failure of one block, so under ``recompute`` the scheduler keeps the blocks
+    before it as computed and runs on bytes nobody wrote (C1, wrong KV). Under ``fail``
+    the request ends in an error and nothing runs on them."""
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        load = self._inflight.get(req_id)
+        if load is None:
+            return False
+        named = load.block_ids[0][-1 if block_index is None else block_index]
+        return self.load_failed(req_id, stage, reason, block_ids=[named])  # nothing delivered
+
+
+class WritesAfterRelease(ToyConnector):
+    """Fails fast without a fence: a failed load is reported at once, but its transfer
+    goes on and writes P's bytes into the load's blocks two drains later, when the
+    scheduler has released them (``fail``) or D has recomputed into them (``recompute``).
+    The integrity oracle names the write (C11); no report-level check can see it."""
+
+    #: Drains between the failure report and the late write.
+    LATE_DRAINS = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._late: list[list[Any]] = []
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        load = self._inflight.get(req_id)
+        if load is not None:
+            self._late.append([self.LATE_DRAINS, load])
+        return super().fail(req_id, stage=stage, reason=reason, block_index=block_index)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for entry in self._late:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self._deliver(entry[1])
+        self._late = [e for e in self._late if e[0] > 0]
+        return super().get_transfer_results(finished_req_ids)
+
+
+class FailsBeforeDeadline(ToyConnector):
+    """Declares a load deadline of :attr:`DECLARED_S`, but its watchdog fails every load
+    still unanswered at its second drain (one step after the load started): a slow but
+    live peer's load is failed long before the deadline the suite judges by (C10). A
+    connector whose watchdog counts steps, or mixes up units, breaks this way; a peer
+    that answers within a step, or never, does not show it."""
+
+    DECLARED_S = 3.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_load_deadline_s = self.DECLARED_S
+        #: Drains each unanswered load has been through.
+        self._drains: dict[str, int] = {}
+
+    def complete(self, req_id: str) -> bool:
+        self._drains.pop(req_id, None)
+        return super().complete(req_id)
+
+    def fail(self, req_id: str, **kwargs: Any) -> bool:
+        self._drains.pop(req_id, None)
+        return super().fail(req_id, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        for req_id in list(self._inflight):
+            drains = self._drains[req_id] = self._drains.get(req_id, 0) + 1
+            if drains == 2:
+                self.load_failed(req_id, Stage.WATCHDOG, "no result after one step")
+        results = super().get_transfer_results(finished_req_ids)
+        for req_id in results.finished_recving:
+            self._drains.pop(req_id, None)
+        return results
+
+
+class FailsEveryPeerOnLoss(ToyConnector):
+    """When a load fails because its peer is gone (stage ``peer_lost``), fails every load
+    in flight, from every peer: the live peers' loads are reported failed although their
+    bytes arrive (C8), and under ``fail`` their requests end in an error. A connector
+    whose peer-death handler tears down its one transfer engine, or walks "all pending
+    transfers" instead of the dead peer's, breaks this way; with one peer every load in
+    flight is that peer's, so only D loading from two peers at once shows it."""
+
+    def fail(
+        self,
+        req_id: str,
+        *,
+        stage: Stage = Stage.TRANSFER,
+        reason: str = "toy: commanded failure",
+        block_index: int | None = None,
+    ) -> bool:
+        if stage is not Stage.PEER_LOST:
+            return super().fail(req_id, stage=stage, reason=reason, block_index=block_index)
+        failed = False
+        for other in sorted(self.inflight()):  # the dead peer's and everyone else's
+            failed |= super().fail(other, stage=stage, reason=reason)
+        return failed
+
+
+class FreesWhileWriting(ToyConnector):
+    """Fails fast WITHOUT quarantine: its watchdog fails an overdue load at the deadline
+    and says the transfer is fenced, so the tracker delivers the failure and the
+    scheduler frees the blocks at once, while the slow P's transfer still writes into
+    them (the suite's ``slow_peer_past_deadline``: the toy transport writes after the
+    request was let go). A connector that cancels only its own side of a push (Mooncake:
+    D closes its socket, P still writes into D's memory) or whose READ completes after
+    its handle was given up breaks this way; the blocks reach other requests, which then
+    run on the late bytes (C11, the integrity oracle), and nothing can tell the scheduler."""
+
+    def kvfail_fence(self, req_id: str) -> bool:
+        return True  # "fenced", whatever the transfer may still do
+
+
+#: What the self-test expects each control to be flagged by.
+#: Per D engine (its engine id): how many WORKER-role instances were built, in rank order.
+_WORKERS_BUILT: dict[str, int] = {}
+
+
+class FailsOnlyOnRankZero(ReportsSuccessOnFailure):
+    """Reports a failed load only on TP rank 0: a failure another rank finds is reported
+    as a plain completion, as by a connector whose failure bookkeeping lives with rank 0
+    (the rank that handshakes for the others, or the one whose output a reader takes as
+    the engine's). With rank 0 faulted it passes; with rank 1 faulted the request is
+    "loaded" with blocks rank 1 never received (C1, wrong KV under ``recompute``, an
+    unreported failure under ``fail``). The harness builds an engine's simulated ranks in
+    rank order, so the n-th WORKER of an engine id is its rank n."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._tp_rank = _WORKERS_BUILT.get(self.engine_id, 0)
+        if role == KVConnectorRole.WORKER:
+            _WORKERS_BUILT[self.engine_id] = self._tp_rank + 1
+
+    def load_failed(self, req_id: str, stage: Stage | str, reason: str, **kwargs: Any) -> bool:
+        if self._tp_rank == 0:
+            return ToyConnector.load_failed(self, req_id, stage, reason, **kwargs)
+        return super().load_failed(req_id, stage, reason, **kwargs)  # reported as a success
+
+
+EXPECTED_FLAGS: dict[str, Flag] = {
+    "SwallowsFailure": Flag("test_failed_load_one_group", "C2/C10 liveness"),
+    "ReportsLate": Flag("test_failed_load_one_group", "C3 late"),
+    "ReportsUnknownId": Flag("test_failed_load_one_group", "C7 crash"),
+    "ReportsSuccessOnFailure": Flag("test_failed_load_one_group", "C1 unreported"),
+    "ReportsOneFailurePerStep": Flag("test_many_loads_fail_in_one_step", "C2/C10 liveness"),
+    "NoFailureChannel": Flag("test_failed_load_one_group", "C1 unreported"),
+    "ReportsFewerBlocks": Flag(
+        "test_failed_load_one_group", "C1 wrong KV", frozenset({"recompute"})
+    ),
+    "WritesAfterRelease": Flag("test_failures_and_successes_same_step", "C11 "),
+    "FailsBeforeDeadline": Flag("test_slow_peer_not_failed_before_deadline", "C10 early failure"),
+    "FailsEveryPeerOnLoss": Flag("test_two_peers_one_killed", "C8 false failure"),
+    "FreesWhileWriting": Flag("test_slow_peer_writes_after_deadline", "C11 "),
+}
+
+#: Further scenarios that must flag a control besides its :data:`EXPECTED_FLAGS` one: the
+#: soak sums its oracles over every request, so a control that loses concurrent failures
+#: must be caught there too, not only by the scenario built for it.
+EXTRA_FLAGS: dict[str, tuple[Flag, ...]] = {
+    "ReportsOneFailurePerStep": (Flag("test_soak_random_faults", "C2/C10 liveness"),),
+}
+
+#: The flags that show only at TP 2 (``--layout tp2``): a one-rank fault, each rank in
+#: turn, alone and under many loads. ``FailsOnlyOnRankZero`` is built for them (it passes
+#: every TP 1 scenario); ``ReportsOneFailurePerStep`` must be caught where the failures of
+#: many loads come from one dead rank, too.
+EXPECTED_FLAGS_TP2: dict[str, tuple[Flag, ...]] = {
+    "FailsOnlyOnRankZero": (
+        Flag("test_tp2_failure_on_one_rank_1", "C1 wrong KV"),
+        Flag("test_many_loads_one_rank_killed", "C1 wrong KV"),
+    ),
+    "ReportsOneFailurePerStep": (Flag("test_many_loads_one_rank_killed", "C2/C10 liveness"),),
+}
+#: What a TP 2 control must still pass there: a fault on rank 0 shows nothing of a
+#: breakage on the other ranks, and the basics hold.
+PASSES_TP2: dict[str, tuple[str, ...]] = {
+    "FailsOnlyOnRankZero": (
+        "test_tp2_failure_on_one_rank_0",
+        "test_successful_load",
+        "test_local_request_untouched",
+    ),
+}
