@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvfail.faults.process import live_peers
 from kvfail.rig import shm
+from kvfail.rig.processes import live_peers
 
 #: Filled by the tests with what the client saw, timings and metrics; printed at the end.
 SUMMARY: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import aiohttp
 from aiohttp import web
 
-from kvfail.faults.process import free_port
+from kvfail.rig.ports import free_port
 
 HOST = "127.0.0.1"
 

@@ -1,6 +1,6 @@
 """Real ``vllm serve`` processes (P and D) on CPU, with fault controls and bounded waits.
 
-Each server runs in its own process group (``kvfail.faults.process.PeerProcess``), so SIGKILL
+Each server runs in its own process group (``kvfail.rig.processes.PeerProcess``), so SIGKILL
 and SIGSTOP reach the EngineCore and Worker children too: those hold the KV side channel,
 not the API process. Every listener is bound to 127.0.0.1; `listeners_of` lets a test check.
 """
@@ -26,15 +26,16 @@ from typing import Any, Literal
 import httpx2 as httpx
 
 from kvfail.faults.netns import NamespaceHost
-from kvfail.faults.process import PeerProcess
 from kvfail.peers.base import link_env
+from kvfail.rig.processes import PeerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 Connector = Literal["nixl", "mooncake"]
 Role = Literal["kv_producer", "kv_consumer"]
-#: Whose connector a server runs: kvfail's (``connectors/``) or upstream vLLM's.
-Impl = Literal["kvfail", "upstream"]
+#: Whose connector a server runs: kvfail's (``connectors/``), upstream vLLM's, or
+#: upstream's wrapped by kvfail's guard (``connectors.guard``).
+Impl = Literal["kvfail", "upstream", "guard"]
 
 #: Every server's environment: vLLM's CPU build, several servers sharing a small machine
 #: (a 1 GiB KV cache each, OpenMP threads not pinned to cores, which every server would
@@ -284,17 +285,43 @@ def metric(m: Mapping[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def upstream_transfer_config(connector: Connector) -> dict[str, Any]:
+    """Upstream's connector with this tier's transport settings (``e2e.upstream`` for
+    Mooncake's)."""
+    if connector == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    return {
+        "kv_connector": "UpstreamMooncakeConnector",
+        "kv_connector_module_path": "e2e.upstream",
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+
+
+def guard_transfer_config(connector: Connector, deadline_s: float) -> dict[str, Any]:
+    """Upstream's connector inside kvfail's guard: the guard's one-line configuration,
+    ``inner`` naming upstream's class and ``inner_extra_config`` its extra config."""
+    inner = upstream_transfer_config(connector)
+    module = inner.pop("kv_connector_module_path", None)
+    name = inner.pop("kv_connector")
+    return {
+        **inner,
+        "kv_connector": "KvfailGuardConnector",
+        "kv_connector_module_path": "connectors.guard",
+        "kv_connector_extra_config": {
+            "inner": name if module is None else f"{module}:{name}",
+            "inner_extra_config": inner.pop("kv_connector_extra_config", {}),
+            "deadline_s": deadline_s,
+        },
+    }
+
+
 def kv_transfer_config(spec: ServerSpec) -> dict[str, Any]:
-    """kvfail's connector loaded by module path, with a short deadline for a silent P; or
-    upstream's with the same transport settings (``e2e.upstream`` for Mooncake's)."""
-    if spec.impl == "upstream" and spec.connector == "nixl":
-        cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
-    elif spec.impl == "upstream":
-        cfg = {
-            "kv_connector": "UpstreamMooncakeConnector",
-            "kv_connector_module_path": "e2e.upstream",
-            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-        }
+    """kvfail's connector loaded by module path, with a short deadline for a silent P;
+    upstream's with the same transport settings; or upstream's inside the guard."""
+    if spec.impl == "upstream":
+        cfg = upstream_transfer_config(spec.connector)
+    elif spec.impl == "guard":
+        cfg = guard_transfer_config(spec.connector, spec.deadline_s)
     elif spec.connector == "nixl":
         cfg = {
             "kv_connector": "KvfailNixlConnector",

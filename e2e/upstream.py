@@ -4,10 +4,11 @@ Why this module: upstream's worker asks ``torch.accelerator.current_device_index
 constructor, which raises without an accelerator, so ``kv_connector="MooncakeConnector"``
 cannot start on this machine. The subclass changes nothing but that: it constructs
 upstream's connector inside the rig's ``cpu_accelerator_index`` shim (``kvfail.rig.cpu_shim``,
-``docs/rig-patches.md``), the same shim kvfail's own Mooncake worker is built in. Every
-method is upstream's. Load it with ``kv_connector="UpstreamMooncakeConnector",
-kv_connector_module_path="e2e.upstream"`` (``e2e.servers.kv_transfer_config`` does, for a
-server whose spec says ``impl="upstream"``). Importing this module imports vLLM.
+``docs/rig-patches.md``), the stand-in kvfail's own Mooncake worker is built in
+(``kvfail.cpu``). Every method is upstream's. Load it with
+``kv_connector="UpstreamMooncakeConnector", kv_connector_module_path="e2e.upstream"``
+(``e2e.servers.kv_transfer_config`` does, for a server whose spec says ``impl="upstream"``).
+Importing this module imports vLLM.
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ builds its children). What the guard adds is on the load path only:
 * a load failed at its deadline keeps its blocks in quarantine
   (:class:`kvfail.vllm_quarantine.QuarantineConnector`) until the inner reports it, or
   its P is proven gone (:mod:`connectors.guard.peer`); past the cap, new remote loads
-  are computed locally.
+  are computed locally;
+* the inner's lookups are bounded (:mod:`connectors.guard.lookup`): past the lookup
+  deadline, or while an earlier lookup is stuck, the answer is "nothing to load";
+* a request whose load failed is not offered a load again: its recompute is computed
+  locally, never matched anew by the inner to the source that just failed for it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,7 +50,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     supports_hma,
 )
 
-from connectors.guard.config import GuardConfig, parse_guard_config
+from connectors.guard.config import GuardConfig, lookup_deadline_s, parse_guard_config
+from connectors.guard.lookup import BoundedCalls
 from connectors.guard.passthrough import PassThroughConnector
 from connectors.guard.peer import peer_address, peer_refuses
 from connectors.guard.stats import GuardPromMetrics, GuardStats
@@ -52,7 +59,7 @@ from kvfail import compat
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import KvfailWorkerMeta, QuarantineConnector, _cap_from
-from kvfail.vllm_stats import KvfailPromMetrics, KVFailStats
+from kvfail.vllm_stats import PREFIX, KvfailPromMetrics, KVFailStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,11 +67,23 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["GuardLoad", "GuardMetadata", "KvfailGuardConnector", "inner_class_and_config"]
+__all__ = [
+    "GUARD_EVENTS",
+    "GuardLoad",
+    "GuardMetadata",
+    "KvfailGuardConnector",
+    "inner_class_and_config",
+]
 
 logger = logging.getLogger("kvfail.guard")
+
+#: The scheduler half's own counters (stats ``kvfail.<name>``, and
+#: ``vllm:kvfail_events_total{event=<name>}``): lookups past the lookup deadline, lookups
+#: answered at once while one is stuck, and lookups of a request whose load failed.
+GUARD_EVENTS = ("lookups_timed_out", "lookups_refused_stuck", "loads_refused_failed_before")
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,14 @@ class KvfailGuardConnector(
         self._matched: dict[str, tuple[bool, int]] = {}
         self._new_loads: dict[str, GuardLoad] = {}
         self._sync_blocks: set[int] = set()
+        #: The blocks of each request's load since its allocation (async or sync), to
+        #: name the request a failed block belongs to; and the requests whose load failed.
+        self._load_blocks: dict[str, frozenset[int]] = {}
+        self._failed_before: set[str] = set()
+        #: When the inner first answered "not yet" (None) for a request still asking.
+        self._lookup_pending: dict[str, float] = {}
+        self._guard_events: Counter[str] = Counter()
+        self._lookups = BoundedCalls(inner_cls.__name__, lookup_deadline_s(config))
         # Worker half: loads bound but not started, and what each tracked load holds.
         self._starting: dict[str, GuardLoad] = {}
         self._loads: dict[str, GuardLoad] = {}
@@ -187,7 +214,9 @@ class KvfailGuardConnector(
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> GuardPromMetrics:
-        ours = KvfailPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        ours = KvfailPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, GUARD_EVENTS
+        )
         inner = None
         if getattr(vllm_config, "kv_transfer_config", None) is not None:
             inner_cls, inner_config, _ = inner_class_and_config(vllm_config)
@@ -201,12 +230,51 @@ class KvfailGuardConnector(
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        if req_id in self._failed_before:
+            # Its load failed: the recompute is computed here. Asking the inner again would
+            # match the same source (a store whose master still lists lost keys), and load
+            # from it again and again (vLLM #55297, C12).
+            self._matched.pop(req_id, None)
+            self._guard_events["loads_refused_failed_before"] += 1
+            return 0, False
         tokens, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if tokens is None:
+            tokens, load_async = self._bounded_not_yet(req_id)
+        else:
+            self._lookup_pending.pop(req_id, None)
         if tokens:
             self._matched[request.request_id] = (load_async, num_computed_tokens)
         else:
             self._matched.pop(request.request_id, None)
         return tokens, load_async
+
+    def _guard_scheduler_call(self, what: str, call: Any, fallback: Any) -> Any:
+        """The inner's call, bounded by the lookup deadline (:mod:`connectors.guard.lookup`);
+        ``fallback`` when it is past the deadline or an earlier call is stuck."""
+        outcome = self._lookups.call(what, call)
+        if outcome.done:
+            return outcome.value
+        event = "lookups_timed_out" if outcome.timed_out else "lookups_refused_stuck"
+        self._guard_events[event] += 1
+        return fallback
+
+    def _bounded_not_yet(self, req_id: str) -> tuple[int | None, bool]:
+        """The inner answered "not yet" (its lookup runs on its own): the request waits
+        for it at most the lookup deadline, then is computed locally."""
+        now = time.monotonic()
+        since = self._lookup_pending.setdefault(req_id, now)
+        if now - since < self._lookups.deadline_s:
+            return None, False
+        del self._lookup_pending[req_id]
+        self._guard_events["lookups_timed_out"] += 1
+        logger.warning(
+            "kvfail guard: %s's lookup of %s not ready within %.3g s: computed locally",
+            self._guard_inner_cls.__name__,
+            req_id,
+            self._lookups.deadline_s,
+        )
+        return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -219,6 +287,7 @@ class KvfailGuardConnector(
             return
         load_async, num_local = matched
         groups = self._external_blocks(blocks, num_local, num_external_tokens)
+        self._load_blocks[request.request_id] = frozenset(b for g in groups for b in g)
         if load_async:
             self._new_loads[request.request_id] = GuardLoad(groups, address)
         else:
@@ -238,7 +307,25 @@ class KvfailGuardConnector(
             out.append(tuple(b.block_id for b in group[first:end] if not b.is_null))
         return tuple(out)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Notes each request whose load failed (by id, or by a failed block of its load),
+        before the scheduler reschedules it; a load that finished well is forgotten."""
+        failed = set(connector_output.failed_recving or ())
+        invalid = connector_output.invalid_block_ids or set()
+        if invalid:
+            failed.update(r for r, blocks in self._load_blocks.items() if blocks & invalid)
+        for req_id in failed:
+            self._load_blocks.pop(req_id, None)
+        self._failed_before.update(failed)
+        for req_id in connector_output.finished_recving or ():
+            if req_id not in failed:
+                self._load_blocks.pop(req_id, None)
+        super().update_connector_output(connector_output)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> GuardMetadata:
+        for req_id in scheduler_output.preempted_req_ids or ():
+            # Its blocks go back to the pool: a failure named in them is another's.
+            self._load_blocks.pop(req_id, None)
         meta = GuardMetadata(
             inner=self._guard_inner.build_connector_meta(scheduler_output),
             loads=self._new_loads,
@@ -251,14 +338,24 @@ class KvfailGuardConnector(
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._matched.pop(request.request_id, None)
+        self._forget(request.request_id)
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._matched.pop(request.request_id, None)
+        self._forget(request.request_id)
         return super().request_finished_all_groups(request, block_ids)
+
+    def _forget(self, req_id: str) -> None:
+        self._matched.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
+        self._failed_before.discard(req_id)
+        self._lookup_pending.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        self._lookups.close()
+        super().shutdown()
 
     # ------------------------------------------------------------ worker role
 
@@ -392,8 +489,11 @@ class KvfailGuardConnector(
         return KvfailWorkerMeta(notice=notice, inner=inner)
 
     def _guard_own_stats(self) -> KVFailStats | None:
-        """The worker's counters for this interval (the scheduler half adds the
-        quarantine's gauges: :class:`kvfail.vllm_quarantine.QuarantineConnector`)."""
+        """The worker's counters for this interval; the scheduler's :data:`GUARD_EVENTS`
+        (the scheduler half also adds the quarantine's gauges:
+        :class:`kvfail.vllm_quarantine.QuarantineConnector`)."""
         if self._kvfail_tracker is None:
-            return None
+            events, self._guard_events = self._guard_events, Counter()
+            data = {PREFIX + name: count for name, count in events.items() if count}
+            return KVFailStats(data=data) if data else None
         return KVFailStats.from_failure_stats(self.take_failure_stats())

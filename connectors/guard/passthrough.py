@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorRole,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -64,6 +65,11 @@ class PassThroughConnector(KVConnectorBase_V1):
         """The wrapper's own counters for this interval (none here)."""
         return None
 
+    def _guard_scheduler_call(self, what: str, call: Any, fallback: Any) -> Any:
+        """A scheduler-side call into the inner that may wait on a remote; a subclass may
+        bound it and answer ``fallback`` instead (here: called as it is)."""
+        return call()
+
     # ------------------------------------------------------------ properties
 
     @property
@@ -95,7 +101,10 @@ class PassThroughConnector(KVConnectorBase_V1):
         )
 
     def reset_cache(self) -> bool | None:
-        return self._guard_inner.reset_cache()
+        if getattr(self, "role", None) != KVConnectorRole.SCHEDULER:
+            return self._guard_inner.reset_cache()
+        # Not reset (False) when the guard answers for it.
+        return self._guard_scheduler_call("reset_cache", self._guard_inner.reset_cache, False)
 
     # ------------------------------------------------------------ worker role
 
@@ -176,7 +185,12 @@ class PassThroughConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._guard_inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        inner = self._guard_inner
+        return self._guard_scheduler_call(  # type: ignore[no-any-return]
+            f"get_num_new_matched_tokens({request.request_id})",
+            lambda: inner.get_num_new_matched_tokens(request, num_computed_tokens),
+            (0, False),
+        )
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> Any:
         return self._guard_inner.get_external_cache_hit_sources(request, num_external_tokens)

@@ -69,9 +69,9 @@ from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
+from kvfail.cpu import cpu_accelerator_index_shim
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
 from kvfail.quarantine import NamedHolds
-from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 from kvfail.vllm_quarantine import worker_hold_rank
 
 if TYPE_CHECKING:

@@ -136,6 +136,13 @@ def _extra(vllm_config: VllmConfig) -> Mapping[str, Any] | None:
     return None if kv_config is None else kv_config.kv_connector_extra_config
 
 
+def failed_transfer_kwargs(record_failed_transfer: bool) -> dict[str, bool]:
+    """Upstream's ``record_failed_transfer`` only when it is not its default: vLLM 0.30's
+    ``_handle_failed_transfer`` has no such parameter (and never passes it), later
+    releases default it to True."""
+    return {} if record_failed_transfer else {"record_failed_transfer": False}
+
+
 def _deadline_from(vllm_config: VllmConfig) -> float | None:
     return seconds_from(_extra(vllm_config), DEADLINE_KEY, DEFAULT_DEADLINE_S)
 
@@ -168,8 +175,51 @@ class LoggedFailureStages:
         self.load_failed(req_id, stage, reason, settle=False)  # type: ignore[attr-defined]
 
 
+class TrackerDecides:
+    """The pull and push workers' report, one implementation for both: upstream polls
+    and post-processes, the tracker decides what is reported. Put it first among the
+    worker's bases, with :class:`FailureReporterMixin` right before upstream's worker."""
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        """Upstream polls and post-processes; the tracker decides what is reported."""
+        # Loads without local blocks (a full local hit the scheduler still awaits) are
+        # upstream's to complete and never fail: their KV is already local.
+        recving: Any = self._recving_metadata  # type: ignore[attr-defined]
+        no_blocks = {r for r, m in recving.items() if not any(m.local_block_ids)}
+        self._kvfail_before_poll()
+        upstream = super().get_transfer_results()  # type: ignore[misc]
+        # Upstream's invalid-block queue (the class after the tracker's) is superseded by
+        # the tracker; drain it so it does not grow.
+        super(FailureReporterMixin, self).get_block_ids_with_load_errors()  # type: ignore[misc]
+        passthrough = upstream.finished_recving & no_blocks
+        finished = upstream.finished_recving - passthrough
+        for req_id in finished:
+            # No outstanding handles: the load is settled, failed or not (sticky). An id
+            # the tracker no longer knows is counted and dropped, never passed on (C7).
+            self.load_succeeded(req_id)  # type: ignore[attr-defined]
+        self._kvfail_settled(finished)
+        results: KVConnectorTransferResults = self.transfer_results(  # type: ignore[attr-defined]
+            upstream.finished_sending, finished_recving=passthrough
+        )
+        return results
+
+    def _kvfail_before_poll(self) -> None:
+        """Hook: before upstream polls."""
+
+    def _kvfail_settled(self, finished: set[str]) -> None:
+        """Hook: the loads upstream finished, now settled in the tracker."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return FailureReporterMixin.get_block_ids_with_load_errors(self)  # type: ignore[arg-type]
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
+        upstream = super().get_kv_connector_stats()  # type: ignore[misc]
+        return KvfailNixlStats.merged(upstream, self.take_failure_stats())  # type: ignore[attr-defined]
+
+
 class KvfailNixlWorker(
-    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
+    TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
 ):
     """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
 
@@ -271,7 +321,9 @@ class KvfailNixlWorker(
         """
         super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, remote_dcp_size)
         topo = self.transfer_topo
-        regions = self._transfer_layer_region_indices or range(len(self.block_len_per_layer))
+        # vLLM 0.30 has no layer-name routing (no such attribute): every region transfers.
+        routed = getattr(self, "_transfer_layer_region_indices", ())
+        regions = routed or range(len(self.block_len_per_layer))
         check_remote_layout(
             [self.block_len_per_layer[i] for i in regions],
             RemoteLayout(
@@ -301,13 +353,14 @@ class KvfailNixlWorker(
             lost = (
                 meta is not None
                 and meta.remote is not None
-                and (meta.remote.engine_id in self._invalid_remote_engines)
+                # Upstream's invalid-engine backoff is newer than vLLM 0.31.
+                and meta.remote.engine_id in getattr(self, "_invalid_remote_engines", ())
             )
             stage = Stage.PEER_LOST if lost else Stage.TRANSFER_SETUP
             reason = "remote engine invalidated" if lost else "read not started"
             self.load_failed(req_id, stage, reason, settle=False)
         return super()._handle_failed_transfer(
-            req_id, handle, failed_req_ids, record_failed_transfer
+            req_id, handle, failed_req_ids, **failed_transfer_kwargs(record_failed_transfer)
         )
 
     def kvfail_fence(self, req_id: str) -> bool:
@@ -355,29 +408,8 @@ class KvfailNixlWorker(
 
     # ------------------------------------------------------------------ per step
 
-    def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Upstream polls and post-processes; the tracker decides what is reported."""
-        # Loads without local blocks (a full local hit the scheduler still awaits) are
-        # upstream's to complete and never fail: their KV is already local.
-        no_blocks = {r for r, m in self._recving_metadata.items() if not any(m.local_block_ids)}
+    def _kvfail_before_poll(self) -> None:
         self._kvfail_watch_peers()
-        upstream = super().get_transfer_results()
-        # Upstream's invalid-block queue is superseded by the tracker; drain it so it
-        # does not grow.
-        NixlPullConnectorWorker.get_block_ids_with_load_errors(self)
-        passthrough = upstream.finished_recving & no_blocks
-        for req_id in upstream.finished_recving - passthrough:
-            # No outstanding handles: the load is settled, failed or not (sticky). An id
-            # the tracker no longer knows is counted and dropped, never passed on (C7).
-            self.load_succeeded(req_id)
-        return self.transfer_results(upstream.finished_sending, finished_recving=passthrough)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return FailureReporterMixin.get_block_ids_with_load_errors(self)
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
-        return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
 
     def shutdown(self) -> None:
         if self._kvfail_probes is not None:

@@ -70,11 +70,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from connectors.config import NixlPushKvfailConfig, validate_extra_config
-from connectors.nixl.connector import LoggedFailureStages, _deadline_from, _extra
+from connectors.nixl.connector import (
+    LoggedFailureStages,
+    TrackerDecides,
+    _deadline_from,
+    _extra,
+    failed_transfer_kwargs,
+)
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
-from kvfail.compat import KVConnectorTransferResults
 from kvfail.deadline import seconds_from
 from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
@@ -148,7 +153,7 @@ class _Held:
 
 
 class KvfailNixlPushWorker(
-    NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker
+    TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker
 ):
     """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
 
@@ -238,7 +243,7 @@ class KvfailNixlPushWorker(
                 req_id, Stage.HANDSHAKE, "no P agent for the registration", settle=False
             )
         return super()._handle_failed_transfer(
-            req_id, handle, failed_req_ids, record_failed_transfer
+            req_id, handle, failed_req_ids, **failed_transfer_kwargs(record_failed_transfer)
         )
 
     def kvfail_fence(self, req_id: str) -> bool:
@@ -378,27 +383,11 @@ class KvfailNixlPushWorker(
 
     # ------------------------------------------------------------------ per step
 
-    def get_transfer_results(self) -> KVConnectorTransferResults:
-        """Upstream polls; the tracker decides what is reported."""
-        no_blocks = {r for r, m in self._recving_metadata.items() if not any(m.local_block_ids)}
-        upstream = super().get_transfer_results()
-        # Upstream's invalid-block queue is superseded by the tracker.
-        NixlPushConnectorWorker.get_block_ids_with_load_errors(self)
-        passthrough = upstream.finished_recving & no_blocks
-        finished = upstream.finished_recving - passthrough
-        for req_id in finished:
-            self.load_succeeded(req_id)
+    def _kvfail_settled(self, finished: set[str]) -> None:
+        """A registration of a load upstream finished is no longer outstanding."""
         if finished:
             with self._kvfail_reg_lock:
                 self._kvfail_reg_sent -= finished
-        return self.transfer_results(upstream.finished_sending, finished_recving=passthrough)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return FailureReporterMixin.get_block_ids_with_load_errors(self)
-
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Upstream's NIXL telemetry and kvfail's counters for this interval, merged."""
-        return KvfailNixlStats.merged(super().get_kv_connector_stats(), self.take_failure_stats())
 
     def shutdown(self) -> None:
         self._kvfail_probes.close()

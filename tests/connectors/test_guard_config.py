@@ -8,7 +8,9 @@ pytest.importorskip("pydantic", reason="the guard's config model is pydantic (co
 
 from connectors.guard.config import (
     DEFAULT_DEADLINE_S,
+    DEFAULT_LOOKUP_DEADLINE_S,
     GuardConfigError,
+    lookup_deadline_s,
     parse_guard_config,
 )
 
@@ -19,6 +21,13 @@ def test_minimal_config_takes_defaults() -> None:
     assert config.deadline_s == DEFAULT_DEADLINE_S
     assert config.inner_extra_config == {}
     assert config.quarantine_max_blocks is None
+    assert lookup_deadline_s(config) == min(DEFAULT_DEADLINE_S, DEFAULT_LOOKUP_DEADLINE_S)
+
+
+def test_lookup_deadline_is_its_own_or_the_load_deadline() -> None:
+    assert lookup_deadline_s(parse_guard_config({"inner": "X", "deadline_s": 2})) == 2.0
+    both = parse_guard_config({"inner": "X", "deadline_s": 2, "lookup_deadline_s": 0.5})
+    assert lookup_deadline_s(both) == 0.5
 
 
 def test_inner_extra_config_is_passed_through_untouched() -> None:
@@ -36,6 +45,7 @@ def test_inner_extra_config_is_passed_through_untouched() -> None:
         ({"inner": "X", "deadline_s": -1.5}, "deadline_s", "greater than 0"),
         ({"inner": "X", "deadline_s": "30"}, "deadline_s", "valid number"),
         ({"inner": "X", "deadline_s": True}, "deadline_s", "valid number"),
+        ({"inner": "X", "lookup_deadline_s": 0}, "lookup_deadline_s", "greater than 0"),
         (
             {"inner": "X", "quarantine_max_blocks": -1},
             "quarantine_max_blocks",

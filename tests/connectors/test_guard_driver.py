@@ -56,3 +56,14 @@ def test_a_class_by_module_path_is_named_by_it_and_no_deadline_means_the_default
     d = harness_config.EngineSpec(connector="ToyConnector", connector_module="kvfail.harness.toy")
     extra = dict(guard_spec(d).extra_config)
     assert extra == {"inner": "kvfail.harness.toy:ToyConnector", "inner_extra_config": {}}
+
+
+def test_a_scenario_deadline_reaches_the_guard_when_the_driver_sets_none() -> None:
+    """A store driver puts no deadline into X's config (X has none): the deadline the
+    scenario asked for becomes the guard's; one X's config carries wins."""
+    d = harness_config.EngineSpec(connector="ExampleConnector", connector_module=None)
+    assert dict(guard_spec(d, deadline_s=3.0).extra_config)["deadline_s"] == 3.0
+    own = harness_config.EngineSpec(
+        connector="MooncakeConnector", connector_module=None, extra_config={DEADLINE_KEY: 5.0}
+    )
+    assert dict(guard_spec(own, deadline_s=3.0).extra_config)["deadline_s"] == 5.0

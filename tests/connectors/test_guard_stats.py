@@ -81,6 +81,8 @@ def test_metrics_show_the_guards_counters_and_holds_and_the_inners() -> None:
     assert stats is not None
     data: dict[str, Any] = stats.to_dict()
     data[GAUGE_PREFIX + "quarantined_blocks"] = 3
+    data["kvfail.lookups_timed_out"] = 1
+    data["kvfail.lookups_refused_stuck"] = 4
     metrics.observe(data, 0)
 
     def value(name: str, **labels: str) -> float | None:
@@ -88,4 +90,7 @@ def test_metrics_show_the_guards_counters_and_holds_and_the_inners() -> None:
 
     assert value("vllm:kvfail_loads_failed_total", stage="watchdog") == 1
     assert value("vllm:kvfail_quarantined_blocks") == 3
+    # The scheduler half's own counts: a stuck lookup, and those answered while it hung.
+    assert value("vllm:kvfail_events_total", event="lookups_timed_out") == 1
+    assert value("vllm:kvfail_events_total", event="lookups_refused_stuck") == 4
     assert INNER_KEY not in data

@@ -57,7 +57,8 @@ from connectors.mooncake import (
 from connectors.mooncake.params import UNUSABLE_ENGINE
 from kvfail import FailureReporterMixin, Stage
 from kvfail.harness.config import EngineSpec, build_config
-from kvfail.harness.engine import Engine, ensure_world_of_one
+from kvfail.harness.engine import Engine
+from kvfail.harness.workers import ensure_world_of_one
 from kvfail.vllm_quarantine import KvfailWorkerMeta
 from tests.connectors.fake_mooncake_p import (
     BOGUS,

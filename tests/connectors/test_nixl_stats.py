@@ -116,3 +116,23 @@ def test_deadline_from_extra_config(nixl: Any, extra: dict, expected: float | No
         ),
     )
     assert _deadline_from(config) == expected
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_the_failed_transfer_override_passes_upstream_only_what_it_accepts(record: bool) -> None:
+    # vLLM 0.30's _handle_failed_transfer has no record_failed_transfer: forwarding the
+    # default positionally crashed every failure path of kvfail's NIXL on that release.
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+
+    from connectors.nixl.connector import failed_transfer_kwargs
+
+    upstream = inspect.signature(NixlBaseConnectorWorker._handle_failed_transfer)
+    kwargs = failed_transfer_kwargs(record)
+    if not record and "record_failed_transfer" not in upstream.parameters:
+        pytest.skip("this vLLM never passes record_failed_transfer=False")
+    upstream.bind(object(), "req", None, set(), **kwargs)
+    assert kwargs == ({} if record else {"record_failed_transfer": False})
