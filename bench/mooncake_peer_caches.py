@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from bench._common import figures
-from kvfail.faults import PeerProcess
 from kvfail.peers.mooncake import P_PEER_CACHE_ENV
 from kvfail.peers.producer import WRITE_RETRIES
+from kvfail.rig.processes import PeerProcess
 
 #: Bound on one engine build or one loopback write (each takes well under a second).
 WAIT_S = 60.0

@@ -1,4 +1,4 @@
-"""Does adopting kvfail slow fault-free P/D serving? Upstream's D connector vs kvfail's.
+"""Does adopting kvfail slow fault-free P/D serving? Upstream's D connector vs kvfail's, guarded.
 
 Set-up, per transport (Mooncake over TCP, NIXL over UCX/TCP): the e2e tier's deployment
 (``e2e.pd.start_deployment``: real ``vllm serve`` processes on CPU, the tiny seeded Llama
@@ -6,26 +6,29 @@ of ``e2e.model``, our proxy ``e2e.proxy`` in front of each D), with one P and tw
 together: D ``upstream`` runs vLLM's connector (``NixlConnector``; ``MooncakeConnector``
 through ``e2e.upstream``, which only builds it inside the rig's CPU shim), D ``kvfail`` runs
 kvfail's (``connectors.nixl`` / ``connectors.mooncake``, load deadline at the connector's
-default, 30 s). Both Ds pull from the same P, which runs upstream's connector (``--p``
-switches it to kvfail's): only D's connector differs between the two arms.
+default, 30 s), and D ``guard`` runs upstream's connector inside kvfail's guard
+(``connectors.guard``, ``deadline_s`` 30 s: configuration only, no code change). The Ds pull
+from the same P, which runs upstream's connector (``--p`` switches it to kvfail's): only D's
+connector differs between the arms.
 
 Workload: ``--requests`` (64) seeded requests with mixed prompt lengths (130-400 tokens)
 and output lengths (16-48 tokens, ``ignore_eos``), all sent at once through the proxy,
 streamed, so the client sees each request's time to first token (TTFT: from sending to
 the first token, P's prefill and D's KV pull included). Each D first gets one unmeasured
-round; then ``--rounds`` measured rounds per arm, in pairs of adjacent rounds whose order
-flips from pair to pair (upstream, kvfail, kvfail, upstream, ...), so drift on the shared
-machine hits both arms alike. A round counts only if every request
+round; then ``--rounds`` measured rounds per arm, in sets of adjacent rounds (one per arm)
+whose order flips from set to set (upstream, kvfail, guard, guard, kvfail, upstream, ...), so
+drift on the shared machine hits every arm alike. A round counts only if every request
 ended with all its tokens and D's ``external_kv_transfer`` prompt-token counter grew by at
 least one block per request (the KV really came from P); otherwise the bench stops.
 
 Figures: per round, wall time, output tokens/s, TTFT p50/p99, D's CPU seconds (every
-process of its group, from /proc) and the idle D's. Per arm, all rounds pooled: tokens/s =
+process of its group, from /proc) and the idle Ds'. Per arm, all rounds pooled: tokens/s =
 output tokens / summed round wall time; TTFT percentiles over every request; and the
-pooled ratios. The last line holds kvfail ÷ upstream per pair of adjacent rounds, the
-median over the pairs (:func:`paired_ratios` says why): ``pd_tps_ratio_<transport>``
+pooled ratios. The last line holds kvfail ÷ upstream per set of adjacent rounds, the
+median over the sets (:func:`paired_ratios` says why): ``pd_tps_ratio_<transport>``
 (target >= 0.98) and ``pd_ttft_p50_ratio_<transport>`` / ``pd_ttft_p99_ratio_<transport>``
-(target <= 1.02).
+(target <= 1.02), with ``pd_tps_ratio_spread_<transport>`` (the largest set's ratio less the
+smallest); the guard's column is the same figures named ``pd_guard_...``.
 
 64 at once is not scaled down: a 2-core machine takes it (a round's length follows the
 machine's load), and the three servers, the proxy and the client share those two
@@ -62,7 +65,14 @@ if TYPE_CHECKING:
     from e2e.servers import Impl, VllmServer
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS: tuple[Impl, ...] = ("upstream", "kvfail")
+ARMS: tuple[Impl, ...] = ("upstream", "kvfail", "guard")
+#: What each measured arm must meet against upstream alone, in the same run.
+TARGETS = {
+    "pd_tps_ratio_mooncake": ">= 0.98",
+    "pd_tps_ratio_nixl": ">= 0.98",
+    "pd_guard_tps_ratio_mooncake": ">= 0.98",
+    "pd_guard_tps_ratio_nixl": ">= 0.98",
+}
 TRANSPORTS: tuple[Literal["mooncake", "nixl"], ...] = ("mooncake", "nixl")
 
 #: Prompt and output lengths of the workload. A prompt is longer than one 128-token CPU
@@ -188,40 +198,53 @@ def summarize(rounds: Sequence[Round]) -> ArmSummary:
     )
 
 
-def ratios(transport: str, upstream: ArmSummary, kvfail: ArmSummary) -> dict[str, float]:
-    """kvfail ÷ upstream for tokens/s and TTFT p50/p99, named as on the bench's last line."""
+def _prefix(arm: str) -> str:
+    """kvfail's figures keep their first names (``pd_tps_ratio_...``); another arm's
+    carry its name (``pd_guard_tps_ratio_...``)."""
+    return "pd_" if arm == "kvfail" else f"pd_{arm}_"
+
+
+def ratios(
+    transport: str, upstream: ArmSummary, measured: ArmSummary, arm: str = "kvfail"
+) -> dict[str, float]:
+    """``arm`` ÷ upstream for tokens/s and TTFT p50/p99, named as on the bench's last line."""
 
     def div(a: float, b: float) -> float:
         return round(a / b, 4) if b > 0 else math.nan
 
+    pre = _prefix(arm)
     return {
-        f"pd_tps_ratio_{transport}": div(kvfail.tps, upstream.tps),
-        f"pd_ttft_p50_ratio_{transport}": div(kvfail.ttft_p50_s, upstream.ttft_p50_s),
-        f"pd_ttft_p99_ratio_{transport}": div(kvfail.ttft_p99_s, upstream.ttft_p99_s),
+        f"{pre}tps_ratio_{transport}": div(measured.tps, upstream.tps),
+        f"{pre}ttft_p50_ratio_{transport}": div(measured.ttft_p50_s, upstream.ttft_p50_s),
+        f"{pre}ttft_p99_ratio_{transport}": div(measured.ttft_p99_s, upstream.ttft_p99_s),
     }
 
 
 def paired_ratios(
-    transport: str, upstream: Sequence[Round], kvfail: Sequence[Round]
+    transport: str, upstream: Sequence[Round], measured: Sequence[Round], arm: str = "kvfail"
 ) -> dict[str, float]:
-    """:func:`ratios` of each pair of adjacent rounds (upstream's i-th, kvfail's i-th), and
-    per figure the median over the pairs. Why: the machine's load drifts within minutes,
-    and pooling lets one slow stretch decide; the two rounds of a pair ran back to back,
-    so their quotient holds the least drift, and the median drops a pair one of whose
-    rounds a burst of foreign load hit."""
-    if len(upstream) != len(kvfail) or not upstream:
-        raise ValueError(f"need pairs of rounds, got {len(upstream)} and {len(kvfail)}")
+    """:func:`ratios` of each set of adjacent rounds (upstream's i-th, ``arm``'s i-th), and
+    per figure the median over the sets, with the tokens/s ratio's spread (largest less
+    smallest). Why: the machine's load drifts within minutes, and pooling lets one slow
+    stretch decide; the rounds of a set ran back to back, so their quotient holds the
+    least drift, and the median drops a set one of whose rounds a burst of foreign load
+    hit."""
+    if len(upstream) != len(measured) or not upstream:
+        raise ValueError(f"need pairs of rounds, got {len(upstream)} and {len(measured)}")
     per_pair = [
-        ratios(transport, summarize([u]), summarize([k]))
-        for u, k in zip(upstream, kvfail, strict=True)
+        ratios(transport, summarize([u]), summarize([k]), arm)
+        for u, k in zip(upstream, measured, strict=True)
     ]
-    return {key: round(percentile((p[key] for p in per_pair), 50), 4) for key in per_pair[0]}
+    out = {key: round(percentile((p[key] for p in per_pair), 50), 4) for key in per_pair[0]}
+    tps = [p[f"{_prefix(arm)}tps_ratio_{transport}"] for p in per_pair]
+    out[f"{_prefix(arm)}tps_ratio_spread_{transport}"] = round(max(tps) - min(tps), 4)
+    return out
 
 
 def schedule(rounds_per_arm: int) -> list[str]:
-    """The measured rounds' order: pairs of adjacent rounds, one per arm, whose order
-    flips from pair to pair (upstream first, then kvfail first, ...). Why: with one order
-    for every pair, a load that rises or falls through the run favours one arm."""
+    """The measured rounds' order: sets of adjacent rounds, one per arm, whose order
+    flips from set to set (upstream first, then upstream last, ...). Why: with one order
+    for every set, a load that rises or falls through the run favours one arm."""
     order: list[str] = []
     for i in range(rounds_per_arm):
         order += ARMS if i % 2 == 0 else ARMS[::-1]
@@ -230,7 +253,7 @@ def schedule(rounds_per_arm: int) -> list[str]:
 
 def last_line(values: dict[str, float]) -> str:
     """Every tps ratio first, then the TTFT ratios transport by transport."""
-    order = sorted(values, key=lambda k: (not k.startswith("pd_tps_"), k.rpartition("_")[2], k))
+    order = sorted(values, key=lambda k: ("_tps_" not in k, k.rpartition("_")[2], k))
     return figures(**{k: values[k] for k in order})
 
 
@@ -302,15 +325,15 @@ def run_round(dep: Deployment, transport: str, arm: str, index: int, reqs: list[
     from e2e.pd import external_tokens, wait_idle
 
     d = dep.d[arm]
-    other = dep.d[next(a for a in ARMS if a != arm)]
+    others = [dep.d[a] for a in dep.d if a != arm]
     # Both servers idle first: a round starts with nothing of the previous one left on
     # P (its KV awaiting a pull, its bookkeeping) or on D.
     wait_idle(dep.p, None, 60.0)
     wait_idle(d, None, 60.0)
     ext0 = external_tokens(d)
-    cpu0, idle0 = group_cpu_s(d), group_cpu_s(other)
+    cpu0, idle0 = group_cpu_s(d), sum(map(group_cpu_s, others))
     wall, samples = asyncio.run(_send_all(dep.proxies[arm].url, dep.model, reqs))
-    cpu1, idle1 = group_cpu_s(d), group_cpu_s(other)
+    cpu1, idle1 = group_cpu_s(d), sum(map(group_cpu_s, others))
     r = Round(
         transport,
         arm,
@@ -371,7 +394,7 @@ def run_transport(
         print(f"{transport}: P ({p_impl}) and both Ds ready in {time.monotonic() - t0:.1f} s")
         print(
             f"  {'round':22}{'wall s':>8}{'tok/s':>10}{'ttft p50':>10}{'ttft p99':>10}"
-            f"{'D cpu s':>9}{'idle D':>9}{'kv/prmpt':>9}"
+            f"{'D cpu s':>9}{'idle Ds':>9}{'kv/prmpt':>9}"
         )
         for arm in ARMS:  # one unmeasured round each: first pulls, first batch shapes
             print_round(run_round(dep, transport, arm, -1, reqs), prompt_tokens)
@@ -430,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"workload: {n} requests at once, seed {args.seed}, prompts "
         f"{min(len(r.prompt) for r in reqs)}-{max(len(r.prompt) for r in reqs)} tokens, "
         f"outputs {min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)} tokens; "
-        f"{rounds} measured rounds per arm, in pairs of flipping order; P runs {args.p}'s connector"
+        f"{rounds} measured rounds per arm, in sets of flipping order; P runs {args.p}'s connector"
     )
     work = Path(tempfile.mkdtemp(prefix="kvfail-pd-overhead-"))
     segments = shm.segment_names()
@@ -440,10 +463,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = generate_model(work / "model")
         for transport in transports:
             arms = run_transport(transport, model, work / "logs", reqs, rounds, args.p)
-            up, kv = arms["upstream"], arms["kvfail"]
-            pooled = ratios(transport, summarize(up), summarize(kv))
-            print("  pooled ratios: " + figures(**pooled))
-            values.update(paired_ratios(transport, up, kv))
+            up = arms["upstream"]
+            for arm in ARMS[1:]:
+                pooled = ratios(transport, summarize(up), summarize(arms[arm]), arm)
+                print(f"  pooled ratios ({arm}): " + figures(**pooled))
+                values.update(paired_ratios(transport, up, arms[arm], arm))
         finished = True
     finally:
         # A server killed after its grace period cannot unlink its segments.

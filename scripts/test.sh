@@ -2,20 +2,15 @@
 # The project's whole test run, what CI runs after scripts/setup.sh: everything `pytest`
 # runs by default (tests/ and conformance/), then the e2e tier (`pytest e2e -m e2e`).
 #
-#   scripts/test.sh [PYTEST ARGS...]   one session after the other; extra arguments go to
-#                                      the default run's session
-#   KVFAIL_LANES=2 scripts/test.sh     two lanes at the same time, split by file so each
-#                                      takes about as long:
-#       lane 1   conformance/test_scenarios.py and test_quarantine.py, then the e2e tier
-#       lane 2   the rest: tests/, conformance/test_concurrency.py, the selftest, and any
-#                conformance file added later
+#   scripts/test.sh [PYTEST ARGS...]   extra arguments go to the default run's session
+#   KVFAIL_WORKERS=N scripts/test.sh   that session on N pytest-xdist workers (default 2;
+#                                      0: one process, as plain `pytest`)
 #
-# Why lanes exist: one session keeps a 2-core machine only about half busy (it mostly
-# waits on deadlines, peers and sockets), and the lanes share nothing that could collide
-# (own ports, own shared-memory prefix and IPC directory per session). Why they are not
-# the default: both lanes together load the machine enough to stretch the suite's timing-
-# sensitive scenarios, so CI keeps the serial run until those hold up under that load.
-# With lanes, lane 1 streams and lane 2's output follows when both have ended.
+# Why workers: one process keeps a 2-core machine only about half busy (it mostly waits on
+# deadlines, peers and sockets). `--dist loadgroup` keeps each connector's scenarios on one
+# worker (they share that connector's P processes; the suite marks them), spreads the rest
+# test by test, and the controller writes the suite's one report and applies its coverage
+# gate (docs/testing.md). The e2e tier's real `vllm serve` pairs run alone after it.
 #
 # The e2e tier runs even when the tests before it failed, so one run reports on both.
 # Exit status: 0 only if every pytest session passed and ran at least one test.
@@ -63,30 +58,10 @@ run_pytest() {
   return "$rc"
 }
 
-LANE1=(conformance/test_scenarios.py conformance/test_quarantine.py)
-
-if [ "${KVFAIL_LANES:-1}" != 2 ]; then
-  run_pytest "$@"
-  RC=$?
-  run_pytest e2e -m e2e || RC=1
-  exit "$RC"
-fi
-
-IGNORE=()
-for path in "${LANE1[@]}"; do IGNORE+=("--ignore=$path"); done
-run_pytest tests conformance "${IGNORE[@]}" "$@" >"$LOGS/lane2.log" 2>&1 &
-LANE2=$!
-# Ctrl-C or a CI cancel stops both lanes (pytest tears its peers down on SIGTERM).
-trap 'kill -TERM "$LANE2" 2>/dev/null; rm -rf "$LOGS"' EXIT INT TERM
-
-# The e2e tier runs even when the scenarios failed: one run then reports on both.
-run_pytest "${LANE1[@]}" "$@"
-RC1=$?
-run_pytest e2e -m e2e || RC1=1
-wait "$LANE2"
-RC2=$?
-echo "test.sh: lane 1 (scenarios, quarantine, e2e) exit $RC1; lane 2 exit $RC2" >&2
-echo
-echo "============ lane 2: tests/, conformance/ (concurrency, selftest, ...) ============"
-cat "$LOGS/lane2.log"
-[ "$RC1" -eq 0 ] && [ "$RC2" -eq 0 ]
+WORKERS=${KVFAIL_WORKERS:-2}
+DIST=()
+[ "$WORKERS" != 0 ] && DIST=(-n "$WORKERS" --dist loadgroup)
+run_pytest "${DIST[@]}" "$@"
+RC=$?
+run_pytest e2e -m e2e || RC=1
+exit "$RC"

@@ -64,9 +64,10 @@ def test_percentile_refuses_bad_input(bad: float) -> None:
         percentile([], 50)
 
 
-def test_each_pair_of_rounds_flips_its_order() -> None:
-    # Pairs of adjacent rounds, the order flipping from pair to pair.
-    assert schedule(3) == ["upstream", "kvfail", "kvfail", "upstream", "upstream", "kvfail"]
+def test_each_set_of_rounds_flips_its_order() -> None:
+    # Sets of adjacent rounds, one per arm, the order flipping from set to set.
+    arms = ["upstream", "kvfail", "guard"]
+    assert schedule(3) == [*arms, *arms[::-1], *arms]
 
 
 def _round(arm: str, wall: float, tokens: list[int], ttfts: list[float], cpu: float) -> Round:
@@ -126,3 +127,24 @@ def test_paired_ratios_take_the_median_pair_so_one_slow_round_does_not_decide() 
     assert r["pd_ttft_p50_ratio_nixl"] == 1.02
     with pytest.raises(ValueError):
         paired_ratios("nixl", up, kv[:2])
+
+
+def test_the_guard_column_has_its_own_names_and_a_spread() -> None:
+    up = [_round("upstream", 1.0, [100], [1.0], 0.0) for _ in range(3)]
+    guard = [_round("guard", 1.0, [n], [1.0], 0.0) for n in (97, 99, 100)]
+    r = paired_ratios("mooncake", up, guard, "guard")
+    assert r == {
+        "pd_guard_tps_ratio_mooncake": 0.99,
+        "pd_guard_ttft_p50_ratio_mooncake": 1.0,
+        "pd_guard_ttft_p99_ratio_mooncake": 1.0,
+        "pd_guard_tps_ratio_spread_mooncake": 0.03,
+    }
+    names = [
+        pair.split("=")[0] for pair in last_line({**r, **paired_ratios("mooncake", up, up)}).split()
+    ]
+    assert names[:4] == [
+        "pd_guard_tps_ratio_mooncake",
+        "pd_guard_tps_ratio_spread_mooncake",
+        "pd_tps_ratio_mooncake",
+        "pd_tps_ratio_spread_mooncake",
+    ]  # throughput first, then the TTFT ratios

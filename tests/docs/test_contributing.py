@@ -46,7 +46,10 @@ GATES = (
     "tests/faults/test_points.py",
     "tests/audit/test_static.py",
     "tests/docs/test_scratch_recipes.py",
+    "tests/conformance/test_fault_gate.py",
 )
+#: The driver the fault-point recipe adds its point to (one driver is enough for the gate).
+POINT_DRIVER = "kvfail/conformance/toy_driver.py"
 
 
 @dataclass
@@ -107,6 +110,10 @@ RECIPES = [
                     r"^class FaultPoint\(.*?\):\n    \"\"\".*?\"\"\"\n\n",
                     '    SCRATCH_POINT = "scratch_point"\n',
                 )(old)
+            ),
+            POINT_DRIVER: _after(
+                r"def injectors\(self\).*?return \{\n",
+                "            FaultPoint.SCRATCH_POINT: _ToyInjector(),\n",
             ),
             CONTRACT: _contract_lists(POINT_CLAUSE, "Fault points", "scratch_point"),
         },
@@ -178,7 +185,7 @@ RECIPES = [
                 'scratch = "kvfail.conformance.scratch_driver:make_driver"\n',
             ),
         },
-        optional=frozenset({"kvfail/conformance/resolve.py"}),
+        optional=frozenset({"kvfail/conformance/claims.py"}),
     ),
     Recipe(
         "Add a connector",
@@ -390,3 +397,14 @@ def test_leaving_out_the_contract_step_fails_the_gate_naming_each_new_thing(
         report = run.stdout.split(f"test_each_clause_lists_what_tests_it[{clause}] _")[1]
         assert name in report.split("\n_____")[0], f"the {clause} gate did not name {name}"
     assert run.stdout.count("\nFAILED ") == 3, run.stdout[-6000:]  # nothing else broke
+
+
+def test_leaving_out_the_driver_step_fails_the_fault_gate_naming_the_point(
+    tmp_path: Path,
+) -> None:
+    run = _gates(_scratch_tree(tmp_path / "tree", leave_out=frozenset({POINT_DRIVER})), "-v")
+    assert run.returncode == 1, run.stdout[-6000:]
+    gate = "test_every_fault_point_is_injected_by_a_driver_and_used_by_a_scenario"
+    assert f"FAILED tests/conformance/test_fault_gate.py::{gate}" in run.stdout, run.stdout[-6000:]
+    assert "scratch_point: no driver injects it" in run.stdout, run.stdout[-6000:]
+    assert run.stdout.count("\nFAILED ") == 1, run.stdout[-6000:]  # nothing else broke

@@ -12,19 +12,27 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = ROOT / "kvfail" / "conformance" / "negative.py"
+MODULE = ROOT / "kvfail" / "conformance" / "negative" / "toy.py"
+
+
+#: The dicts of toy controls: the TP 1 ones, and those that show only at TP 2.
+TOY_TABLES = ("EXPECTED_FLAGS", "EXPECTED_FLAGS_TP2")
 
 
 def _expected_flags(tree: ast.Module) -> set[str]:
+    found: dict[str, set[str]] = {}
     for node in tree.body:
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
-            and node.target.id == "EXPECTED_FLAGS"
+            and node.target.id in TOY_TABLES
             and isinstance(node.value, ast.Dict)
         ):
-            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
-    raise AssertionError("no EXPECTED_FLAGS dict literal in negative.py")
+            keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            found[node.target.id] = keys
+    missing = [name for name in TOY_TABLES if name not in found]
+    assert not missing, f"no {missing} dict literal in negative/toy.py"
+    return set().union(*found.values())
 
 
 def test_the_docstring_table_lists_every_toy_control() -> None:

@@ -71,3 +71,9 @@ def test_every_link_resolves_in_the_repository(target: str) -> None:
     if target == "docs/guard.md" and not (ROOT / target).exists():
         pytest.skip("docs/guard.md arrives with the guard connector")
     assert (ROOT / target).exists(), target
+
+
+def test_the_readme_shows_the_version_heat_map() -> None:
+    # The picture `kvfail matrix --heatmap` generates, drawn in the guide, not only linked.
+    assert "![" in _text() and "](docs/vllm-versions.png)" in _text()
+    assert (ROOT / "docs" / "vllm-versions.png").exists()
