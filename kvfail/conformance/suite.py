@@ -359,6 +359,20 @@ class ScenarioContext:
             evidence=self._rig_state(engine, [rid]),
         )
 
+    def next_traffic(self, engine: Engine) -> str:
+        """Serve one request D computes itself, after the scenario's own requests ended.
+
+        Why: a report the connector sends after the scheduler let an id go (a repeat of a
+        failure, a late signal of an aborted load) lands in the next step D takes, and in
+        service that step comes with the next request. An engine left idle after its last
+        request never shows it, so a scenario about what happens after a free serves one
+        more request before it is judged. Returns that request's id."""
+        if engine.crashed is not None:
+            return ""
+        rid = self.driver.add_local_request(engine, self.rid("next"))
+        self.run(engine)
+        return rid
+
     def _rig_state(self, engine: Engine, request_ids: list[str]) -> list[str]:
         """Evidence for a precondition that failed (a warm-up that never loaded): what D's
         and P's sides hold for ``request_ids`` and the machine's busiest processes, so a

@@ -33,6 +33,14 @@ class                      what is broken                               clause  
                            still writes into them (no quarantine)
 ``FailsOnlyOnRankZero``    only TP rank 0 reports a failure; another    C1       wrong KV
                            rank's failed load goes out as a success             (TP 2)
+``ReportsBlocksWithTwoGroups`` failures go by block id with two       C5       crash
+                           KV-cache groups (never ``failed_recving``)
+``ReAdvertisesFailedHit``  answers the next lookup after a failed load  C12      reload
+                           with the same hit (vLLM #55297)                      loop
+``ReportsFailureTwice``    reports a failure again one pass later,      C7       crash
+                           when the scheduler has let the id go
+``FailsPastDeadline``      declares a 1 s deadline, its watchdog        C10      late
+                           enforces one past the suite's margin
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
@@ -46,6 +54,14 @@ flight are that peer's. ``FreesWhileWriting`` is flagged by
 deadline, into blocks other requests were given, shows it. ``FailsOnlyOnRankZero`` shows
 only at TP 2 with rank 1 faulted (:data:`EXPECTED_FLAGS_TP2`): it passes every TP 1
 scenario and the fault on rank 0, which is why the one-rank fault runs for each rank.
+``ReportsBlocksWithTwoGroups`` shows only where D has two KV-cache groups, and
+``ReAdvertisesFailedHit`` only under ``recompute`` (under ``fail`` the request ends with
+its failure and is never looked up again), where a whole load failed: after a failure of
+one block of several the rewound request has less than a block left to look up.
+``ReportsFailureTwice`` is flagged where a load fails and where an aborted load fails
+(``test_failure_races_abort``, ``test_abort_while_waiting``; each serves one more
+request after the free, the step in which the repeat lands), and ``FailsPastDeadline``
+by both scenarios whose peer never answers.
 """
 
 from __future__ import annotations
@@ -70,8 +86,12 @@ __all__ = [
     "FailsBeforeDeadline",
     "FailsEveryPeerOnLoss",
     "FailsOnlyOnRankZero",
+    "FailsPastDeadline",
     "FreesWhileWriting",
     "NoFailureChannel",
+    "ReAdvertisesFailedHit",
+    "ReportsBlocksWithTwoGroups",
+    "ReportsFailureTwice",
     "ReportsFewerBlocks",
     "ReportsLate",
     "ReportsOneFailurePerStep",
@@ -318,7 +338,93 @@ class FreesWhileWriting(ToyConnector):
         return True  # "fenced", whatever the transfer may still do
 
 
-#: What the self-test expects each control to be flagged by.
+class ReportsBlocksWithTwoGroups(ToyConnector):
+    """Reports every failure by block id, whatever the number of KV-cache groups: the
+    request-level channel is never used. With one group that is the contract; with two,
+    a flat set of block ids cannot say which group it means, and vLLM's scheduler raises
+    ``RuntimeError`` inside the engine core (C5). Connectors written before the
+    request-level channel existed break this way the day they serve a hybrid model."""
+
+    def drain_step(self) -> StepReport:
+        report = super().drain_step()
+        if not report.failed_recving:
+            return report
+        blocks = {
+            b
+            for rid in report.failed_recving
+            for group in self._inflight[rid].block_ids
+            for b in group
+        }
+        self._kvfail_invalid.update(blocks)
+        return StepReport(
+            report.finished_recving,
+            frozenset(),
+            report.invalid_block_ids | blocks,
+            report.failures,
+        )
+
+
+class ReAdvertisesFailedHit(ToyConnector):
+    """After a load failed, answers the request's next lookup with the same hit: under
+    ``recompute`` the scheduler rewinds the request, asks again, and the request goes
+    back to waiting for the KV that just failed (C12, vLLM #55297's load-fail-reload
+    loop). Under ``fail`` the request ends with its failure, so nothing shows."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.readvertise = True
+
+
+class ReportsFailureTwice(ToyConnector):
+    """Reports each failed load correctly, then once more one pass later, as a connector
+    whose transfer thread and watchdog both report the same failure does. By then the
+    scheduler has let the request go (an aborted request is freed at its first
+    ``finished_recving``, a failed one has ended), so the repeat names an id the
+    scheduler no longer tracks (C7), which vLLM meets with an assertion in its engine
+    core. One failure in flight at a time shows it as well as many."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._failed: set[str] = set()
+        self._repeat: set[str] = set()
+
+    def load_failed(self, req_id: str, stage: Stage | str, reason: str, **kwargs: Any) -> bool:
+        self._failed.add(req_id)
+        return super().load_failed(req_id, stage, reason, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        repeat, self._repeat = self._repeat, results.finished_recving & self._failed
+        self._failed -= self._repeat
+        results.finished_recving |= repeat
+        if self.num_groups > 1:
+            results.failed_recving |= repeat
+        return results
+
+
+class FailsPastDeadline(ToyConnector):
+    """Declares a load deadline of :attr:`DECLARED_S`, but its watchdog enforces a later
+    one: past the declared deadline plus the suite's margin, yet inside the suite's wait,
+    so the load is reported and only its lateness is wrong (C10 past deadline). A
+    connector that declares one setting and arms its watchdog from another (or restarts
+    a load's timer at each retry) breaks this way. The enforced deadline is taken in the
+    suite's time scale, so that on a loaded machine it still lands in that window."""
+
+    DECLARED_S = 1.0
+    #: How far past the declared deadline the watchdog fires, on an idle machine: beyond
+    #: the suite's margin (3 s for this deadline), within its wait (5 s in all).
+    LATE_BY_S = 3.5
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.kv_load_deadline_s = self.DECLARED_S
+        if role == KVConnectorRole.WORKER:
+            from kvfail.conformance import timebase
+
+            enforced = self.DECLARED_S + timebase.scaled(self.LATE_BY_S)
+            self.failure_reporter.default_deadline_s = enforced
+
+
 #: Per D engine (its engine id): how many WORKER-role instances were built, in rank order.
 _WORKERS_BUILT: dict[str, int] = {}
 
@@ -358,6 +464,12 @@ EXPECTED_FLAGS: dict[str, Flag] = {
     "FailsBeforeDeadline": Flag("test_slow_peer_not_failed_before_deadline", "C10 early failure"),
     "FailsEveryPeerOnLoss": Flag("test_two_peers_one_killed", "C8 false failure"),
     "FreesWhileWriting": Flag("test_slow_peer_writes_after_deadline", "C11 "),
+    "ReportsBlocksWithTwoGroups": Flag("test_failed_load_request_level_two_groups", "C5"),
+    "ReAdvertisesFailedHit": Flag(
+        "test_failed_load_request_level_two_groups", "C12 (#55297)", frozenset({"recompute"})
+    ),
+    "ReportsFailureTwice": Flag("test_failed_load_one_group", "C7 "),
+    "FailsPastDeadline": Flag("test_silent_peer_caught_by_deadline", "C10 past deadline"),
 }
 
 #: Further scenarios that must flag a control besides its :data:`EXPECTED_FLAGS` one: the
@@ -365,6 +477,14 @@ EXPECTED_FLAGS: dict[str, Flag] = {
 #: must be caught there too, not only by the scenario built for it.
 EXTRA_FLAGS: dict[str, tuple[Flag, ...]] = {
     "ReportsOneFailurePerStep": (Flag("test_soak_random_faults", "C2/C10 liveness"),),
+    "ReportsFailureTwice": (
+        Flag("test_failure_races_abort", "C7 "),
+        Flag("test_abort_while_waiting", "C7 "),
+    ),
+    "ReAdvertisesFailedHit": (
+        Flag("test_silent_peer_caught_by_deadline", "C12 (#55297)", frozenset({"recompute"})),
+    ),
+    "FailsPastDeadline": (Flag("test_frozen_peer_caught_by_deadline", "C10 past deadline"),),
 }
 
 #: The flags that show only at TP 2 (``--layout tp2``): a one-rank fault, each rank in

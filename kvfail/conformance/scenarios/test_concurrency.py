@@ -238,7 +238,8 @@ def test_failure_races_abort(scenario: ScenarioContext) -> None:
     provoked, half after it (the toy: both orders before one step; a real transport: the
     second half once the failures had time to reach D). Each request's blocks are held
     until its finished_recving and then all freed, it is reported exactly once, never
-    after the scheduler freed it (C7), and no aborted request produces a token."""
+    after the scheduler freed it (C7, watched through the next request D serves), and no
+    aborted request produces a token."""
     scenario.require("remote_prefill", "async_load")
     scenario.require_fault(FaultPoint.ABORT_WHILE_WAITING)
     point = scenario.require_fault(*ALL_FAIL)
@@ -256,6 +257,7 @@ def test_failure_races_abort(scenario: ScenarioContext) -> None:
     for rid in fail_first:
         scenario.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
     scenario.run(engine)
+    scenario.next_traffic(engine)
     found = scenario.violations(engine, rids, failed=None, policy_outcome=False)
     found += _not_late(engine, blocks)
     for rid in rids:

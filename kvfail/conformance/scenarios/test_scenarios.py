@@ -285,7 +285,8 @@ def test_params_bad_bootstrap_addr(scenario: ScenarioContext) -> None:
 def test_abort_while_waiting(scenario: ScenarioContext) -> None:
     """Abort a request whose load is in flight, then let the load succeed (and, where the
     driver can, fail): the blocks are held until finished_recving, then all is freed, the
-    late signal never names a freed id, and the aborted request produces no tokens."""
+    late signal never names a freed id (watched through the next request D serves), and
+    the aborted request produces no tokens."""
     scenario.require("remote_prefill", "async_load")
     scenario.require_fault(FaultPoint.ABORT_WHILE_WAITING)
     late_events: list[FaultPoint | None] = [None]
@@ -305,6 +306,7 @@ def test_abort_while_waiting(scenario: ScenarioContext) -> None:
         else:
             scenario.driver.provoke(engine, rid, point)
         scenario.run(engine)
+        scenario.next_traffic(engine)
         found += [
             f"[{late}] {v}" for v in scenario.violations(engine, failed=None, policy_outcome=False)
         ]
