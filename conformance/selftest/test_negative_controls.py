@@ -219,13 +219,65 @@ def test_real_negative_control_is_flagged_by_the_right_scenario(
         assert outcomes == {"passed"}, (ok, _why(recs, ok))
 
 
+#: Real controls of the deadline scenarios, and those scenarios (each control's flags).
+DEADLINE_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL_DEADLINE)
+DEADLINE_SCENARIOS = sorted(
+    {f.scenario for flags in negative.EXPECTED_FLAGS_REAL_DEADLINE.values() for f in flags}
+)
+
+
+@pytest.fixture(scope="module")
+def real_deadline_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[int, list[dict[str, Any]], str]:
+    """``mooncake`` (the reference) and the real deadline controls, through the scenarios
+    only a deadline can end: a P that never answers, and a slow P that answers after the
+    deadline (``test_quarantine.py``). One policy: the verdict these controls break is
+    the connector's bound on a load, which no policy changes."""
+    from kvfail.peers.mooncake import mooncake_available
+
+    why = mooncake_available()
+    if why is not None or not DEADLINE_CONTROLS:
+        pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
+    _warm_up()
+    out = tmp_path_factory.mktemp("kvfail-real-deadline-report")
+    args = [str(SUITE), str(QUARANTINE), "-p", "no:cacheprovider", "-q"]
+    args += ["--kvfail-report", str(out), "--policy", "fail", "--layout", "tp1"]
+    args += ["-k", " or ".join(DEADLINE_SCENARIOS)]
+    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in DEADLINE_CONTROLS)]:
+        args += ["--connector", spec]
+    ret = pytest.main(args)
+    records = json.loads((out / "report.json").read_text())
+    return int(ret), records, (out / "report.md").read_text()
+
+
+def test_real_mooncake_passes_the_deadline_scenarios(real_deadline_run: Any) -> None:
+    recs = _records(real_deadline_run, "mooncake")
+    assert {r["scenario"] for r in recs} == set(DEADLINE_SCENARIOS)
+    assert [
+        (r["scenario"], r["outcome"], r["reason"]) for r in recs if r["outcome"] != "passed"
+    ] == []
+
+
+@pytest.mark.parametrize("control", DEADLINE_CONTROLS)
+def test_real_deadline_control_is_flagged_by_every_scenario_named(
+    real_deadline_run: Any, control: str
+) -> None:
+    """Flagged for the same reason by a P that never answers and by a slow one that does:
+    the verdict does not turn on whether P beat the suite's wait."""
+    recs = _records(real_deadline_run, f"kvfail.conformance.negative:{control}")
+    for flag in negative.EXPECTED_FLAGS_REAL_DEADLINE[control]:
+        ran = [r for r in recs if r["scenario"] == flag.scenario]
+        assert len(ran) == 1 and negative.flags(ran[0], flag), (flag, _why(recs, flag.scenario))
+
+
 def test_real_controls_resolve_to_the_mooncake_driver() -> None:
     from kvfail.conformance.mooncake_driver import MooncakeDriver
     from kvfail.conformance.resolve import resolve
 
     if not REAL_CONTROLS:
         pytest.skip("connectors.mooncake is not importable here")
-    for control in REAL_CONTROLS:
+    for control in [*REAL_CONTROLS, *DEADLINE_CONTROLS]:
         driver = resolve(f"kvfail.conformance.negative:{control}")
         assert isinstance(driver, MooncakeDriver), (control, type(driver).__name__)
 

@@ -23,7 +23,7 @@ from kvfail.compat import KVConnectorTransferResults
 from kvfail.conformance.negative.flag import Flag
 from kvfail.stages import Stage
 
-__all__ = ["EXPECTED_FLAGS_REAL"]
+__all__ = ["EXPECTED_FLAGS_REAL", "EXPECTED_FLAGS_REAL_DEADLINE"]
 
 log = logging.getLogger("kvfail.conformance.negative")
 
@@ -137,10 +137,27 @@ if _KvfailMooncake is not None:
 
         _broken_worker = _ReportsSuccessOnFailureWorker
 
+    class UnboundedMooncake(_KvfailMooncake):  # type: ignore[misc,valid-type]
+        """KvfailMooncakeConnector that ignores the deadline it is configured with: it
+        declares none and enforces none, so a load ends only when P answers or goes away
+        (C10). A P that never answers strands the load; a slow one ends it late, which
+        must be the same verdict whatever P's speed."""
+
+        def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            from kvfail.deadline import DEADLINE_KEY
+
+            transfer = vllm_config.kv_transfer_config
+            transfer.kv_connector_extra_config = {
+                **(transfer.kv_connector_extra_config or {}),
+                DEADLINE_KEY: None,
+            }
+            super().__init__(vllm_config, *args, **kwargs)
+
     __all__ += [
         "LateMooncake",
         "SuccessOnFailureMooncake",
         "SwallowingMooncake",
+        "UnboundedMooncake",
         "UnknownIdMooncake",
     ]
 
@@ -153,6 +170,20 @@ EXPECTED_FLAGS_REAL: dict[str, Flag] = (
         "LateMooncake": Flag("test_failed_load_one_group", "C3 late"),
         "UnknownIdMooncake": Flag("test_failed_load_one_group", "C7 crash"),
         "SuccessOnFailureMooncake": Flag("test_failed_load_one_group", "C1 wrong bytes"),
+    }
+    if _KvfailMooncake is not None
+    else {}
+)
+
+#: Real-connector controls of the deadline scenarios, each flagged by every scenario
+#: named (a P that never answers, and a slow one that does): the toy's P cannot be slow
+#: and still answer, so only a real P shows that the verdict ignores P's speed.
+EXPECTED_FLAGS_REAL_DEADLINE: dict[str, tuple[Flag, ...]] = (
+    {
+        "UnboundedMooncake": (
+            Flag("test_silent_peer_caught_by_deadline", "C10 no deadline"),
+            Flag("test_slow_peer_writes_after_deadline", "C10 no deadline"),
+        ),
     }
     if _KvfailMooncake is not None
     else {}
