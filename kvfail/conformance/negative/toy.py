@@ -41,6 +41,8 @@ class                      what is broken                               clause  
                            when the scheduler has let the id go
 ``FailsPastDeadline``      declares a 1 s deadline, its watchdog        C10      late
                            enforces one past the suite's margin
+``WritesAfterReleaseOnRankOne`` rank 1 fails fast unfenced, its        C11      integrity
+                           transfer writes into released blocks                 (TP 2)
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
@@ -54,6 +56,8 @@ flight are that peer's. ``FreesWhileWriting`` is flagged by
 deadline, into blocks other requests were given, shows it. ``FailsOnlyOnRankZero`` shows
 only at TP 2 with rank 1 faulted (:data:`EXPECTED_FLAGS_TP2`): it passes every TP 1
 scenario and the fault on rank 0, which is why the one-rank fault runs for each rank.
+``WritesAfterReleaseOnRankOne`` shows there too, and only through the integrity oracle's
+watch of rank 1's KV: its rank 0 fences, so rank 0's blocks hold nothing late.
 ``ReportsBlocksWithTwoGroups`` shows only where D has two KV-cache groups, and
 ``ReAdvertisesFailedHit`` only under ``recompute`` (under ``fail`` the request ends with
 its failure and is never looked up again), where a whole load failed: after a failure of
@@ -99,6 +103,7 @@ __all__ = [
     "ReportsUnknownId",
     "SwallowsFailure",
     "WritesAfterRelease",
+    "WritesAfterReleaseOnRankOne",
 ]
 
 log = logging.getLogger("kvfail.conformance.negative")
@@ -429,14 +434,10 @@ class FailsPastDeadline(ToyConnector):
 _WORKERS_BUILT: dict[str, int] = {}
 
 
-class FailsOnlyOnRankZero(ReportsSuccessOnFailure):
-    """Reports a failed load only on TP rank 0: a failure another rank finds is reported
-    as a plain completion, as by a connector whose failure bookkeeping lives with rank 0
-    (the rank that handshakes for the others, or the one whose output a reader takes as
-    the engine's). With rank 0 faulted it passes; with rank 1 faulted the request is
-    "loaded" with blocks rank 1 never received (C1, wrong KV under ``recompute``, an
-    unreported failure under ``fail``). The harness builds an engine's simulated ranks in
-    rank order, so the n-th WORKER of an engine id is its rank n."""
+class _KnowsItsRank(ToyConnector):
+    """Learns its TP rank the way a connector without a rank argument could: the harness
+    builds an engine's simulated ranks in rank order, so the n-th WORKER of an engine id
+    is its rank n. A base for controls broken on some ranks only."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -444,10 +445,32 @@ class FailsOnlyOnRankZero(ReportsSuccessOnFailure):
         if role == KVConnectorRole.WORKER:
             _WORKERS_BUILT[self.engine_id] = self._tp_rank + 1
 
+
+class FailsOnlyOnRankZero(_KnowsItsRank, ReportsSuccessOnFailure):
+    """Reports a failed load only on TP rank 0: a failure another rank finds is reported
+    as a plain completion, as by a connector whose failure bookkeeping lives with rank 0
+    (the rank that handshakes for the others, or the one whose output a reader takes as
+    the engine's). With rank 0 faulted it passes; with rank 1 faulted the request is
+    "loaded" with blocks rank 1 never received (C1, wrong KV under ``recompute``, an
+    unreported failure under ``fail``)."""
+
     def load_failed(self, req_id: str, stage: Stage | str, reason: str, **kwargs: Any) -> bool:
         if self._tp_rank == 0:
             return ToyConnector.load_failed(self, req_id, stage, reason, **kwargs)
         return super().load_failed(req_id, stage, reason, **kwargs)  # reported as a success
+
+
+class WritesAfterReleaseOnRankOne(_KnowsItsRank, WritesAfterRelease):
+    """Rank 0 fences its failed loads; TP rank 1 fails fast without a fence, and its
+    transfer writes into the load's blocks after the scheduler released them (C11). A
+    connector that cancels its transfers on the rank that reports (rank 0) and not on
+    the others breaks this way. Only the freed-block watch of every rank's KV shows it:
+    at TP 1 it is a working connector."""
+
+    def fail(self, req_id: str, **kwargs: Any) -> bool:
+        if self._tp_rank == 0:
+            return ToyConnector.fail(self, req_id, **kwargs)
+        return super().fail(req_id, **kwargs)
 
 
 EXPECTED_FLAGS: dict[str, Flag] = {
@@ -497,11 +520,20 @@ EXPECTED_FLAGS_TP2: dict[str, tuple[Flag, ...]] = {
         Flag("test_many_loads_one_rank_killed", "C1 wrong KV"),
     ),
     "ReportsOneFailurePerStep": (Flag("test_many_loads_one_rank_killed", "C2/C10 liveness"),),
+    "WritesAfterReleaseOnRankOne": (
+        Flag("test_tp2_failure_on_one_rank_1", "C11 "),
+        Flag("test_failures_and_successes_same_step", "C11 "),
+    ),
 }
 #: What a TP 2 control must still pass there: a fault on rank 0 shows nothing of a
 #: breakage on the other ranks, and the basics hold.
 PASSES_TP2: dict[str, tuple[str, ...]] = {
     "FailsOnlyOnRankZero": (
+        "test_tp2_failure_on_one_rank_0",
+        "test_successful_load",
+        "test_local_request_untouched",
+    ),
+    "WritesAfterReleaseOnRankOne": (
         "test_tp2_failure_on_one_rank_0",
         "test_successful_load",
         "test_local_request_untouched",
