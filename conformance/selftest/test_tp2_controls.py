@@ -1,10 +1,11 @@
 """Self-test of the one-rank scenarios: their controls are flagged at TP 2, where the toy passes.
 
 A fault on one TP rank runs for each rank in turn (``test_tp2_failure_on_one_rank_<r>``)
-and under many loads (``test_many_loads_one_rank_killed``). ``FailsOnlyOnRankZero``
+and under many loads (``test_many_loads_one_rank_killed``, and ``_frozen``, where only
+D's deadline ends the stopped rank's share). ``FailsOnlyOnRankZero``
 (``kvfail.conformance.negative``) reports failures from rank 0 only: the rank 0 scenario
 and every TP 1 scenario pass it, so only the rank 1 faults can show it, and
-``ReportsOneFailurePerStep`` must be caught where many loads fail on one dead rank too
+``ReportsOneFailurePerStep`` must be caught where many loads fail on one rank too
 (:data:`~kvfail.conformance.negative.EXPECTED_FLAGS_TP2`). One inner session in the
 ``tp2`` layout, on the toy (the harness simulates the two ranks in this process), both
 policies: the healthy toy must pass every selected scenario, or a flag is no evidence.

@@ -32,7 +32,7 @@ __all__ = [
 #: Why ``tp_one_rank`` cannot kill P's rank 0 alone: the reason a skip of that rank prints.
 BOOTSTRAP_ON_RANK_0 = (
     "P's TP rank 0 also runs Mooncake's bootstrap server, which a cold D asks for every "
-    "P rank's address: killing rank 0 fails every rank's load, not one"
+    "P rank's address: killing or stopping rank 0 fails every rank's load, not one"
 )
 
 
@@ -202,6 +202,10 @@ class MooncakeDriver(PairDriver):
                 on_peer=self._kill_p_rank, not_alone={0: BOOTSTRAP_ON_RANK_0}
             ),
             FaultPoint.TP_ONE_RANK_WARM: PairInjector(on_peer=self._kill_p_rank),
+            # A stopped rank 0 would stop P's bootstrap server for a cold D too.
+            FaultPoint.TP_ONE_RANK_FROZEN: PairInjector(
+                on_peer=self._freeze_p_rank, not_alone={0: BOOTSTRAP_ON_RANK_0}
+            ),
             FaultPoint.FREEZE_PEER: PairInjector(on_peer=_freeze),
             # Network and params faults: D is sent where P is not, or is not answered.
             FaultPoint.REFUSE: PairInjector(before_add=lambda _, p: refused_bootstrap(p)),

@@ -353,6 +353,7 @@ class NixlDriver(PairDriver):
             FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: PairInjector(),
             # Any one P rank: P's scheduler process serves every rank's handshake.
             FaultPoint.TP_ONE_RANK: PairInjector(on_peer=self._kill_p_rank),
+            FaultPoint.TP_ONE_RANK_FROZEN: PairInjector(on_peer=self._freeze_p_rank),
         }
 
     def declared(self) -> Declared:

@@ -225,6 +225,8 @@ class PairDriver(Driver[PairHandle]):
         self._layout_pairs: dict[tuple[int, int, int], PeerPair] = {}
         #: Pairs whose P lost a rank on purpose: killed and replaced after the scenario.
         self._broken: set[int] = set()
+        #: P ranks SIGSTOPped alone (``tp_one_rank_frozen``), per pair, until end_faults.
+        self._frozen_ranks: dict[int, set[int]] = {}
         #: The last scenario failed: its P's are checked for a spinning thread.
         self._suspect = False
         self._seq = 0
@@ -442,6 +444,7 @@ class PairDriver(Driver[PairHandle]):
             if proc.alive and proc.frozen:
                 pair.thaw_p()
             unsound = proc.alive and (proc.pid in wedged or self._p_crashed(pair))
+            self._frozen_ranks.pop(id(pair), None)  # SIGKILL below ends a stopped rank too
             if id(pair) in self._broken or unsound:
                 self._broken.discard(id(pair))
                 pair.kill_p()
@@ -497,10 +500,15 @@ class PairDriver(Driver[PairHandle]):
         return list(self._pair_of(engine).stuck_state(engine, list(request_ids)))
 
     def end_faults(self, engine: Engine) -> None:
+        import signal
+
         pair = self._pair_of(engine)
         producer = pair.p
         if producer is not None and producer.process.alive and producer.process.frozen:
             pair.thaw_p()
+        for rank in sorted(self._frozen_ranks.pop(id(pair), set())):
+            if producer is not None and producer.process.alive:
+                pair.signal_p_rank(rank, signal.SIGCONT)
 
     def _pair_of(self, engine: Engine) -> PeerPair:
         return self.handle(engine).pair or self._pair
@@ -545,6 +553,20 @@ class PairDriver(Driver[PairHandle]):
                 f"driver {self.name!r}: {call.point.value} needs one rank, not {call.ranks}"
             )
         call.pair.signal_p_rank(call.ranks[0], signal.SIGKILL)
+        self._broken.add(id(call.pair))
+
+    def _freeze_p_rank(self, call: OnPeer) -> None:
+        """``tp_one_rank_frozen``: the P rank the scenario names SIGSTOPped after P
+        prefilled every request, once for all of them; P's other ranks serve their shards.
+        :meth:`end_faults` lets it go on; the pair is replaced after the scenario."""
+        import signal
+
+        if not call.ranks or len(call.ranks) != 1:
+            raise ValueError(
+                f"driver {self.name!r}: {call.point.value} needs one rank, not {call.ranks}"
+            )
+        call.pair.signal_p_rank(call.ranks[0], signal.SIGSTOP)
+        self._frozen_ranks.setdefault(id(call.pair), set()).add(call.ranks[0])
         self._broken.add(id(call.pair))
 
     def _peer_producer(self, pair: PeerPair, peer: int, fault: FaultPoint | None) -> Any:

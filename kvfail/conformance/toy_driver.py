@@ -104,6 +104,8 @@ class ToyDriver(Driver["_ToyHandle"]):
         return {
             FaultPoint.PEER_ERROR_RESPONSE: fail,  # toy transport reports an error
             FaultPoint.TP_ONE_RANK: fail,  # ... on the ranks the scenario names
+            # The named rank's transport never answers; the others are settled.
+            FaultPoint.TP_ONE_RANK_FROZEN: nothing,
             FaultPoint.FREEZE_PEER: nothing,  # toy transport never answers
             FaultPoint.ABORT_WHILE_WAITING: _ToyInjector(provoke=abort_request),
             FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: nothing,  # the scenario's request has no block

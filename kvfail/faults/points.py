@@ -125,6 +125,7 @@ class FaultPoint(enum.StrEnum):
     NOTIFY_ONLY_EMPTY_BLOCKS = "notify_only_empty_blocks"
     TP_ONE_RANK = "tp_one_rank"
     TP_ONE_RANK_WARM = "tp_one_rank_warm"
+    TP_ONE_RANK_FROZEN = "tp_one_rank_frozen"
     STORE_FILE_DELETED = "store_file_deleted"
     STORE_FILE_TRUNCATED = "store_file_truncated"
     STORE_GARBAGE_HEADER = "store_garbage_header"
@@ -290,6 +291,14 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             _A,
             Injection.TOPOLOGY,
             "C1 C2 C6 C8 C10 C11",
+        ),
+        FaultPoint.TP_ONE_RANK_FROZEN: _spec(
+            "with TP>1, one P rank is SIGSTOPped after P prefilled: its sockets stay open "
+            "and it answers nothing, while the other ranks serve their shards; only D's "
+            "deadline can end that rank's share of each load",
+            _A,
+            Injection.TOPOLOGY,
+            "C1 C2 C8 C10 C11",
         ),
         FaultPoint.STORE_FILE_DELETED: _spec(
             "a file the store advertised is deleted before D loads it",

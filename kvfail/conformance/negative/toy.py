@@ -519,7 +519,10 @@ EXPECTED_FLAGS_TP2: dict[str, tuple[Flag, ...]] = {
         Flag("test_tp2_failure_on_one_rank_1", "C1 wrong KV"),
         Flag("test_many_loads_one_rank_killed", "C1 wrong KV"),
     ),
-    "ReportsOneFailurePerStep": (Flag("test_many_loads_one_rank_killed", "C2/C10 liveness"),),
+    "ReportsOneFailurePerStep": (
+        Flag("test_many_loads_one_rank_killed", "C2/C10 liveness"),
+        Flag("test_many_loads_one_rank_frozen", "C2/C10 liveness"),
+    ),
     "WritesAfterReleaseOnRankOne": (
         Flag("test_tp2_failure_on_one_rank_1", "C11 "),
         Flag("test_failures_and_successes_same_step", "C11 "),

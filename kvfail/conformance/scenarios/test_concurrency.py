@@ -288,7 +288,30 @@ def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     scenario.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
 
 
-#: The P rank the many-loads one-rank scenario kills: not rank 0, the rank a connector
+def _judge_by_deadline(
+    scenario: ScenarioContext,
+    engine: Any,
+    rids: list[str],
+    blocks: dict[str, list[int]],
+    deadline: float | None,
+) -> None:
+    """Step D through loads only its deadline can end (nothing answers them), within the
+    suite's bounded wait, and judge them: each failed once, by the declared deadline (+ a
+    margin), nothing stranded, late or written after its release."""
+    budget = scenario.deadline_budget(deadline)
+    scenario.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
+    scenario.run(engine, timeout_s=budget)
+    _note_failure_steps(scenario, engine, rids)
+    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    stranded = [rid for rid in rids if rid in engine.waiting_for_remote()]
+    times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
+    if times:
+        scenario.note("detected_s", round(max(times), 3))
+    extra += deadline_findings(rids, stranded, times, deadline, budget)
+    scenario.check(engine, rids, failed=True, extra=extra)
+
+
+#: The P rank the many-loads one-rank scenarios kill or stop: not rank 0, the rank a connector
 #: that reads only its first worker's view sees (single loads fault each rank in turn).
 ONE_RANK = 1
 
@@ -321,6 +344,33 @@ def test_many_loads_one_rank_killed(scenario: ScenarioContext) -> None:
     _note_failure_steps(scenario, engine, rids)
     extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
     scenario.check(engine, rids, failed=True, extra=extra)
+
+
+@pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
+@pytest.mark.guards("#42422", "#35943")
+def test_many_loads_one_rank_frozen(scenario: ScenarioContext) -> None:
+    """TP=2: ``MANY`` loads in flight from one P when its rank ``ONE_RANK`` is SIGSTOPped
+    (after it prefilled them all) while its other rank serves its shard of every load.
+    The stopped rank's sockets stay open and nothing answers, so only D's deadline can
+    end its share: every load must be reported failed by the declared deadline (+ a
+    margin), exactly once, through vLLM's KVOutputAggregator. The stopped rank may write
+    when it goes on, so no block may be released while it could (the integrity oracle's
+    watch, until the suite lets the rank continue and D gives the blocks back)."""
+    scenario.require("remote_prefill", "async_load", "tp2")
+    scenario.require_layout("tp2", "tp2-g2")
+    point = scenario.require_fault_on_rank(ONE_RANK, FaultPoint.TP_ONE_RANK_FROZEN)
+    engine = scenario.engine(deadline=True)
+    deadline = scenario.declared_deadline_s(engine)
+    rids = _rids(scenario, "rank-frozen-many")
+    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
+    scenario.driver.add_remote_requests(
+        engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
+    )
+    blocks = _start_loads(scenario, engine, rids)
+    for rid in rids:
+        scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
+        scenario.driver.settle(engine, rid, ranks=others)
+    _judge_by_deadline(scenario, engine, rids, blocks, deadline)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C10", "C11")
@@ -391,17 +441,7 @@ def test_many_loads_peer_frozen(scenario: ScenarioContext) -> None:
     blocks = _start_loads(scenario, engine, rids)
     for rid in rids:
         scenario.driver.provoke(engine, rid, point)
-    budget = scenario.deadline_budget(deadline)
-    scenario.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
-    scenario.run(engine, timeout_s=budget)
-    _note_failure_steps(scenario, engine, rids)
-    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
-    stranded = [rid for rid in rids if rid in engine.waiting_for_remote()]
-    times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
-    if times:
-        scenario.note("detected_s", round(max(times), 3))
-    extra += deadline_findings(rids, stranded, times, deadline, budget)
-    scenario.check(engine, rids, failed=True, extra=extra)
+    _judge_by_deadline(scenario, engine, rids, blocks, deadline)
 
 
 def _failed_early(
