@@ -99,7 +99,7 @@ PEER_OUTPUT_LINES = 15
 _NOTABLE_OUTPUT = re.compile(r"error|fail|traceback|exception|warn|^[EWF]\d{4} ", re.IGNORECASE)
 
 #: Modules of the drivers whose P is a real process forked from the P zygote
-#: (:func:`kvfail.peers.base.p_zygote`).
+#: (:func:`kvfail.peers.producer_handle.p_zygote`).
 P_DRIVER_MODULES = frozenset(
     {
         "kvfail.conformance.mooncake_driver",
@@ -115,7 +115,7 @@ def prestart_for(specs: Iterable[str], modules: Mapping[str, str]) -> bool:
     read from its entry point, nothing imported); whether it was started. A
     ``module:Class`` or ``vllm:`` value is known only once resolved (a vLLM import): its
     P starts when first wanted, as before."""
-    from kvfail.peers.base import prestart_p_zygote
+    from kvfail.peers.producer_handle import prestart_p_zygote
 
     if not any(modules.get(spec) in P_DRIVER_MODULES for spec in specs):
         return False

@@ -4,8 +4,8 @@ configuration already built.
 Why: building a ``ModelConfig`` inspects the model class, which costs about a second and a
 half even with vLLM's model-info cache on disk, and a whole vLLM import in a subprocess
 when that cache is cold or was written by another vLLM release. The P zygote
-(``kvfail.peers.base.P_PRELOAD``) imports this module once, so every P forked from it finds
-the configuration in :func:`kvfail.harness.config._model_config`'s cache instead of
+(``kvfail.peers.producer_handle.P_PRELOAD``) imports this module once, so every P forked
+from it finds the configuration in :func:`kvfail.harness.config._model_config`'s cache instead of
 building it again at each P (re)start.
 """
 

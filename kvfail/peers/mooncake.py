@@ -49,12 +49,12 @@ from kvfail.faults import FaultProxy
 from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
-    ProducerHandleBase,
     closed_port,
     tracker_state,
     with_param,
 )
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, P_PEER_CACHE_ENV, PREFIX
+from kvfail.peers.producer_handle import ProducerHandleBase
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost

@@ -73,9 +73,7 @@ from kvfail import compat
 from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
-    ProducerHandleBase,
     closed_port,
-    repo_pythonpath,
     tracker_state,
     with_param,
 )
@@ -85,6 +83,7 @@ from kvfail.peers.nixl_producer import (
     _unpin,
     restore_affinity,
 )
+from kvfail.peers.producer_handle import ProducerHandleBase, repo_pythonpath
 from kvfail.rig import exit_status
 from kvfail.rig.ports import free_port
 

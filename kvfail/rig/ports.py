@@ -44,7 +44,7 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     ``connect()`` on the machine before the peer binds it (seen in CI: a replacement
     Mooncake P failing its bootstrap bind). Ports under the range are never handed out
     implicitly; only another explicit bind can race us, and peers that bind the ports we
-    pick retry on a fresh one (:class:`kvfail.peers.base.ProducerHandleBase`).
+    pick retry on a fresh one (:class:`kvfail.peers.producer_handle.ProducerHandleBase`).
     All are held open together so they differ. Falls back to ``bind(0)`` if the range
     leaves no room under it.
     """

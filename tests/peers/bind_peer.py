@@ -1,4 +1,4 @@
-"""A stand-in P for :class:`kvfail.peers.base.ProducerHandleBase`'s port handling.
+"""A stand-in P for :class:`kvfail.peers.producer_handle.ProducerHandleBase`'s port handling.
 
 It does what a real P does with its port, and nothing else: bind the port named in
 ``$KVFAIL_TEST_PORT_ENV`` (no ``SO_REUSEADDR``), die with the bind's ``OSError`` if it is

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvfail.peers import base
-from kvfail.peers.base import ProducerHandleBase
+from kvfail.peers import producer_handle
+from kvfail.peers.producer_handle import ProducerHandleBase
 from kvfail.rig.ports import _ephemeral_range, free_port, free_ports
 from kvfail.rig.processes import PeerExitedError
 
@@ -43,7 +43,9 @@ def taken() -> Iterator[socket.socket]:
 def _hand_out(monkeypatch: pytest.MonkeyPatch, ports: list[int]) -> list[int]:
     """Make P's port picks return ``ports`` in order (then real picks)."""
     queue = list(ports)
-    monkeypatch.setattr(base, "free_port", lambda: queue.pop(0) if queue else free_port())
+    monkeypatch.setattr(
+        producer_handle, "free_port", lambda: queue.pop(0) if queue else free_port()
+    )
     return queue
 
 
