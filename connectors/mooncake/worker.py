@@ -23,10 +23,10 @@ What we change, and why:
   while picking P workers (``HANDSHAKE``), P finishing without naming a request
   (``PEER``), a silent P (the mixin's deadline, ``WATCHDOG``; upstream waits 540 s).
 * Ids P names that D did not ask that P worker for are dropped (C7).
-* A dead P is noticed by a liveness probe (``Stage.PEER_LOST``, ~0.2-0.4 s), not only by
-  the deadline: upstream's ZMQ DEALER reconnects to a dead P silently and waits 540 s.
-  See :meth:`KvfailMooncakeWorker._mc_probe_peer` for why the probe never fails a P that
-  is alive but slow.
+* A dead P is noticed by a liveness probe (``Stage.PEER_LOST``, within a probe interval
+  or two), not only by the deadline: upstream's ZMQ DEALER reconnects to a dead P
+  silently and waits 540 s. See :func:`connectors.mooncake.probe.watch_side_channel` for
+  why the probe never fails a P that is alive but slow.
 
 The stage of a failure is known from where it is detected. Upstream funnels all of them
 through ``_handle_failed_recv(pull_metas, req_ids, reason)``; we tell them apart with a
@@ -40,8 +40,6 @@ import asyncio
 import contextlib
 import contextvars
 import itertools
-import socket
-import struct
 import sys
 import threading
 import time
@@ -49,7 +47,6 @@ from collections import defaultdict
 from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
-from urllib.parse import urlsplit
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
@@ -65,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 from vllm.logger import init_logger
 
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
+from connectors.mooncake.probe import DEFAULT_PROBE_INTERVAL_S, watch_side_channel
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.blocks import normalise_block_ids
@@ -92,25 +90,6 @@ DEFAULT_DEADLINE_S: Final = 30.0
 #: then push, at any later time. Setting it trades that wrong-KV risk for capacity.
 MAX_HOLD_KEY: Final = "kvfail_max_hold_s"
 
-
-#: Default for ``kv_connector_extra_config["kvfail_probe_interval_s"]``: how often each P
-#: worker that D is pulling from is probed for liveness when no connection to it can be
-#: held (a held one reports P's death as it happens); None/0 disables the probe.
-DEFAULT_PROBE_INTERVAL_S: Final = 0.2
-
-#: Consecutive refused probes that declare a P worker dead. One refusal on a loopback or
-#: LAN address already means "nothing listens"; the second guards against acting on a
-#: single odd answer.
-PROBE_REFUSALS: Final = 2
-#: Pause before a refusal is confirmed: short, since a refusal is already an answer.
-PROBE_CONFIRM_S: Final = 0.01
-
-#: Bound on one probe's TCP connect. A connect that neither completes nor is refused in
-#: this time (SYN dropped: a full accept queue, e.g. of a stopped P) proves nothing.
-PROBE_CONNECT_TIMEOUT_S: Final = 1.0
-
-#: ``struct linger`` {on, 0 s}: close() sends RST instead of FIN.
-_RST_ON_CLOSE: Final = struct.pack("ii", 1, 0)
 
 #: How long ``get_transfer_results`` waits for the sender loop to hand over finished sends
 #: before trying again at the next step (upstream waits without a bound).
@@ -436,58 +415,19 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
             return any(worker_addr in addrs for addrs in self._mc_unproven.values())
 
     async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
-        """Watch one P worker's side channel while D has pulls in flight to it.
-
-        Why the side-channel port: it is the socket D's pull talks to, and its listener
-        lives exactly as long as P's worker. ZMQ hides a dead peer (the DEALER reconnects
-        and queues forever), and D cannot use the TransferEngine's ``send_probe``:
-        Mooncake is P-push, so D never learns P's transfer-engine session.
-
-        Event-driven: the probe holds a TCP connection to that port, so P's death reaches
-        D as it happens (its kernel closes the connection: EOF or reset). An end of the
-        connection is only a question (P's ZMQ also drops a peer that never greets it);
-        connects answer it. Without a held connection (a connect that does not complete)
-        it connects every ``interval_s``.
-
-        Why no false positives: only ``ECONNREFUSED`` counts, :data:`PROBE_REFUSALS`
-        times in a row, and the kernel refuses a connect only when nothing listens on the
-        port, i.e. P's process (or its socket) is gone. A P that is slow, busy or even
-        SIGSTOPped keeps its listening socket and the held connection, so the kernel
-        completes a connect (or, with a full accept queue, drops the SYN: a timeout,
-        which counts as nothing). Silence is left to the deadline. Connections close
-        with RST (no TIME_WAIT pile-up); one task per P worker address, on the receiver
-        loop, only while that address has pulls in flight or a pull that ended without
-        P's answer may still be written by it: bounded cost.
-        """
+        """Watch one P worker's side channel while D has pulls in flight to it, or a pull
+        that ended without P's answer may still be written by it (see
+        :func:`connectors.mooncake.probe.watch_side_channel`); one task per address, on
+        the receiver loop, which owns the registry."""
         me = asyncio.current_task()
-        held: socket.socket | None = None
         try:
-            endpoint = _tcp_endpoint(worker_addr)
-            if endpoint is None:
-                return  # not a TCP address we can probe (ipc://, malformed): deadline only
-            refusals = 0
-            while self._mc_watched(worker_addr):
-                if held is not None:
-                    if not await _closed_by_peer(held, interval_s):
-                        continue  # still open: P's process holds it
-                    _close_rst(held)
-                    held = None  # ended: a connect tells a dead P from a dropped peer
-                verdict, sock = await _connect(*endpoint, PROBE_CONNECT_TIMEOUT_S)
-                if sock is not None:
-                    held, refusals = sock, 0
-                    continue
-                refusals = refusals + 1 if verdict == "refused" else 0
-                if refusals >= PROBE_REFUSALS:
-                    self._mc_peer_lost(
-                        worker_addr,
-                        f"P worker {worker_addr} is gone: its side channel refused "
-                        f"{refusals} connects in a row",
-                    )
-                    return
-                await asyncio.sleep(PROBE_CONFIRM_S if refusals else interval_s)
+            await watch_side_channel(
+                worker_addr,
+                interval_s,
+                watched=lambda: self._mc_watched(worker_addr),
+                gone=lambda reason: self._mc_peer_lost(worker_addr, reason),
+            )
         finally:
-            if held is not None:
-                _close_rst(held)
             if self._mc_probes.get(worker_addr) is me:
                 del self._mc_probes[worker_addr]
 
@@ -824,71 +764,3 @@ async def _cancel_and_wait(tasks: Collection[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:
-    """``(host, port)`` of a ``tcp://host:port`` ZMQ address, else None."""
-    try:
-        parts = urlsplit(worker_addr)
-        port = parts.port
-    except ValueError:
-        return None
-    if parts.scheme != "tcp" or not parts.hostname or not port:
-        return None
-    return parts.hostname, port
-
-
-async def _connect(host: str, port: int, timeout_s: float) -> tuple[str, socket.socket | None]:
-    """One TCP connect: ``("alive", the connected socket)``, ``("refused", None)`` (nothing
-    listens) or ``("unknown", None)``."""
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s
-        )
-    except (OSError, TimeoutError):
-        return "unknown", None
-    if not infos:
-        return "unknown", None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setblocking(False)
-        await asyncio.wait_for(loop.sock_connect(sock, address), timeout_s)
-    except ConnectionRefusedError:
-        _close_rst(sock)
-        return "refused", None
-    except BaseException as exc:
-        _close_rst(sock)
-        if isinstance(exc, (OSError, TimeoutError)):
-            return "unknown", None
-        raise
-    return "alive", sock
-
-
-async def _connect_probe(host: str, port: int, timeout_s: float) -> str:
-    """One TCP connect, closed at once: ``"alive"``, ``"refused"`` or ``"unknown"``."""
-    verdict, sock = await _connect(host, port, timeout_s)
-    if sock is not None:
-        _close_rst(sock)
-    return verdict
-
-
-async def _closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
-    """Whether the other end closed ``sock`` (EOF or reset) within ``wait_s``; bytes it
-    sends (a ZMQ greeting) are read and ignored."""
-    loop = asyncio.get_running_loop()
-    try:
-        data = await asyncio.wait_for(loop.sock_recv(sock, 256), wait_s)
-    except TimeoutError:
-        return False
-    except OSError:
-        return True
-    return not data
-
-
-def _close_rst(sock: socket.socket) -> None:
-    """Close with RST: no TIME_WAIT per probe on D."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
-    sock.close()

@@ -6,7 +6,8 @@ a connection still being set up means exhausting its connect retries: seconds to
 of seconds on a busy machine), the push worker to end the hold on blocks P might still
 write.
 
-Only ``ECONNREFUSED`` counts, and only :data:`PROBE_REFUSALS` in a row: the kernel
+What counts as gone is the rule of :mod:`connectors.side_channel`: only
+``ECONNREFUSED``, and only :data:`PROBE_REFUSALS` in a row. The kernel
 refuses a connect only when nothing listens on the port, i.e. the process that served
 the handshake (P's scheduler, which owns the side channel) is gone. A slow, busy or
 SIGSTOPped P keeps its listening socket, so the kernel completes the connect (or, with
@@ -24,30 +25,24 @@ report it (a pull fails its loads; a push hold stays, see the connector README).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Final
 
+from connectors.side_channel import PROBE_REFUSALS, close_rst
+
 __all__ = ["PROBE_CONFIRM_S", "PROBE_INTERVAL_S", "PROBE_REFUSALS", "SideChannelProbes"]
 
 #: How often a side channel is probed while loads wait on it (each probe is one SYN).
 PROBE_INTERVAL_S: Final = 0.5
-#: Consecutive refusals that prove P gone. One refusal on loopback or a LAN already means
-#: "nothing listens"; the second guards against acting on a single odd answer.
-PROBE_REFUSALS: Final = 2
 #: Pause before a refusal is confirmed: short, since a refusal is already an answer.
 PROBE_CONFIRM_S: Final = 0.02
-
-#: ``struct linger`` {on, 0 s}: close() sends RST instead of FIN.
-_RST_ON_CLOSE: Final = struct.pack("ii", 1, 0)
 
 Address = tuple[str, int]
 #: What a connect is given: the socket family and its address tuple.
@@ -215,7 +210,7 @@ class SideChannelProbes:
     @staticmethod
     def _close(probe: _Probe) -> None:
         if probe.sock is not None:
-            _close_rst(probe.sock)
+            close_rst(probe.sock)
             probe.sock = None
 
 
@@ -235,7 +230,7 @@ def _connect(target: Target) -> tuple[int | None, socket.socket | None]:
         code = exc.errno or errno.EINVAL
     if code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
         return None, sock
-    _close_rst(sock)
+    close_rst(sock)
     return code, None
 
 
@@ -250,10 +245,3 @@ def _read(sock: socket.socket) -> int | None:
     if not poller.poll(0):
         return None
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-
-
-def _close_rst(sock: socket.socket) -> None:
-    """Close with RST, not FIN: a probe every interval must not pile up TIME_WAIT."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
-    sock.close()

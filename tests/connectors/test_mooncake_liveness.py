@@ -25,7 +25,7 @@ from tests.transports import require_transport
 require_transport("mooncake")
 
 from connectors.mooncake import KvfailMooncakeWorker  # noqa: E402
-from connectors.mooncake.worker import _connect_probe, _tcp_endpoint  # noqa: E402
+from connectors.mooncake.probe import connect_probe, tcp_endpoint  # noqa: E402
 from kvfail import Stage  # noqa: E402
 from kvfail.deadline import seconds_from  # noqa: E402
 from kvfail.harness import oracles  # noqa: E402
@@ -87,11 +87,11 @@ def test_probe_verdicts_on_loopback() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        assert asyncio.run(_connect_probe("127.0.0.1", port, 2.0)) == "alive"
-    assert asyncio.run(_connect_probe("127.0.0.1", port, 2.0)) == "refused"
-    assert _tcp_endpoint(f"tcp://127.0.0.1:{port}") == ("127.0.0.1", port)
-    assert _tcp_endpoint("tcp://127.0.0.1:notaport") is None
-    assert _tcp_endpoint("ipc:///tmp/x") is None
+        assert asyncio.run(connect_probe("127.0.0.1", port, 2.0)) == "alive"
+    assert asyncio.run(connect_probe("127.0.0.1", port, 2.0)) == "refused"
+    assert tcp_endpoint(f"tcp://127.0.0.1:{port}") == ("127.0.0.1", port)
+    assert tcp_endpoint("tcp://127.0.0.1:notaport") is None
+    assert tcp_endpoint("ipc:///tmp/x") is None
 
 
 def test_probe_interval_config() -> None:
