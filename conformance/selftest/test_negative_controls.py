@@ -271,6 +271,46 @@ def test_real_deadline_control_is_flagged_by_every_scenario_named(
         assert len(ran) == 1 and negative.flags(ran[0], flag), (flag, _why(recs, flag.scenario))
 
 
+HETERO_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL_HETERO)
+
+
+@pytest.fixture(scope="module")
+def real_hetero_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[int, list[dict[str, Any]], str]:
+    """``mooncake`` and the real controls at P TP 2 with D TP 1, through the scenario
+    where one P rank is lost while D's one rank reads from both, under ``recompute``
+    (where a half-loaded request would run on the missing heads)."""
+    from kvfail.peers.mooncake import mooncake_available
+
+    why = mooncake_available()
+    if why is not None or not HETERO_CONTROLS:
+        pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
+    _warm_up()
+    out = tmp_path_factory.mktemp("kvfail-real-hetero-report")
+    scenarios = sorted({f.scenario for f in negative.EXPECTED_FLAGS_REAL_HETERO.values()})
+    args = [str(SUITE), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
+    args += ["--policy", "recompute", "--layout", "p2d1", "-k", " or ".join(scenarios)]
+    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in HETERO_CONTROLS)]:
+        args += ["--connector", spec]
+    ret = pytest.main(args)
+    records = json.loads((out / "report.json").read_text())
+    return int(ret), records, (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("control", HETERO_CONTROLS)
+def test_real_control_is_flagged_in_the_heterogeneous_layout(
+    real_hetero_run: Any, control: str
+) -> None:
+    """Flagged where the real connector itself passes the same scenario."""
+    flag = negative.EXPECTED_FLAGS_REAL_HETERO[control]
+    ref = [r for r in _records(real_hetero_run, "mooncake") if r["scenario"] == flag.scenario]
+    assert [r["outcome"] for r in ref] == ["passed"], _why(ref, flag.scenario)
+    recs = _records(real_hetero_run, f"kvfail.conformance.negative:{control}")
+    ran = [r for r in recs if r["scenario"] == flag.scenario]
+    assert len(ran) == 1 and negative.flags(ran[0], flag), (flag, _why(recs, flag.scenario))
+
+
 def test_real_controls_resolve_to_the_mooncake_driver() -> None:
     from kvfail.conformance.mooncake_driver import MooncakeDriver
     from kvfail.conformance.resolve import resolve

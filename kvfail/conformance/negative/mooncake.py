@@ -23,7 +23,7 @@ from kvfail.compat import KVConnectorTransferResults
 from kvfail.conformance.negative.flag import Flag
 from kvfail.stages import Stage
 
-__all__ = ["EXPECTED_FLAGS_REAL", "EXPECTED_FLAGS_REAL_DEADLINE"]
+__all__ = ["EXPECTED_FLAGS_REAL", "EXPECTED_FLAGS_REAL_DEADLINE", "EXPECTED_FLAGS_REAL_HETERO"]
 
 log = logging.getLogger("kvfail.conformance.negative")
 
@@ -170,6 +170,20 @@ EXPECTED_FLAGS_REAL: dict[str, Flag] = (
         "LateMooncake": Flag("test_failed_load_one_group", "C3 late"),
         "UnknownIdMooncake": Flag("test_failed_load_one_group", "C7 crash"),
         "SuccessOnFailureMooncake": Flag("test_failed_load_one_group", "C1 wrong bytes"),
+    }
+    if _KvfailMooncake is not None
+    else {}
+)
+
+#: Real-connector controls at P TP 2 with D TP 1 (``--layout p2d1``), where D's one rank
+#: reads from both P ranks and loses one: the first controls' breakages, shown in a shape
+#: only real rank processes build.
+EXPECTED_FLAGS_REAL_HETERO: dict[str, Flag] = (
+    {
+        "SwallowingMooncake": Flag("test_p_rank_lost_while_d_reads_from_both", "C2/C10 liveness"),
+        "SuccessOnFailureMooncake": Flag(
+            "test_p_rank_lost_while_d_reads_from_both", "C1 wrong KV", frozenset({"recompute"})
+        ),
     }
     if _KvfailMooncake is not None
     else {}

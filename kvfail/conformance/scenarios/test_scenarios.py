@@ -344,7 +344,9 @@ def test_notify_only_empty_blocks(scenario: ScenarioContext) -> None:
 ONE_RANK_FAULTS = (FaultPoint.TP_ONE_RANK, FaultPoint.TP_ONE_RANK_WARM)
 
 
-def _failure_on_one_rank(scenario: ScenarioContext, rank: int) -> None:
+def _failure_on_one_rank(
+    scenario: ScenarioContext, rank: int, *, layouts: tuple[str, ...] = ("tp2", "tp2-g2")
+) -> None:
     """TP=2: P's rank ``rank`` fails (a real driver kills it; the toy fails that rank's
     load), the other rank's load succeeds. vLLM's real KVOutputAggregator must still
     deliver the failure once, and no rank may wait forever.
@@ -356,9 +358,9 @@ def _failure_on_one_rank(scenario: ScenarioContext, rank: int) -> None:
     the driver's reason where it has no such fault. A warm D gets the deadline it asks
     for, bounded as the warm kill of all of P is (``test_peer_killed_after_warm_pull``)."""
     scenario.require("remote_prefill", "async_load", "tp2")
-    # A real TP 2 P and D cost a minute or more; the scenario runs in the TP 2 layouts
-    # where P's rank r serves D's rank r (a heterogeneous layout maps ranks otherwise).
-    scenario.require_layout("tp2", "tp2-g2")
+    # A real TP 2 P and D cost a minute or more; the scenario runs in the layouts named
+    # (by default the TP 2 ones, where P's rank r serves D's rank r).
+    scenario.require_layout(*layouts)
     point = scenario.require_fault_on_rank(rank, *ONE_RANK_FAULTS)
     scenario.note("fault", point.value)
     warm = point is FaultPoint.TP_ONE_RANK_WARM
@@ -367,7 +369,10 @@ def _failure_on_one_rank(scenario: ScenarioContext, rank: int) -> None:
     if warm:
         scenario.warm_up(engine)
     rid = scenario.rid(f"tp-rank{rank}")
-    others = [r for r in range(scenario.layout.tp_size) if r != rank]
+    # D's ranks that load from a live P rank alone: none where D's ranks each read from
+    # every P rank (P's TP larger than D's), so every load is then faulted.
+    hetero = scenario.layout.heterogeneous
+    others = [] if hetero else [r for r in range(scenario.layout.tp_size) if r != rank]
     blocks = scenario.add_loading(engine, rid, fault=point, ranks=[rank])
     scenario.driver.provoke(engine, rid, point, ranks=[rank], block_index=1)
     scenario.driver.settle(engine, rid, ranks=others)
@@ -395,6 +400,18 @@ def test_tp2_failure_on_one_rank_1(scenario: ScenarioContext) -> None:
     """TP=2, rank 1 fails, rank 0 loads: a connector that reports only what its rank 0
     sees (the rank vLLM's executor answers from) passes rank 0 and fails here."""
     _failure_on_one_rank(scenario, 1)
+
+
+@pytest.mark.clauses("C1", "C2", "C6", "C8", "C11")
+@pytest.mark.guards("#42422")
+def test_p_rank_lost_while_d_reads_from_both(scenario: ScenarioContext) -> None:
+    """P at TP 2, D at TP 1 (heterogeneous TP): D's one rank reads its KV heads from both
+    P ranks, so each load needs both. P's rank 1 fails while rank 0 serves its half: the
+    load must be reported failed once, never delivered with half of its heads, and since
+    rank 0 may still be writing its half, no block may go back while it can (the
+    integrity oracle's watch). Rank 1, because a P whose rank 0 also serves others (the
+    bootstrap) cannot lose rank 0 alone for a cold D (see :func:`_failure_on_one_rank`)."""
+    _failure_on_one_rank(scenario, 1, layouts=("p2d1", "p2d1-g2"))
 
 
 def _add_handshake_fault(
