@@ -316,6 +316,31 @@ def _judge_by_deadline(
 ONE_RANK = 1
 
 
+def _require_one_rank(scenario: ScenarioContext, point: FaultPoint) -> None:
+    """Skip unless the driver can fault P's rank ``ONE_RANK`` alone with ``point``, in a
+    layout where P's rank r serves D's rank r (the TP 2 ones)."""
+    scenario.require("remote_prefill", "async_load", "tp2")
+    scenario.require_layout("tp2", "tp2-g2")
+    scenario.require_fault_on_rank(ONE_RANK, point)
+
+
+def _fault_one_rank(
+    scenario: ScenarioContext, engine: Any, point: FaultPoint, tag: str
+) -> tuple[list[str], dict[str, list[int]]]:
+    """``MANY`` loads started together, each with ``point`` on P's rank ``ONE_RANK`` and
+    its other ranks settled; returns the ids and each load's blocks."""
+    rids = _rids(scenario, tag)
+    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
+    scenario.driver.add_remote_requests(
+        engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
+    )
+    blocks = _start_loads(scenario, engine, rids)
+    for rid in rids:
+        scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
+        scenario.driver.settle(engine, rid, ranks=others)
+    return rids, blocks
+
+
 @pytest.mark.clauses("C1", "C2", "C3", "C6", "C8", "C10", "C11")
 @pytest.mark.guards("#42422", "#50719")
 def test_many_loads_one_rank_killed(scenario: ScenarioContext) -> None:
@@ -327,19 +352,9 @@ def test_many_loads_one_rank_killed(scenario: ScenarioContext) -> None:
     and ends as the policy says; none is stranded because the connector gave up on the
     rank after its first failure; no request runs on KV that is not P's, and nothing
     writes into a block after its release (the integrity oracle's watch)."""
-    scenario.require("remote_prefill", "async_load", "tp2")
-    scenario.require_layout("tp2", "tp2-g2")
-    point = scenario.require_fault_on_rank(ONE_RANK, FaultPoint.TP_ONE_RANK)
+    _require_one_rank(scenario, FaultPoint.TP_ONE_RANK)
     engine = scenario.engine()
-    rids = _rids(scenario, "rank-killed-many")
-    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
-    scenario.driver.add_remote_requests(
-        engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
-    )
-    blocks = _start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
-        scenario.driver.settle(engine, rid, ranks=others)
+    rids, blocks = _fault_one_rank(scenario, engine, FaultPoint.TP_ONE_RANK, "rank-killed-many")
     scenario.run(engine)
     _note_failure_steps(scenario, engine, rids)
     extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
@@ -356,20 +371,12 @@ def test_many_loads_one_rank_frozen(scenario: ScenarioContext) -> None:
     margin), exactly once, through vLLM's KVOutputAggregator. The stopped rank may write
     when it goes on, so no block may be released while it could (the integrity oracle's
     watch, until the suite lets the rank continue and D gives the blocks back)."""
-    scenario.require("remote_prefill", "async_load", "tp2")
-    scenario.require_layout("tp2", "tp2-g2")
-    point = scenario.require_fault_on_rank(ONE_RANK, FaultPoint.TP_ONE_RANK_FROZEN)
+    _require_one_rank(scenario, FaultPoint.TP_ONE_RANK_FROZEN)
     engine = scenario.engine(deadline=True)
     deadline = scenario.declared_deadline_s(engine)
-    rids = _rids(scenario, "rank-frozen-many")
-    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
-    scenario.driver.add_remote_requests(
-        engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
+    rids, blocks = _fault_one_rank(
+        scenario, engine, FaultPoint.TP_ONE_RANK_FROZEN, "rank-frozen-many"
     )
-    blocks = _start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
-        scenario.driver.settle(engine, rid, ranks=others)
     _judge_by_deadline(scenario, engine, rids, blocks, deadline)
 
 
