@@ -42,17 +42,27 @@ BASELINES = {"suite_s": "suite_floor_s", "suite_scenarios_s": "suite_floor_s"}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_suite(connector: str, policy: str, layout: str, env: dict[str, str]) -> dict[str, Any]:
-    """One cold run of the suite: wall time, exit code and the report's records."""
+def run_suite(
+    connector: str | list[str],
+    policy: str,
+    layout: str,
+    env: dict[str, str],
+    *,
+    extra: tuple[str, ...] = (),
+    target: tuple[str, ...] = ("--pyargs", "kvfail.conformance"),
+) -> dict[str, Any]:
+    """One cold run of the suite (``target``, by default all of it as installed) for one
+    connector or several, with ``extra`` pytest arguments: wall time, exit code and the
+    report's records. Shared by the benches that run the suite."""
+    connectors = [connector] if isinstance(connector, str) else connector
     with tempfile.TemporaryDirectory(prefix="kvfail-suite-speed-") as out:
         argv = [
             sys.executable,
             "-m",
             "pytest",
-            "--pyargs",
-            "kvfail.conformance",
-            "--connector",
-            connector,
+            *target,
+            *(a for c in connectors for a in ("--connector", c)),
+            *extra,
             "--policy",
             policy,
             "--layout",
