@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Flag", "flags", "reference_problems"]
+__all__ = ["Flag", "findings_text", "flags", "reference_problems"]
 
 
 class Flag(NamedTuple):
@@ -31,8 +31,16 @@ def flags(record: Mapping[str, Any], flag: Flag) -> bool:
         record.get("outcome") == "failed"
         and record.get("scenario") == flag.scenario
         and record.get("policy") in flag.policies
-        and flag.clause in str(record.get("reason", ""))
+        and flag.clause in findings_text(record)
     )
+
+
+def findings_text(record: Mapping[str, Any]) -> str:
+    """Every finding of a failed record: its ``violations`` where the report has them
+    (the ``reason`` is capped, and a stuck load's evidence can push later findings past
+    the cap), else its reason."""
+    found = record.get("violations") or []
+    return "; ".join(str(v) for v in found) or str(record.get("reason", ""))
 
 
 def reference_problems(records: Sequence[Mapping[str, Any]], flag: Flag) -> list[str]:
