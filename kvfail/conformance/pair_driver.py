@@ -548,12 +548,7 @@ class PairDriver(Driver[PairHandle]):
         scenario."""
         import signal
 
-        if not call.ranks or len(call.ranks) != 1:
-            raise ValueError(
-                f"driver {self.name!r}: {call.point.value} needs one rank, not {call.ranks}"
-            )
-        call.pair.signal_p_rank(call.ranks[0], signal.SIGKILL)
-        self._broken.add(id(call.pair))
+        self._signal_one_p_rank(call, signal.SIGKILL)
 
     def _freeze_p_rank(self, call: OnPeer) -> None:
         """``tp_one_rank_frozen``: the P rank the scenario names SIGSTOPped after P
@@ -561,13 +556,19 @@ class PairDriver(Driver[PairHandle]):
         :meth:`end_faults` lets it go on; the pair is replaced after the scenario."""
         import signal
 
+        rank = self._signal_one_p_rank(call, signal.SIGSTOP)
+        self._frozen_ranks.setdefault(id(call.pair), set()).add(rank)
+
+    def _signal_one_p_rank(self, call: OnPeer, sig: int) -> int:
+        """Send ``sig`` to the one P rank ``call`` names, and mark its pair for replacement
+        after the scenario; returns the rank."""
         if not call.ranks or len(call.ranks) != 1:
             raise ValueError(
                 f"driver {self.name!r}: {call.point.value} needs one rank, not {call.ranks}"
             )
-        call.pair.signal_p_rank(call.ranks[0], signal.SIGSTOP)
-        self._frozen_ranks.setdefault(id(call.pair), set()).add(call.ranks[0])
+        call.pair.signal_p_rank(call.ranks[0], sig)
         self._broken.add(id(call.pair))
+        return call.ranks[0]
 
     def _peer_producer(self, pair: PeerPair, peer: int, fault: FaultPoint | None) -> Any:
         """P number ``peer`` of ``pair``, ready: 0 is its P, 1 its second P (started now
