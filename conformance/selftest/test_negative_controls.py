@@ -106,23 +106,36 @@ def suite_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[
     return ret, records, (out / "report.md").read_text()
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]], str]:
-    """One inner run against ``mooncake`` and every real-connector control (real P)."""
+def _real_session(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    controls: list[str],
+    targets: list[Path],
+    *args: str,
+) -> tuple[int, list[dict[str, Any]], str]:
+    """One inner session of ``targets`` against ``mooncake`` (the reference) and the real
+    ``controls``, with ``args``; skipped where Mooncake cannot run here."""
     from kvfail.peers.mooncake import mooncake_available
 
     why = mooncake_available()
-    if why is not None or not REAL_CONTROLS:
+    if why is not None or not controls:
         pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
     _warm_up()
-    out = tmp_path_factory.mktemp("kvfail-real-report")
-    args = [str(SUITE), "-p", "no:cacheprovider", "--kvfail-report", str(out), "-q"]
-    args += ["--policy", "recompute", "--layout", "tp1", "-k", " or ".join(REAL_SCENARIOS)]
-    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in REAL_CONTROLS)]:
-        args += ["--connector", spec]
-    ret = pytest.main(args)
+    out = tmp_path_factory.mktemp(name)
+    argv = [*map(str, targets), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
+    argv += args
+    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in controls)]:
+        argv += ["--connector", spec]
+    ret = pytest.main(argv)
     records = json.loads((out / "report.json").read_text())
     return int(ret), records, (out / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]], str]:
+    """One inner run against ``mooncake`` and every real-connector control (real P)."""
+    args = ["--policy", "recompute", "--layout", "tp1", "-k", " or ".join(REAL_SCENARIOS)]
+    return _real_session(tmp_path_factory, "kvfail-real-report", REAL_CONTROLS, [SUITE], *args)
 
 
 def _records(run: tuple[int, list[dict[str, Any]], str], connector: str) -> list[dict[str, Any]]:
@@ -234,21 +247,14 @@ def real_deadline_run(
     only a deadline can end: a P that never answers, and a slow P that answers after the
     deadline (``test_quarantine.py``). One policy: the verdict these controls break is
     the connector's bound on a load, which no policy changes."""
-    from kvfail.peers.mooncake import mooncake_available
-
-    why = mooncake_available()
-    if why is not None or not DEADLINE_CONTROLS:
-        pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
-    _warm_up()
-    out = tmp_path_factory.mktemp("kvfail-real-deadline-report")
-    args = [str(SUITE), str(QUARANTINE), "-p", "no:cacheprovider", "-q"]
-    args += ["--kvfail-report", str(out), "--policy", "fail", "--layout", "tp1"]
-    args += ["-k", " or ".join(DEADLINE_SCENARIOS)]
-    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in DEADLINE_CONTROLS)]:
-        args += ["--connector", spec]
-    ret = pytest.main(args)
-    records = json.loads((out / "report.json").read_text())
-    return int(ret), records, (out / "report.md").read_text()
+    args = ["--policy", "fail", "--layout", "tp1", "-k", " or ".join(DEADLINE_SCENARIOS)]
+    return _real_session(
+        tmp_path_factory,
+        "kvfail-real-deadline-report",
+        DEADLINE_CONTROLS,
+        [SUITE, QUARANTINE],
+        *args,
+    )
 
 
 def test_real_mooncake_passes_the_deadline_scenarios(real_deadline_run: Any) -> None:
@@ -281,21 +287,11 @@ def real_hetero_run(
     """``mooncake`` and the real controls at P TP 2 with D TP 1, through the scenario
     where one P rank is lost while D's one rank reads from both, under ``recompute``
     (where a half-loaded request would run on the missing heads)."""
-    from kvfail.peers.mooncake import mooncake_available
-
-    why = mooncake_available()
-    if why is not None or not HETERO_CONTROLS:
-        pytest.skip(f"real Mooncake controls cannot run here: {why or 'connector missing'}")
-    _warm_up()
-    out = tmp_path_factory.mktemp("kvfail-real-hetero-report")
     scenarios = sorted({f.scenario for f in negative.EXPECTED_FLAGS_REAL_HETERO.values()})
-    args = [str(SUITE), "-p", "no:cacheprovider", "-q", "--kvfail-report", str(out)]
-    args += ["--policy", "recompute", "--layout", "p2d1", "-k", " or ".join(scenarios)]
-    for spec in ["mooncake", *(f"kvfail.conformance.negative:{c}" for c in HETERO_CONTROLS)]:
-        args += ["--connector", spec]
-    ret = pytest.main(args)
-    records = json.loads((out / "report.json").read_text())
-    return int(ret), records, (out / "report.md").read_text()
+    args = ["--policy", "recompute", "--layout", "p2d1", "-k", " or ".join(scenarios)]
+    return _real_session(
+        tmp_path_factory, "kvfail-real-hetero-report", HETERO_CONTROLS, [SUITE], *args
+    )
 
 
 @pytest.mark.parametrize("control", HETERO_CONTROLS)
