@@ -1,13 +1,17 @@
-"""Is a P worker gone? A TCP watch of its side channel, for Mooncake's D worker.
+"""Is a P worker unreachable, and are its writes over? A watch of its side channel and
+its writer mark, for Mooncake's D worker.
 
-Why the side-channel port: it is the socket D's pull talks to, and its listener lives
-exactly as long as P's worker. ZMQ hides a dead peer (the DEALER reconnects and queues
+Why the side-channel port: it is the socket D's pull talks to; when it refuses, D's pulls
+to that worker cannot be answered any more, so they are failed at once. That alone does
+not prove P stopped writing (a graceful shutdown closes the side channel before the
+sender threads stop), so the blocks are given back only on the worker's writer mark
+(:mod:`connectors.writer_mark`). ZMQ hides a dead peer (the DEALER reconnects and queues
 forever), and D cannot use the TransferEngine's ``send_probe``: Mooncake is P-push, so D
 never learns P's transfer-engine session.
 
 The watch runs on D's receiver loop (asyncio), one task per P worker address, only
 while that address has pulls in flight or a pull that ended without P's answer. The
-rule for what counts as gone is the one every kvfail probe follows
+rule for what counts as a refusal is the one every kvfail probe follows
 (:mod:`connectors.side_channel`).
 """
 
@@ -20,6 +24,7 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from connectors.side_channel import PROBE_REFUSALS, close_rst
+from connectors.writer_mark import ask_writer_mark
 
 __all__ = [
     "DEFAULT_PROBE_INTERVAL_S",
@@ -46,54 +51,114 @@ async def watch_side_channel(
     interval_s: float,
     *,
     watched: Callable[[], bool],
+    lost: Callable[[str], None],
     gone: Callable[[str], None],
+    marks: dict[str, bytes],
 ) -> None:
-    """Watch ``worker_addr`` while ``watched()``; call ``gone(reason)`` once if P's
-    worker is gone, and return.
+    """Watch the P worker at ``worker_addr`` while ``watched()``.
 
-    Event-driven: the probe holds a TCP connection to that port, so P's death reaches
-    D as it happens (its kernel closes the connection: EOF or reset). An end of the
-    connection is only a question (P's ZMQ also drops a peer that never greets it);
-    connects answer it. Without a held connection (a connect that does not complete)
-    it connects every ``interval_s``.
+    Two verdicts, because a closed side channel is not a stopped writer:
 
-    Why no false positives: only ``ECONNREFUSED`` counts, :data:`PROBE_REFUSALS`
-    times in a row, and the kernel refuses a connect only when nothing listens on the
-    port, i.e. P's process (or its socket) is gone. A P that is slow, busy or even
-    SIGSTOPped keeps its listening socket and the held connection, so the kernel
-    completes a connect (or, with a full accept queue, drops the SYN: a timeout,
-    which counts as nothing). Silence is left to the deadline. Connections close
-    with RST (no TIME_WAIT pile-up); one task per P worker address, on the receiver
-    loop, only while that address has pulls in flight or a pull that ended without
-    P's answer may still be written by it: bounded cost.
+    * ``lost(reason)``: the side channel refuses connects (:data:`PROBE_REFUSALS` in a
+      row). What the pulls to this worker still owe is failed now, but the blocks stay
+      held: a P shutting down gracefully closes its side channel first while a push may
+      still land. Called again only after the side channel answered in between.
+    * ``gone(reason)``, then return: the worker's writer mark
+      (:mod:`connectors.writer_mark`), seen before, refuses, or a new one answers at the
+      address. Only this ends the holds.
+
+    ``marks`` keeps each address's nonce across watches (the caller owns it), so a watch
+    started after the worker died still knows it had a mark.
+
+    Event-driven: the probe holds a TCP connection to the side channel, so P's death or
+    shutdown reaches D as it happens (EOF or reset); the mark is asked then, and at every
+    refused connect. An end of the connection alone is only a question (P's ZMQ also
+    drops a peer that never greets it). Without a held connection it connects every
+    ``interval_s``.
+
+    Why no false verdicts: only ``ECONNREFUSED`` counts, and the kernel refuses only
+    when nothing listens (TCP) or nothing is bound (UDP). A P that is slow, busy or
+    SIGSTOPped keeps both sockets: its connects complete, its mark is silent (unknown,
+    which proves nothing). Silence is left to the deadline. Connections close with RST
+    (no TIME_WAIT pile-up); one task per P worker address, on the receiver loop, only
+    while that address has pulls in flight or holds: bounded cost.
     """
     held: socket.socket | None = None
     try:
         endpoint = tcp_endpoint(worker_addr)
         if endpoint is None:
             return  # not a TCP address we can probe (ipc://, malformed): deadline only
-        refusals = 0
+        mark = _MarkWatch(worker_addr, *endpoint, marks)
+        reason = await mark.check()
+        if reason is not None:
+            gone(reason)
+            return
+        refusals, reported = 0, False
         while watched():
             if held is not None:
                 if not await _closed_by_peer(held, interval_s):
-                    continue  # still open: P's process holds it
+                    continue  # still open: P's side channel holds it
                 close_rst(held)
-                held = None  # ended: a connect tells a dead P from a dropped peer
+                held = None  # ended: P gone, shut down, restarted, or ZMQ dropped us
+                reason = await mark.check()
+                if reason is not None:
+                    gone(reason)
+                    return
             verdict, sock = await _connect(*endpoint, PROBE_CONNECT_TIMEOUT_S)
             if sock is not None:
-                held, refusals = sock, 0
+                held, refusals, reported = sock, 0, False
                 continue
             refusals = refusals + 1 if verdict == "refused" else 0
-            if refusals >= PROBE_REFUSALS:
-                gone(
-                    f"P worker {worker_addr} is gone: its side channel refused "
+            if refusals >= PROBE_REFUSALS and not reported:
+                reported = True
+                lost(
+                    f"P worker {worker_addr} is unreachable: its side channel refused "
                     f"{refusals} connects in a row"
                 )
-                return
-            await asyncio.sleep(PROBE_CONFIRM_S if refusals else interval_s)
+            if refusals:
+                reason = await mark.check()
+                if reason is not None:
+                    gone(reason)
+                    return
+            confirming = 0 < refusals < PROBE_REFUSALS
+            await asyncio.sleep(PROBE_CONFIRM_S if confirming else interval_s)
     finally:
         if held is not None:
             close_rst(held)
+
+
+class _MarkWatch:
+    """What one watch has learnt of an address's writer mark."""
+
+    def __init__(self, worker_addr: str, host: str, port: int, marks: dict[str, bytes]) -> None:
+        self.worker_addr, self.host, self.port = worker_addr, host, port
+        self.marks = marks
+        self.refusals = 0
+
+    async def check(self) -> str | None:
+        """Ask the mark once; the reason the writer is proven gone, or None."""
+        answer, nonce = await ask_writer_mark(self.host, self.port, PROBE_CONNECT_TIMEOUT_S)
+        seen = self.marks.get(self.worker_addr)
+        if answer == "alive" and nonce is not None:
+            self.refusals = 0
+            self.marks[self.worker_addr] = nonce
+            if seen is not None and nonce != seen:
+                return (
+                    f"P worker {self.worker_addr} was restarted: a new writer answers at its "
+                    "address, so the one D pulled from is gone"
+                )
+            return None
+        if answer == "refused" and seen is not None:
+            self.refusals += 1
+            if self.refusals >= PROBE_REFUSALS:
+                del self.marks[self.worker_addr]
+                return (
+                    f"P worker {self.worker_addr} is gone: its writer mark refused "
+                    f"{self.refusals} times in a row"
+                )
+            return None
+        self.refusals = 0  # unknown, or never seen: proves nothing
+        return None
 
 
 def tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:

@@ -27,6 +27,10 @@ What we change, and why:
   or two), not only by the deadline: upstream's ZMQ DEALER reconnects to a dead P
   silently and waits 540 s. See :func:`connectors.mooncake.probe.watch_side_channel` for
   why the probe never fails a P that is alive but slow.
+* A failed load's blocks go back only when P's writer is proven done: P's answer, or its
+  writer mark (:mod:`connectors.writer_mark`) gone or replaced. A P worker on this
+  connector keeps that mark open until its own writes are over, shutdown included;
+  upstream's P closes its side channel before its sender threads stop.
 
 The stage of a failure is known from where it is detected. Upstream funnels all of them
 through ``_handle_failed_recv(pull_metas, req_ids, reason)``; we tell them apart with a
@@ -64,6 +68,7 @@ from vllm.logger import init_logger
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import DEFAULT_PROBE_INTERVAL_S, watch_side_channel
 from connectors.mooncake.stats import KvfailMooncakeStats
+from connectors.writer_mark import WriterMark, start_writer_mark
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
@@ -223,6 +228,8 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         ] = defaultdict(dict)
         #: P worker address -> its running probe task (receiver loop thread only).
         self._mc_probes: dict[str, asyncio.Task[None]] = {}
+        #: P worker address -> the nonce of its writer mark, once seen (receiver loop).
+        self._mc_marks: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ starting pulls
 
@@ -425,26 +432,39 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
                 worker_addr,
                 interval_s,
                 watched=lambda: self._mc_watched(worker_addr),
-                gone=lambda reason: self._mc_peer_lost(worker_addr, reason),
+                lost=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=False),
+                gone=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=True),
+                marks=self._mc_marks,
             )
         finally:
             if self._mc_probes.get(worker_addr) is me:
                 del self._mc_probes[worker_addr]
 
-    def _mc_peer_lost(self, worker_addr: str, reason: str) -> None:
-        """Fail what every pull task to this P worker still owes, then stop the tasks.
+    def _mc_peer_lost(self, worker_addr: str, reason: str, *, writes_over: bool) -> None:
+        """Fail what every pull task to this P worker still owes, then stop the tasks;
+        with ``writes_over`` (its writer is proven gone), also end the holds it kept.
 
         Runs on the receiver loop, like the tasks, so no reply can be processed between
         the report and the cancel; each request gets its one mixin call here, and the
-        cancelled task sees it already reported.
+        cancelled task sees it already reported. Without ``writes_over`` the requests P
+        may still push into are marked unproven here, before the tasks end, so the watch
+        goes on for them.
         """
         self._mc_forget_engines_at(worker_addr)
         for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
-            state.over = True  # a process that is gone writes nothing more
+            if writes_over:
+                state.over = True  # a writer that is gone writes nothing more
             tracked = self.failure_reporter.is_tracked
             state.reported.update(r for r in pulls if not tracked(r))
             self._mc_fail_unreported(state, pulls, Stage.PEER_LOST, reason)
+            if not writes_over:
+                unproven = state.may_still_write(pulls)
+                with self._mc_lock:
+                    for req_id in unproven:
+                        self._mc_unproven[req_id].add(worker_addr)
             task.cancel()
+        if not writes_over:
+            return
         with self._mc_lock:
             cleared = [r for r, addrs in self._mc_unproven.items() if worker_addr in addrs]
             for req_id in cleared:
@@ -736,6 +756,27 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         super().shutdown()
         if loop is not None and not loop.is_running() and not loop.is_closed():
             loop.close()
+        mark: WriterMark | None = getattr(self, "_mc_mark", None)
+        if mark is not None:
+            # Upstream stops its sender threads without waiting, so a push may still be
+            # under way: the mark closes once they have all finished, never before.
+            threading.Thread(
+                target=_close_after_writes,
+                args=(getattr(self, "_sender_executor", None), mark),
+                name="kvfail-writer-mark-close",
+                daemon=True,
+            ).start()
+
+    # ------------------------------------------------------------------ P side
+
+    async def register_worker_with_bootstrap(self) -> None:
+        """Open this worker's writer mark on its side channel's port, then register.
+
+        Before registering, so that any D that can learn the address finds the mark.
+        Runs on the sender loop, right after upstream bound the side channel.
+        """
+        self._mc_mark = start_writer_mark(self.hostname, self.side_channel_port)
+        await super().register_worker_with_bootstrap()
 
     async def _mc_stop_tasks(self) -> None:
         """Cancel every other task on the receiver loop: ours (pulls and probes) and
@@ -758,6 +799,14 @@ def _never_left_d(state: _PeerPull, exc: BaseException | None) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _close_after_writes(executor: Any, mark: WriterMark) -> None:
+    """Close ``mark`` once ``executor`` (P's sender threads) has no write left."""
+    if executor is not None:
+        with contextlib.suppress(Exception):
+            executor.shutdown(wait=True)
+    mark.close()
 
 
 async def _cancel_and_wait(tasks: Collection[asyncio.Task[Any]]) -> None:

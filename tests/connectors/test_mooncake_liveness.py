@@ -3,7 +3,8 @@
 Why real processes: the probe's whole claim rests on what the kernel does for a process
 that is gone (its listening socket is closed: connects are refused) versus one that is
 only stopped (its socket stays: connects complete). Only a real P, killed or SIGSTOPped
-with real signals, tests that. P runs upstream's ``MooncakeConnector`` in its own process
+with real signals, tests that. P runs kvfail's connector in its own process (so it has a
+writer mark, :mod:`connectors.writer_mark`), or upstream's, which has none
 (:class:`kvfail.peers.mooncake.MooncakePair`); D runs ours on the real Scheduler.
 
 One P is shared: the no-false-positive test runs first, the kill test last. No assertion
@@ -42,6 +43,11 @@ STOP_S = 1.5
 #: past P's expiry (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT=5) counted from that deadline.
 HELD_DEADLINE_S = 1.0
 HELD_PAST_EXPIRY_S = 6.5
+#: The upstream-P pair's max hold: what alone ends a hold no writer mark can prove over.
+MAX_HOLD_S = 2.0
+#: How long the upstream-P test steps D after the kill to see the blocks still held: a
+#: few probe intervals, far below the max hold (a bound set here, never asserted).
+UNPROVEN_STEPS_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,28 @@ def pair() -> Iterator[MooncakePair]:
         policy="fail",
         connector="KvfailMooncakeConnector",
         connector_module="connectors.mooncake",
-        p_connector="MooncakeConnector",
         extra_config={"kvfail_deadline_s": DEADLINE_S, "kvfail_probe_interval_s": 0.1},
+        abort_request_timeout_s=5,
+    )
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def upstream_p_pair() -> Iterator[MooncakePair]:
+    """D on kvfail's connector, P on upstream's: no writer mark, and a max hold."""
+    p = MooncakePair(
+        policy="fail",
+        connector="KvfailMooncakeConnector",
+        connector_module="connectors.mooncake",
+        p_connector="MooncakeConnector",
+        extra_config={
+            "kvfail_deadline_s": DEADLINE_S,
+            "kvfail_probe_interval_s": 0.1,
+            "kvfail_max_hold_s": MAX_HOLD_S,
+        },
         abort_request_timeout_s=5,
     )
     try:
@@ -187,3 +213,31 @@ def test_zz_killed_p_fails_in_flight_and_new_pulls_with_peer_lost(pair: Mooncake
         assert stats.failed_by_stage[Stage.WATCHDOG] == 0, stats
         assert stats["loads_failed"] == 1, stats
         assert oracles.check_all(pair.decoders[name], [f"{name}-x"], failed=True) == []
+
+
+def test_zz_killed_upstream_p_fails_the_load_but_holds_its_blocks(
+    upstream_p_pair: MooncakePair,
+) -> None:
+    """Upstream's P has no writer mark, and its side channel refusing proves only that
+    the channel is closed (a graceful shutdown closes it before P's sender stops). So
+    the load is failed by the probe at once, and its blocks stay held until the
+    operator's ``kvfail_max_hold_s``; then they come back. Runs last (kills its P)."""
+    pair = upstream_p_pair
+    _warm(pair, "unproven")
+    engine = pair.decoders["unproven"]
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    all_free = engine.spec.num_blocks - 1  # the null block is never free
+    params = pair.prefill("unproven-x", 100)
+    pair.freeze_p()
+    rec = pair.add("unproven-x", params, prompt_len=100, consumer="unproven")
+    run = pair.run(["unproven-x"], consumer="unproven", timeout_s=0.5)
+    assert run.reason == "timeout" and not rec.failed, run
+    pair.kill_p()
+    run = pair.run(["unproven-x"], consumer="unproven", timeout_s=30)
+    assert run.ok and rec.failed, (run, rec)
+    stats = _worker(pair, "unproven").failure_stats()
+    assert stats.failed_by_stage[Stage.PEER_LOST] == 1, stats
+    _step_for(engine, UNPROVEN_STEPS_S)
+    assert pool.get_num_free_blocks() < all_free, "blocks freed on a refusal alone"
+    _step_for(engine, 30.0, until=lambda: pool.get_num_free_blocks() == all_free)
+    assert oracles.check_all(engine, ["unproven-x"], failed=True) == []

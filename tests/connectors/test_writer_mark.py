@@ -1,0 +1,229 @@
+"""The writer mark and the Mooncake watch's two verdicts, on real sockets.
+
+Why real sockets: the watch's claims rest on what the kernel answers. A closed TCP
+listener refuses connects; an unbound UDP port answers with port unreachable, which a
+connected UDP socket reads as ``ECONNREFUSED``. Each test builds the shapes a P worker
+goes through with real listeners on loopback (IPv4 and IPv6): alive, side channel closed
+while the writer still runs (a graceful shutdown), writer gone, a new writer at the same
+address (a restart), and a P with no mark at all (upstream's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from connectors.mooncake.probe import watch_side_channel
+from connectors.writer_mark import WriterMark, ask_writer_mark, start_writer_mark
+
+#: Bound on every wait here; far above a loopback round trip.
+WAIT_S = 10.0
+INTERVAL_S = 0.02
+
+
+def _free_port(host: str) -> int:
+    """A port free for both TCP and UDP on ``host`` (the mark shares the side channel's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(50):
+        with socket.socket(family, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            try:
+                with socket.socket(family, socket.SOCK_DGRAM) as udp:
+                    udp.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port free for TCP and UDP")
+
+
+@contextmanager
+def _listener(host: str, port: int) -> Iterator[socket.socket]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(8)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _addr(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class _Verdicts:
+    def __init__(self) -> None:
+        self.lost: list[str] = []
+        self.gone: list[str] = []
+        self.watching = True
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), WAIT_S)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+HOSTS = [
+    "127.0.0.1",
+    pytest.param(
+        "::1", marks=pytest.mark.skipif(not _ipv6_loopback(), reason="requires IPv6 loopback")
+    ),
+]
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_mark_answers_with_its_nonce_until_closed(host: str) -> None:
+    port = _free_port(host)
+    mark = WriterMark(host, port)
+    try:
+        answer, nonce = asyncio.run(ask_writer_mark(host, port, WAIT_S))
+        assert (answer, nonce) == ("alive", mark.nonce)
+    finally:
+        mark.close()
+    assert asyncio.run(ask_writer_mark(host, port, WAIT_S)) == ("refused", None)
+
+
+def test_mark_ignores_strangers_and_bad_names() -> None:
+    port = _free_port("127.0.0.1")
+    mark = WriterMark("127.0.0.1", port)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            stranger.settimeout(0.3)
+            stranger.sendto(b"hello", ("127.0.0.1", port))
+            with pytest.raises(TimeoutError):
+                stranger.recvfrom(64)
+        # A name that does not resolve proves nothing, and never raises.
+        assert asyncio.run(ask_writer_mark("no-such-host.invalid", port, 2.0)) == (
+            "unknown",
+            None,
+        )
+    finally:
+        mark.close()
+
+
+def test_a_port_taken_gives_no_mark() -> None:
+    port = _free_port("127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+        other.bind(("127.0.0.1", port))
+        assert start_writer_mark("127.0.0.1", port) is None
+
+
+async def _watch(host: str, port: int, seen: _Verdicts, marks: dict[str, bytes]) -> None:
+    addr = _addr(host, port)
+    await watch_side_channel(
+        addr,
+        INTERVAL_S,
+        watched=lambda: seen.watching,
+        lost=seen.lost.append,
+        gone=seen.gone.append,
+        marks=marks,
+    )
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> None:
+    """A graceful shutdown: the side channel closes while the writer still runs. The
+    watch reports the worker lost (fail now) but not gone (blocks stay held) until the
+    mark closes."""
+    port = _free_port(host)
+    seen, marks = _Verdicts(), {}
+
+    async def scenario() -> None:
+        mark = WriterMark(host, port)
+        try:
+            with _listener(host, port):
+                task = asyncio.create_task(_watch(host, port, seen, marks))
+                await _until(lambda: _addr(host, port) in marks)
+            await _until(lambda: bool(seen.lost))
+            for _ in range(20):  # many probe rounds: still no proof
+                await asyncio.sleep(INTERVAL_S)
+            assert seen.gone == [] and not task.done()
+        finally:
+            mark.close()
+        await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.lost) == 1 and "side channel refused" in seen.lost[0]
+    assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
+    assert _addr(host, port) not in marks
+
+
+def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), {}
+
+    async def scenario() -> None:
+        old = WriterMark(host, port)
+        with _listener(host, port) as first:
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            await _until(lambda: marks.get(_addr(host, port)) == old.nonce)
+            old.close()
+            new = WriterMark(host, port)
+            first.close()  # the held connection ends: the watch asks the mark again
+            try:
+                with _listener(host, port):
+                    await asyncio.wait_for(task, WAIT_S)
+            finally:
+                new.close()
+
+    asyncio.run(scenario())
+    assert len(seen.gone) == 1 and "restarted" in seen.gone[0]
+
+
+def test_a_p_with_no_mark_is_lost_but_never_proven_gone() -> None:
+    """Upstream's P has no mark: its side channel refusing fails the loads, and nothing
+    ever proves its writes over (the holds wait for P's answer or the max hold)."""
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), {}
+
+    async def scenario() -> None:
+        with _listener(host, port):
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            await asyncio.sleep(5 * INTERVAL_S)
+        await _until(lambda: bool(seen.lost))
+        for _ in range(20):
+            await asyncio.sleep(INTERVAL_S)
+        seen.watching = False
+        await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.lost) == 1 and seen.gone == [] and marks == {}
+
+
+def test_a_killed_writer_is_gone_without_a_lost_first() -> None:
+    """Side channel and mark close together (SIGKILL): one verdict, gone."""
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), {}
+
+    async def scenario() -> None:
+        mark = WriterMark(host, port)
+        with _listener(host, port):
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            await _until(lambda: _addr(host, port) in marks)
+            mark.close()
+        await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
