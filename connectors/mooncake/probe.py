@@ -89,21 +89,19 @@ async def watch_side_channel(
         if endpoint is None:
             return  # not a TCP address we can probe (ipc://, malformed): deadline only
         mark = _MarkWatch(worker_addr, *endpoint, marks)
-        reason = await mark.check()
-        if reason is not None:
-            gone(reason)
-            return
         refusals, reported = 0, False
         while watched():
+            # Every round, side channel open or not: a P whose teardown wedged keeps its
+            # side channel open, and only its mark says its writes are over.
+            reason = await mark.check()
+            if reason is not None:
+                gone(reason)
+                return
             if held is not None:
-                if not await _closed_by_peer(held, interval_s):
-                    continue  # still open: P's side channel holds it
-                close_rst(held)
-                held = None  # ended: P gone, shut down, restarted, or ZMQ dropped us
-                reason = await mark.check()
-                if reason is not None:
-                    gone(reason)
-                    return
+                if await _closed_by_peer(held, interval_s):
+                    close_rst(held)
+                    held = None  # ended: P gone, shut down, restarted, or ZMQ dropped us
+                continue
             verdict, sock = await _connect(*endpoint, PROBE_CONNECT_TIMEOUT_S)
             if sock is not None:
                 held, refusals, reported = sock, 0, False
@@ -115,11 +113,6 @@ async def watch_side_channel(
                     f"P worker {worker_addr} is unreachable: its side channel refused "
                     f"{refusals} connects in a row"
                 )
-            if refusals:
-                reason = await mark.check()
-                if reason is not None:
-                    gone(reason)
-                    return
             confirming = 0 < refusals < PROBE_REFUSALS
             await asyncio.sleep(PROBE_CONFIRM_S if confirming else interval_s)
     finally:
@@ -133,32 +126,30 @@ class _MarkWatch:
     def __init__(self, worker_addr: str, host: str, port: int, marks: dict[str, bytes]) -> None:
         self.worker_addr, self.host, self.port = worker_addr, host, port
         self.marks = marks
-        self.refusals = 0
 
     async def check(self) -> str | None:
-        """Ask the mark once; the reason the writer is proven gone, or None."""
-        answer, nonce = await ask_writer_mark(self.host, self.port, PROBE_CONNECT_TIMEOUT_S)
-        seen = self.marks.get(self.worker_addr)
-        if answer == "alive" and nonce is not None:
-            self.refusals = 0
-            self.marks[self.worker_addr] = nonce
-            if seen is not None and nonce != seen:
-                return (
-                    f"P worker {self.worker_addr} was restarted: a new writer answers at its "
-                    "address, so the one D pulled from is gone"
-                )
-            return None
-        if answer == "refused" and seen is not None:
-            self.refusals += 1
-            if self.refusals >= PROBE_REFUSALS:
-                del self.marks[self.worker_addr]
-                return (
-                    f"P worker {self.worker_addr} is gone: its writer mark refused "
-                    f"{self.refusals} times in a row"
-                )
-            return None
-        self.refusals = 0  # unknown, or never seen: proves nothing
-        return None
+        """Ask the mark (a refusal is confirmed at once); the reason the writer is proven
+        gone, or None."""
+        for refusals in range(1, PROBE_REFUSALS + 1):
+            answer, nonce = await ask_writer_mark(self.host, self.port, PROBE_CONNECT_TIMEOUT_S)
+            seen = self.marks.get(self.worker_addr)
+            if answer == "alive" and nonce is not None:
+                self.marks[self.worker_addr] = nonce
+                if seen is not None and nonce != seen:
+                    return (
+                        f"P worker {self.worker_addr} was restarted: a new writer answers at "
+                        "its address, so the one D pulled from is gone"
+                    )
+                return None
+            if answer != "refused" or seen is None:
+                return None  # unknown, or never seen: proves nothing
+            if refusals < PROBE_REFUSALS:
+                await asyncio.sleep(PROBE_CONFIRM_S)
+        del self.marks[self.worker_addr]
+        return (
+            f"P worker {self.worker_addr}'s writes are over: its writer mark refused "
+            f"{PROBE_REFUSALS} times in a row"
+        )
 
 
 def tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:

@@ -748,6 +748,18 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         if getattr(self, "_mc_closed", True):
             return
         self._mc_closed = True
+        mark: WriterMark | None = getattr(self, "_mc_mark", None)
+        if mark is not None:
+            # Upstream stops its sender threads without waiting, and its context teardown
+            # can wedge while one of them writes: the mark closes once they have all
+            # finished (new writes refused from now on), never before, whatever
+            # upstream's teardown does.
+            threading.Thread(
+                target=_close_after_writes,
+                args=(getattr(self, "_sender_executor", None), mark),
+                name="kvfail-writer-mark-close",
+                daemon=True,
+            ).start()
         loop = None if self.is_kv_producer else self.receiver_loop
         if loop is not None and loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self._mc_stop_tasks(), loop)
@@ -756,16 +768,6 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         super().shutdown()
         if loop is not None and not loop.is_running() and not loop.is_closed():
             loop.close()
-        mark: WriterMark | None = getattr(self, "_mc_mark", None)
-        if mark is not None:
-            # Upstream stops its sender threads without waiting, so a push may still be
-            # under way: the mark closes once they have all finished, never before.
-            threading.Thread(
-                target=_close_after_writes,
-                args=(getattr(self, "_sender_executor", None), mark),
-                name="kvfail-writer-mark-close",
-                daemon=True,
-            ).start()
 
     # ------------------------------------------------------------------ P side
 

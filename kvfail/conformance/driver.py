@@ -212,7 +212,10 @@ ABILITIES: Mapping[str, type] = {
 
 #: Fault points whose scenario calls a driver's optional ability: a driver whose table has
 #: one implements that protocol.
-POINT_NEEDS: Mapping[FaultPoint, type] = {FaultPoint.SLOW_PEER_PAST_DEADLINE: LateWrites}
+POINT_NEEDS: Mapping[FaultPoint, type] = {
+    FaultPoint.SLOW_PEER_PAST_DEADLINE: LateWrites,
+    FaultPoint.PEER_SHUTDOWN_MID_WRITE: LateWrites,
+}
 
 
 def abilities(driver: object) -> dict[str, tuple[bool, str]]:

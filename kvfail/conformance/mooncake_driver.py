@@ -70,6 +70,9 @@ class MooncakeDriver(PairDriver):
       :attr:`SLOW_PEER_PAST_S`); P's own expiry is held off meanwhile, so P really
       pushes into D's blocks then, whatever D did (Mooncake is P-push: D has no handle
       on that write). :meth:`late_write_finding` asks P whether each of its ranks pushed;
+    * a P shut down gracefully while its write is under way (``peer_shutdown_mid_write``):
+      each rank's connector runs its own shutdown as the write starts, and the write
+      lands :attr:`slow_peer_delay_s` later (see ``kvfail.peers.producer``);
     * driver-side abort and empty pulls.
 
     P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
@@ -192,6 +195,7 @@ class MooncakeDriver(PairDriver):
             ),
             FaultPoint.NET_DELAY: PairInjector(before_add=_p_does("delay", self.NET_DELAY_S)),
             FaultPoint.SLOW_PEER_PAST_DEADLINE: PairInjector(before_add=self._late_push),
+            FaultPoint.PEER_SHUTDOWN_MID_WRITE: PairInjector(before_add=self._shutdown_mid_write),
             FaultPoint.KILL_BEFORE_PULL: kill,
             FaultPoint.KILL_ONE_PEER: kill,
             FaultPoint.KILL_DURING_TRANSFER: PairInjector(before_add=self._die_mid_transfer),
@@ -220,6 +224,17 @@ class MooncakeDriver(PairDriver):
         """``slow_peer_past_deadline``: P's sender sleeps past D's deadline, then pushes."""
         arming.pair.inject(arming.fault.request_id, "delay", delay_s=self.slow_peer_delay_s)
         arming.fault.state = _LatePush(arming.pair.p)
+        return params
+
+    def _shutdown_mid_write(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        """``peer_shutdown_mid_write``: each P rank shuts its connector down as its write
+        for the pull starts, and the write lands :attr:`slow_peer_delay_s` later. The P
+        serves nothing more, so the pair is replaced after the scenario."""
+        arming.pair.inject(
+            arming.fault.request_id, "shutdown_mid_write", delay_s=self.slow_peer_delay_s
+        )
+        arming.fault.state = _LatePush(arming.pair.p)
+        self._broken.add(id(arming.pair))
         return params
 
     def _die_mid_transfer(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:

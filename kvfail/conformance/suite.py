@@ -66,6 +66,11 @@ DEADLINE_BUDGET_FLOOR_S = 5.0
 DEADLINE_MARGIN_FLOOR_S = 3.0
 #: How a failure to build D starts (an error of the run, never a skip).
 ENGINE_BUILD_FAILED = "cannot build the engine"
+#: Faults whose P writes into D's blocks after D failed the load: their scenarios need
+#: vLLM's block pool to hold blocks of a reported load.
+LATE_WRITE_POINTS = frozenset(
+    {FaultPoint.SLOW_PEER_PAST_DEADLINE, FaultPoint.PEER_SHUTDOWN_MID_WRITE}
+)
 #: Run tags handed out in this process (see ``ScenarioContext.rid``): a real P, possibly
 #: shared by several drivers and sessions, must never see a request id twice.
 _TAGS: set[str] = set()
@@ -228,8 +233,9 @@ class ScenarioContext:
             point = self.caps.require_fault(*candidates)
         except CapabilityMissing as exc:
             raise SuiteSkip(str(exc), ("fault",)) from None
-        if point is FaultPoint.SLOW_PEER_PAST_DEADLINE:
-            # Reported by the deadline (C10) with its blocks held while P still writes
+        if point in LATE_WRITE_POINTS:
+            # Reported (by the deadline, C10, or a closed side channel) with its blocks
+            # held while P still writes
             # (C11): only vLLM's block pool can hold them. Without it no connector can
             # pass, so the run is an error naming the feature, never a verdict.
             compat.require("block_pool_binding", f"{self.scenario} ({point.value})")

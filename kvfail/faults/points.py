@@ -115,6 +115,7 @@ class FaultPoint(enum.StrEnum):
     NET_BLACKHOLE = "net_blackhole"
     NET_DELAY = "net_delay"
     SLOW_PEER_PAST_DEADLINE = "slow_peer_past_deadline"
+    PEER_SHUTDOWN_MID_WRITE = "peer_shutdown_mid_write"
     PEER_ERROR_RESPONSE = "peer_error_response"
     PEER_ERR_REQS = "peer_err_reqs"
     PEER_FINISH_WITHOUT_RESULT = "peer_finish_without_result"
@@ -228,6 +229,15 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
             "declared deadline failed the load; those blocks must not reach another request "
             "until that write is over",
             _S,
+            Injection.PEER,
+            "C1 C2 C10 C11",
+        ),
+        FaultPoint.PEER_SHUTDOWN_MID_WRITE: _spec(
+            "P shuts down gracefully (its connector's shutdown, vLLM's own path) while its "
+            "write into D's blocks is under way: its side channel closes at once, P never "
+            "answers, and the write lands later; those blocks must not reach another "
+            "request until it is over",
+            _A,
             Injection.PEER,
             "C1 C2 C10 C11",
         ),

@@ -29,10 +29,15 @@ the reply echoes:
   ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself;
   or ``delay`` (with ``delay_s``): a slow but live P, which sleeps ``delay_s`` before
   serving the pull for real (its other sender tasks and its engine go on; its own
-  expiry of the request is held off meanwhile, as for a send under way). One-shot;
-* ``{"cmd": "late_pushes"}``: the ``delay`` pulls served so far, per request: the ranks
-  whose push ran, and the ranks whose push wrote (``{"pushed": {req: [ranks]},
-  "written": {req: [ranks]}}``), so a driver knows when a slow P's write has landed;
+  expiry of the request is held off meanwhile, as for a send under way); or
+  ``shutdown_mid_write`` (with ``delay_s``): when the write for the pull starts, this
+  rank's connector worker is shut down (upstream's ``shutdown``, what vLLM calls on a
+  worker that exits: the side channel closes at once, the sender threads are left to
+  finish), and the write itself lands ``delay_s`` later. One-shot;
+* ``{"cmd": "late_pushes"}``: the ``delay`` and ``shutdown_mid_write`` pulls served so
+  far, per request: the ranks whose push ran, and the ranks whose push wrote
+  (``{"pushed": {req: [ranks]}, "written": {req: [ranks]}}``), so a driver knows when a
+  slow P's write has landed;
 * ``{"cmd": "stats"}``: counters and the engine's pending sends;
 * ``{"cmd": "quit"}``: close the engine and exit with ``os._exit(0)``.
 
@@ -73,7 +78,14 @@ DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers
 PREFILL_TIMEOUT_S = 20.0
 _IDLE_SLEEP_S = 0.005
 #: Protocol faults P can answer a pull with (``inject`` command).
-INJECTABLE = ("error_response", "err_reqs", "finish_without_result", "die_mid_transfer", "delay")
+INJECTABLE = (
+    "error_response",
+    "err_reqs",
+    "finish_without_result",
+    "die_mid_transfer",
+    "delay",
+    "shutdown_mid_write",
+)
 
 
 class _FaultInjectingSender:
@@ -108,6 +120,10 @@ class _FaultInjectingSender:
         if fault == "delay":
             await self._kvfail_late_send(identity, sock, meta, hit)
             return
+        if fault == "shutdown_mid_write":
+            delays = getattr(self, "kvfail_delays", {})
+            self.kvfail_shutdown_write = (max(delays.pop(r, 0.0) for r in hit), hit)
+            fault = None
         if fault is None or fault == "die_mid_transfer":
             self.kvfail_die_in_send = fault is not None
             await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
@@ -176,6 +192,11 @@ class _FaultInjectingSender:
         ``die_mid_transfer``: really write the first half of the pull into D, then
         SIGKILL this process (P, or this P rank at TP > 1) before the rest and before
         any reply: a peer that crashed with D's blocks half written."""
+        shutdown_write = self.__dict__.pop("kvfail_shutdown_write", None)
+        if shutdown_write is not None:
+            return self._kvfail_write_through_shutdown(
+                *shutdown_write, remote_session, src_ptrs, dst_ptrs, lengths
+            )
         if not getattr(self, "kvfail_die_in_send", False):
             writing = self.__dict__.setdefault("kvfail_writing", {})
             writing[threading.get_ident()] = time.monotonic()
@@ -193,6 +214,30 @@ class _FaultInjectingSender:
         super()._send_blocks(remote_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])  # type: ignore[misc]
         os.kill(os.getpid(), signal.SIGKILL)
         return -1  # not reached
+
+    def _kvfail_write_through_shutdown(
+        self,
+        delay_s: float,
+        hit: list[str],
+        remote_session: str,
+        src_ptrs: list[int],
+        dst_ptrs: list[int],
+        lengths: list[int],
+    ) -> int:
+        """``shutdown_mid_write``: on a sender thread, with the write under way, shut this
+        worker down (on another thread, as vLLM's shutdown runs beside the sender), then
+        write ``delay_s`` later: the write a graceful shutdown leaves running."""
+        threading.Thread(target=self.shutdown, name="kvfail-p-shutdown", daemon=True).start()  # type: ignore[attr-defined]
+        writing = self.__dict__.setdefault("kvfail_writing", {})
+        writing[threading.get_ident()] = time.monotonic()
+        try:
+            time.sleep(delay_s)
+            ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+        finally:
+            writing.pop(threading.get_ident(), None)
+        for r in hit:
+            self.kvfail_late_pushes[r] = ret == 0
+        return ret
 
 
 def _make_injecting(worker: Any) -> None:
@@ -218,7 +263,7 @@ def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
         return False
     _make_injecting(sender)
     sender.kvfail_armed[req_id] = fault
-    if fault == "delay":
+    if fault in ("delay", "shutdown_mid_write"):
         sender.kvfail_delays[req_id] = delay_s
     return True
 

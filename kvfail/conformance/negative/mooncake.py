@@ -153,8 +153,24 @@ if _KvfailMooncake is not None:
             }
             super().__init__(vllm_config, *args, **kwargs)
 
+    class ReleasesUnprovenMooncake(_KvfailMooncake):  # type: ignore[misc,valid-type]
+        """KvfailMooncakeConnector that gives a failed load's blocks back at its deadline,
+        without proof that P's write is over: its max hold is a millisecond (a D that
+        trusts its clock, or a closed side channel, instead of P's writer)."""
+
+        def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            from connectors.mooncake.worker import MAX_HOLD_KEY
+
+            transfer = vllm_config.kv_transfer_config
+            transfer.kv_connector_extra_config = {
+                **(transfer.kv_connector_extra_config or {}),
+                MAX_HOLD_KEY: 0.001,
+            }
+            super().__init__(vllm_config, *args, **kwargs)
+
     __all__ += [
         "LateMooncake",
+        "ReleasesUnprovenMooncake",
         "SuccessOnFailureMooncake",
         "SwallowingMooncake",
         "UnboundedMooncake",
@@ -191,9 +207,15 @@ EXPECTED_FLAGS_REAL_HETERO: dict[str, Flag] = (
 
 #: Real-connector controls of the deadline scenarios, each flagged by every scenario
 #: named (a P that never answers, and a slow one that does): the toy's P cannot be slow
-#: and still answer, so only a real P shows that the verdict ignores P's speed.
+#: and still answer, so only a real P shows that the verdict ignores P's speed. The
+#: late-write scenarios (a slow P, a P shut down mid-write) catch a D that frees blocks
+#: a real P then writes into.
 EXPECTED_FLAGS_REAL_DEADLINE: dict[str, tuple[Flag, ...]] = (
     {
+        "ReleasesUnprovenMooncake": (
+            Flag("test_slow_peer_writes_after_deadline", "C11 write after release"),
+            Flag("test_p_shutdown_mid_write", "C11 write after release"),
+        ),
         "UnboundedMooncake": (
             Flag("test_silent_peer_caught_by_deadline", "C10 no deadline"),
             Flag("test_slow_peer_writes_after_deadline", "C10 no deadline"),

@@ -150,18 +150,47 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
     a bounded wait while D steps; every other oracle holds too."""
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(FaultPoint.SLOW_PEER_PAST_DEADLINE)
+    _late_write_after_failure(scenario, point, "slow-past-deadline", answers=True)
+
+
+@pytest.mark.clauses("C1", "C2", "C10", "C11")
+@pytest.mark.guards("#35943")
+def test_p_shutdown_mid_write(scenario: ScenarioContext) -> None:
+    """P shuts down gracefully while its write into D's blocks is under way
+    (``peer_shutdown_mid_write``): vLLM's shutdown path closes P's side channel at once
+    and leaves the write to finish, so P never answers, and the write lands seconds
+    later. A closed side channel is therefore no proof that P stopped writing.
+
+    The load must be reported failed (a connector may notice the closed channel, or its
+    deadline ends the load); then the same checks as for a slow P: the blocks the failure
+    freed are handed to fillers and stepped until the write has landed, and no request
+    may run on bytes it did not compute or load, no freed block may be written, and the
+    blocks must come back once the write is over."""
+    scenario.require("remote_prefill", "async_load")
+    point = scenario.require_fault(FaultPoint.PEER_SHUTDOWN_MID_WRITE)
+    _late_write_after_failure(scenario, point, "shutdown-mid-write", answers=False)
+
+
+def _late_write_after_failure(
+    scenario: ScenarioContext, point: FaultPoint, name: str, *, answers: bool
+) -> None:
+    """One warm load whose P writes into D's blocks late, after D must have failed it:
+    a P that ``answers`` once its late write is done (slow), or one that never answers
+    (shut down). See the two scenarios above for the checks."""
     engine = scenario.engine(deadline=True)
     deadline = scenario.declared_deadline_s(engine)
     delay = scenario.driver.slow_peer_delay_s
-    # P answers past the deadline (the toy's P only after the load stopped waiting): a
-    # connector that enforces the deadline it declares fails the load.
-    must_fail = delay is None or (deadline is not None and deadline < delay)
+    p_what = "slow P's" if answers else "shut-down P's"
+    # A slow P answers past the deadline (the toy's P only after the load stopped
+    # waiting): a connector that enforces the deadline it declares fails the load. A P
+    # shut down never answers: only a failure can end the load.
+    must_fail = not answers or delay is None or (deadline is not None and deadline < delay)
     scenario.warm_up(engine)
     pool = engine.scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
     # Nothing ends this scenario before P's late write: a wait no connector can save.
     scenario.wait_floor(delay if delay is not None else (deadline or 0.0))
-    rid = scenario.rid("slow-past-deadline")
+    rid = scenario.rid(name)
     blocks = scenario.add_loading(
         engine, rid, fault=point, prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS
     )
@@ -185,7 +214,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
     found += deadline_findings(
         [rid], [rid] if stranded else [], [] if seconds is None else [seconds], deadline, budget
     )
-    if deadline is None and not failed and not stranded:
+    if answers and deadline is None and not failed and not stranded:
         # Stranded, it is already "C10 no deadline" above. Answered, it would pass or fail
         # by whether this P was quicker than the suite's wait: a verdict the machine's
         # speed would decide. Nothing but P ended the load, whatever P's speed.
@@ -194,12 +223,18 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             f"connector, which {declared_text(deadline)}: nothing bounds a load whose P "
             "is slower than this one"
         )
-    if not stranded and deadline is not None and seconds is not None and must_fail and not failed:
-        found.append(
-            f"C10 deadline not enforced: {rid} succeeded {seconds:.1f} s after it was "
-            f"added, once its slow P answered ({delay:g} s); the connector "
-            f"{declared_text(deadline)}"
-        )
+    if not stranded and must_fail and not failed:
+        if not answers:
+            found.append(
+                f"C1 success without an answer: {rid} was reported loaded although its P "
+                "shut down before it answered"
+            )
+        elif deadline is not None and seconds is not None:
+            found.append(
+                f"C10 deadline not enforced: {rid} succeeded {seconds:.1f} s after it was "
+                f"added, once its slow P answered ({delay:g} s); the connector "
+                f"{declared_text(deadline)}"
+            )
     if not stranded and engine.crashed is None:
         fillers = [scenario.rid("filler") for _ in range(FILLERS)]
         for filler in fillers:
@@ -236,7 +271,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             )
         else:
             found.append(
-                f"C11 setup: the slow P's late write for {rid} did not happen within "
+                f"C11 setup: the {p_what} late write for {rid} did not happen within "
                 f"{timebase.scaled(LATE_WRITE_WAIT_S):g} s of the fillers' start: "
                 "nothing was written late"
             )
@@ -259,7 +294,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
         if free < free_before and idle:
             found.append(
                 f"C11 leak: {free_before - free} blocks held while D went idle, after every "
-                f"request ended and the slow P's write was over ({free} free, {free_before} "
+                f"request ended and the {p_what} write was over ({free} free, {free_before} "
                 "before the load): vLLM does not step an engine with no requests unless "
                 "its connector has pending work (has_pending_push_work), so they come back "
                 "only with the next request, if then"
@@ -268,7 +303,7 @@ def test_slow_peer_writes_after_deadline(scenario: ScenarioContext) -> None:
             found.append(
                 f"C11 leak: {free_before - free} blocks never returned to the free pool "
                 f"within {timebase.scaled(RETURN_WAIT_S):g} s after every request ended and "
-                f"the slow P's write was over ({free} free, {free_before} before the load)"
+                f"the {p_what} write was over ({free} free, {free_before} before the load)"
             )
     found += check_not_late(engine, rid, blocks)
     if scenario.caps.byte_verification:
