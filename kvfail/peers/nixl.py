@@ -74,7 +74,6 @@ from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
     closed_port,
-    tracker_state,
     with_param,
 )
 from kvfail.peers.nixl_producer import (
@@ -84,6 +83,7 @@ from kvfail.peers.nixl_producer import (
     restore_affinity,
 )
 from kvfail.peers.producer_handle import ProducerHandleBase, repo_pythonpath
+from kvfail.peers.stuck_evidence import tracker_state
 from kvfail.rig import exit_status
 from kvfail.rig.ports import free_port
 
