@@ -62,8 +62,8 @@ code is not on that path), malformed params (the suite's malformations name Moon
 fields).
 
 D runs in this process, so this process creates nixl agents and would segfault at exit:
-the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the process with
-``os._exit(<pytest's exit status>)``.
+the pair installs :func:`kvfail.peers.nixl_exit_guard.install_exit_guard`, which ends the
+process with ``os._exit(<pytest's exit status>)``.
 """
 
 from __future__ import annotations
