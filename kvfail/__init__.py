@@ -6,10 +6,11 @@ and the ``connectors`` package.
 """
 
 from kvfail.compat import UnsupportedLayoutError
+from kvfail.load_records import ALL_PEERS, Failure, StepReport
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats
-from kvfail.tracker import ALL_PEERS, Failure, LoadTracker, StepReport
+from kvfail.tracker import LoadTracker
 
 __all__ = [
     "ALL_PEERS",

@@ -25,10 +25,11 @@ from typing import Any
 
 from kvfail import compat
 from kvfail.compat import UnsupportedLayoutError
+from kvfail.load_records import ALL_PEERS, StepReport
 from kvfail.quarantine import QuarantineNotice
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats
-from kvfail.tracker import ALL_PEERS, Clock, LoadTracker, StepReport
+from kvfail.tracker import Clock, LoadTracker
 
 
 class FailureReporterMixin:
@@ -193,7 +194,7 @@ class FailureReporterMixin:
         """Drain once per step; invalid blocks wait for get_block_ids_with_load_errors().
 
         Raises :class:`kvfail.compat.NoFailureChannelError` for a failed load that this
-        vLLM offers no channel for (see :class:`~kvfail.tracker.StepReport`). Why
+        vLLM offers no channel for (see :class:`~kvfail.load_records.StepReport`). Why
         raise: such a load could only be delivered as finished (the request would run
         on KV that never arrived) or kept back for ever (its request would hang in
         WAITING_FOR_REMOTE_KVS holding its blocks, in silence). An error from the

@@ -26,11 +26,20 @@ import math
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable
-from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Final
 
 from kvfail.blocks import normalise_block_ids
+from kvfail.deferred_log import PendingLog
+from kvfail.load_records import (
+    ALL_PEERS,
+    IDLE_REPORT,
+    Failure,
+    Load,
+    StepReport,
+    as_stage,
+    no_peers_problem,
+    peer_set,
+)
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats, StatsRecorder
 
@@ -39,16 +48,6 @@ logger = logging.getLogger("kvfail")
 Clock = Callable[[], float]
 Fence = Callable[[str], bool]
 
-
-class _AllPeers:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "ALL_PEERS"
-
-
-#: Pass as ``peer=`` to settle every outstanding peer task of a load at once.
-ALL_PEERS: Final = _AllPeers()
 
 #: How many recently delivered ids are remembered, to tell a late report from an unknown
 #: one in stats and logs: an id stays known as late until at least this many ids were
@@ -59,85 +58,6 @@ RECENT_IDS_KEPT: Final = 4096
 #: Stale entries the deadline heap may hold beyond twice the in-flight loads before it is
 #: compacted (delivered loads leave their entry behind; popping them is lazy).
 DEADLINE_HEAP_SLACK: Final = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    stage: Stage
-    reason: str
-    peer: Hashable | None
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What one drain delivers. Treat the sets as read-only: the idle report is shared."""
-
-    finished_recving: AbstractSet[str]
-    failed_recving: AbstractSet[str]
-    invalid_block_ids: AbstractSet[int]
-    failures: tuple[tuple[str, Failure], ...] = ()
-    #: Failed loads no channel of this vLLM can carry (no block to name, no
-    #: ``failed_recving``): never to be delivered as finished (see the mixin).
-    unreportable: AbstractSet[str] = frozenset()
-
-    def __bool__(self) -> bool:
-        return bool(
-            self.finished_recving
-            or self.failed_recving
-            or self.invalid_block_ids
-            or self.unreportable
-        )
-
-
-IDLE_REPORT: Final = StepReport(frozenset(), frozenset(), frozenset())
-
-
-@dataclass(slots=True, eq=False)
-class _Load:
-    req_id: str
-    groups: tuple[tuple[int, ...], ...]
-    flat: tuple[int, ...]
-    pending: set[Hashable]
-    started: float
-    deadline: float
-    failure: Failure | None = None
-    #: Blocks named by narrowed failure reports (``block_ids=``), united across reports.
-    failed_blocks: set[int] | None = None
-    #: Some outcome left every block possibly unwritten: a failure that named no block
-    #: of the load, bad input, or a peer still silent at the deadline. Narrowing never
-    #: clears it: one peer's narrowed report says nothing about another peer's writes.
-    all_blocks_failed: bool = False
-    #: Set when we must fail the request but hold no block ids we could name.
-    request_level_only: bool = False
-    settled: bool = False
-    #: The load failed while its transfer may still write into its blocks (see
-    #: :meth:`LoadTracker.failed`'s ``fenced``): with quarantine it is delivered at once
-    #: and its blocks are held until :meth:`LoadTracker.fenced` or the fence succeeds.
-    unfenced: bool = False
-
-    @property
-    def notify_only(self) -> bool:
-        """No blocks to load (``abort_immediately``): its request is already gone."""
-        return not self.flat and not self.request_level_only
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Log lines computed under the lock and emitted after it is released."""
-
-    lines: list[tuple[int, str, dict[str, object]]] = field(default_factory=list)
-
-    def add(self, level: int, msg: str, **fields: object) -> None:
-        self.lines.append((level, msg, fields))
-
-    def flush(self) -> None:
-        for level, msg, fields in self.lines:
-            if logger.isEnabledFor(level):
-                kv = " ".join(
-                    f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in fields.items()
-                )
-                logger.log(level, "%s %s", msg, kv, extra={"kvfail": fields})
 
 
 class LoadTracker:
@@ -181,9 +101,9 @@ class LoadTracker:
         self._fence_retry_s = fence_retry_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._loads: dict[str, _Load] = {}
-        self._ready: list[_Load] = []
-        self._deadlines: list[tuple[float, int, _Load]] = []
+        self._loads: dict[str, Load] = {}
+        self._ready: list[Load] = []
+        self._deadlines: list[tuple[float, int, Load]] = []
         self._heap_slack = DEADLINE_HEAP_SLACK
         self._seq = itertools.count()
         # Two generations of recently delivered ids, swapped in O(1), so that remembering
@@ -194,7 +114,7 @@ class LoadTracker:
         self._stats = StatsRecorder()
         self.quarantine = quarantine
         #: Delivered loads whose blocks the scheduler holds until their write is fenced.
-        self._quarantined: dict[str, _Load] = {}
+        self._quarantined: dict[str, Load] = {}
         #: This step's quarantine notices, taken by :meth:`take_quarantine_notice`.
         self._notice_held: set[str] = set()
         self._notice_released: set[str] = set()
@@ -217,7 +137,7 @@ class LoadTracker:
         received nothing must never be delivered as a success; a notify-only load (no
         blocks) is settled and never reported. :meth:`expect_peers` agrees.
         """
-        log = _Pending()
+        log = PendingLog()
         try:
             with self._lock:
                 return self._track_locked(req_id, block_ids, peers, deadline_s, log)
@@ -230,7 +150,7 @@ class LoadTracker:
         block_ids: object,
         peers: int | Iterable[Hashable],
         deadline_s: float | None,
-        log: _Pending,
+        log: PendingLog,
     ) -> bool:
         if not isinstance(req_id, str) or not req_id:
             self._stats.event("invalid_inputs")
@@ -254,18 +174,18 @@ class LoadTracker:
         self._recent_old.discard(req_id)
         now = self._clock()
         blocks = normalise_block_ids(block_ids)
-        pending = _peer_set(peers)
+        pending = peer_set(peers)
         if deadline_s is None:
             deadline_s = self.default_deadline_s
         deadline = math.inf if deadline_s is None else now + float(deadline_s)
-        load = _Load(req_id, blocks.groups, blocks.flat, pending, now, deadline)
+        load = Load(req_id, blocks.groups, blocks.flat, pending, now, deadline)
         # Bad ids and no valid one: the scheduler still holds blocks we cannot name.
         load.request_level_only = not blocks.flat and bool(blocks.problem)
         self._loads[req_id] = load
         self._stats.event("loads_tracked")
         problems = [blocks.problem] if blocks.problem else []
         if not pending and not load.notify_only:
-            problems.append(_no_peers_problem(peers))
+            problems.append(no_peers_problem(peers))
         if problems:
             # Keep the load and fail it: raising here would lose the request for good.
             self._invalid_locked(load, "; ".join(problems), log)
@@ -285,11 +205,11 @@ class LoadTracker:
         blocks, so a load with blocks fails (every block); a notify-only one settles.
         """
 
-        def widen(load: _Load, log: _Pending) -> None:
-            load.pending = _peer_set(peers)
+        def widen(load: Load, log: PendingLog) -> None:
+            load.pending = peer_set(peers)
             if not load.pending:
                 if not load.notify_only:
-                    self._invalid_locked(load, _no_peers_problem(peers), log)
+                    self._invalid_locked(load, no_peers_problem(peers), log)
                 self._settle_locked(load, ALL_PEERS, log)
 
         return self._on_load(req_id, "expect_peers", widen, unsettled_only=True)
@@ -334,8 +254,8 @@ class LoadTracker:
         claims every block.
         """
 
-        def fail(load: _Load, log: _Pending) -> None:
-            self._fail_locked(load, _as_stage(stage), reason, peer, log)
+        def fail(load: Load, log: PendingLog) -> None:
+            self._fail_locked(load, as_stage(stage), reason, peer, log)
             if not fenced:
                 if not self.quarantine:
                     raise ValueError("failed(fenced=False) needs a tracker with quarantine")
@@ -354,7 +274,7 @@ class LoadTracker:
         dead, or the peer's own expiry passed): a quarantined load's blocks go back to
         the scheduler at the next step, a load not yet delivered is no longer unfenced.
         Returns False (and counts it) for an id in neither state."""
-        log = _Pending()
+        log = PendingLog()
         try:
             with self._lock:
                 held = self._quarantined.get(req_id)
@@ -391,7 +311,7 @@ class LoadTracker:
             self._notice_released.clear()
         return held, released
 
-    def _release_locked(self, load: _Load, log: _Pending) -> None:
+    def _release_locked(self, load: Load, log: PendingLog) -> None:
         del self._quarantined[load.req_id]
         self._notice_released.add(load.req_id)
         self._stats.event("quarantine_released")
@@ -407,12 +327,12 @@ class LoadTracker:
         self,
         req_id: str,
         what: str,
-        action: Callable[[_Load, _Pending], None],
+        action: Callable[[Load, PendingLog], None],
         *,
         unsettled_only: bool = False,
     ) -> bool:
         """Run ``action`` on a tracked load under the lock; refuse unknown or late ids."""
-        log = _Pending()
+        log = PendingLog()
         try:
             with self._lock:
                 load = self._loads.get(req_id)
@@ -450,7 +370,7 @@ class LoadTracker:
             heap = self._deadlines
             if not heap or heap[0][0] > self._clock():
                 return IDLE_REPORT
-        log = _Pending()
+        log = PendingLog()
         try:
             if self._deadlines:
                 self._run_watchdog(log)
@@ -499,7 +419,7 @@ class LoadTracker:
             finished -= unreportable  # never delivered as finished: see StepReport
         return StepReport(finished, failed, invalid, tuple(failures), frozenset(unreportable))
 
-    def _channel(self, load: _Load) -> str:
+    def _channel(self, load: Load) -> str:
         """The one per-load decision of how a failure reaches the scheduler: by request
         id (``"request"``), by block (``"blocks"``), or by neither (``"none"``)."""
         if load.unfenced and self.quarantine:
@@ -515,10 +435,10 @@ class LoadTracker:
             return "blocks"
         return "request" if self.request_level_available else "none"
 
-    def _run_watchdog(self, log: _Pending) -> None:
+    def _run_watchdog(self, log: PendingLog) -> None:
         now = self._clock()
-        overdue: list[_Load] = []
-        held: list[_Load] = []  # quarantined loads whose fence is due a retry
+        overdue: list[Load] = []
+        held: list[Load] = []  # quarantined loads whose fence is due a retry
         with self._lock:
             heap, loads = self._deadlines, self._loads
             while heap and heap[0][0] <= now:
@@ -575,7 +495,7 @@ class LoadTracker:
                     retry = (now + self._fence_retry_s, next(self._seq), load)
                     heapq.heappush(self._deadlines, retry)
 
-    def _try_fence(self, load: _Load) -> bool:
+    def _try_fence(self, load: Load) -> bool:
         assert self._fence is not None
         try:
             return bool(self._fence(load.req_id))
@@ -596,7 +516,7 @@ class LoadTracker:
     # ------------------------------------------------------------------ internals
 
     def _fail_locked(
-        self, load: _Load, stage: Stage, reason: str, peer: Hashable | None, log: _Pending
+        self, load: Load, stage: Stage, reason: str, peer: Hashable | None, log: PendingLog
     ) -> None:
         if load.failure is not None:
             self._stats.event("duplicate_reports")
@@ -630,7 +550,7 @@ class LoadTracker:
             age_ms=round((now - load.started) * 1e3, 1),
         )
 
-    def _invalid_locked(self, load: _Load, problem: str, log: _Pending) -> None:
+    def _invalid_locked(self, load: Load, problem: str, log: PendingLog) -> None:
         """The connector described the load wrongly: fail every block, keep the load."""
         self._stats.event("invalid_inputs")
         load.all_blocks_failed = True
@@ -645,7 +565,7 @@ class LoadTracker:
                 problem=problem,
             )
 
-    def _settle_locked(self, load: _Load, peer: Hashable | None, log: _Pending) -> None:
+    def _settle_locked(self, load: Load, peer: Hashable | None, log: PendingLog) -> None:
         if load.settled:
             if peer is not ALL_PEERS:
                 self._stats.event("duplicate_reports")
@@ -681,7 +601,7 @@ class LoadTracker:
         self._compact_deadlines_locked()
         self._stats.event("empty_loads")
 
-    def _narrow_locked(self, load: _Load, block_ids: object, log: _Pending) -> None:
+    def _narrow_locked(self, load: Load, block_ids: object, log: PendingLog) -> None:
         blocks = normalise_block_ids(block_ids)
         own = set(load.flat)
         named = set(blocks.flat)
@@ -704,7 +624,7 @@ class LoadTracker:
         else:
             load.failed_blocks |= named
 
-    def _refuse_locked(self, req_id: object, what: str, log: _Pending) -> None:
+    def _refuse_locked(self, req_id: object, what: str, log: PendingLog) -> None:
         # Still held but settled (expect_peers after the last peer), or recently delivered.
         late = isinstance(req_id, str) and (req_id in self._loads or self._delivered_locked(req_id))
         self._stats.event("late_reports" if late else "unknown_reports")
@@ -747,22 +667,3 @@ class LoadTracker:
         ]
         heapq.heapify(live)
         self._deadlines = live
-
-
-def _no_peers_problem(peers: object) -> str:
-    return f"no peers to load from (peers={peers!r}): nobody will write its blocks"
-
-
-def _peer_set(peers: int | Iterable[Hashable]) -> set[Hashable]:
-    if isinstance(peers, bool):
-        return set()
-    if isinstance(peers, int):
-        return set(range(max(peers, 0)))
-    return set(peers)
-
-
-def _as_stage(stage: Stage | str) -> Stage:
-    try:
-        return Stage(stage)
-    except ValueError:
-        return Stage.INTERNAL

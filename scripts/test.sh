@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTEST_PY:-.venv/bin/python}
 # A scenario that stalls shows every thread's Python and native stacks of its P's and D's
-# processes (kvfail.peers.base.STUCK_STACKS_ENV): seconds, paid only by a failure.
+# processes (kvfail.peers.stuck_evidence.STUCK_STACKS_ENV): seconds, paid only by a failure.
 export KVFAIL_STUCK_STACKS=${KVFAIL_STUCK_STACKS:-1}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvfail-test.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT

@@ -62,8 +62,8 @@ code is not on that path), malformed params (the suite's malformations name Moon
 fields).
 
 D runs in this process, so this process creates nixl agents and would segfault at exit:
-the pair installs :func:`kvfail.peers.nixl.install_exit_guard`, which ends the process with
-``os._exit(<pytest's exit status>)``.
+the pair installs :func:`kvfail.peers.nixl_exit_guard.install_exit_guard`, which ends the
+process with ``os._exit(<pytest's exit status>)``.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
 from kvfail.conformance.driver import Claim, Declared, Fault, Provocation, abort_request
+from kvfail.conformance.nixl_fault_state import KillOnProvoke, LateRead
 from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 
@@ -97,49 +98,6 @@ def nixl_bases() -> tuple[type, type | None] | None:
     except Exception:
         return NixlConnector, None
     return NixlConnector, KvfailNixlConnector
-
-
-@dataclass
-class _LateRead:
-    """A ``slow_peer_past_deadline`` READ: its stopped P, D, and what landed at the thaw."""
-
-    producer: Any
-    engine: Any
-    #: The request's blocks (one tuple per KV-cache group), read while its load waited.
-    blocks: tuple[tuple[int, ...], ...] | None = None
-    done: str | None = None
-
-    def digests(self) -> list[str]:
-        """Each D rank's digest of the blocks (empty: never seen waiting, or D gone)."""
-        from kvfail.peers.integrity import block_digest
-
-        if self.blocks is None or self.engine.closed or self.engine.crashed is not None:
-            return []
-        workers = self.engine.workers
-        return [w.call(block_digest, self.blocks, world_size=len(workers)) for w in workers]
-
-    def changed_since(self, before: list[str]) -> tuple[str, str]:
-        """Which D ranks' blocks differ from the digests ``before``, and a note when
-        there were none to compare, in words."""
-        after = self.digests()
-        changed = [rank for rank, (a, b) in enumerate(zip(before, after, strict=False)) if a != b]
-        where = f"on D rank(s) {changed}" if changed else "on no D rank"
-        return where, "" if before else " (the load's blocks were never seen)"
-
-    def settle(self, before: list[str], delay_s: float) -> None:
-        where, seen = self.changed_since(before)
-        self.done = (
-            f"P, stopped while D's READ was posted, went on {delay_s:g} s after D added it; "
-            f"the load's blocks changed {where} while D did not step{seen}"
-        )
-
-
-@dataclass
-class _KillOnProvoke:
-    """A kill on a warm D: P was stopped when D added the request, and the first
-    :meth:`NixlDriver.provoke` kills it (see ``NixlDriver._kill``)."""
-
-    producer: Any
 
 
 #: The P processes a throwaway pull has warmed (see ``NixlDriver._warm_p``).
@@ -384,18 +342,18 @@ class NixlDriver(PairDriver):
         waiting = engine.waiting_for_remote()
         for rid, fault in self.handle(engine).active.items():
             late = fault.state
-            if isinstance(late, _LateRead) and late.blocks is None and rid in waiting:
+            if isinstance(late, LateRead) and late.blocks is None and rid in waiting:
                 groups = engine.scheduler.kv_cache_manager.get_block_ids(rid)
                 late.blocks = tuple(tuple(g) for g in groups)
         self._end_delays()
 
-    def _late_reads(self) -> list[_LateRead]:
+    def _late_reads(self) -> list[LateRead]:
         """Every ``slow_peer_past_deadline`` fault's late write, on any engine."""
         return [
             f.state
             for handle in self.handles()
             for f in handle.active.values()
-            if isinstance(f.state, _LateRead)
+            if isinstance(f.state, LateRead)
         ]
 
     def _file_on_peer(self, call: OnPeer, state: object, request_ids: Sequence[str]) -> None:
@@ -425,7 +383,7 @@ class NixlDriver(PairDriver):
         on which D ranks the load's blocks changed meanwhile (D not stepping)."""
         fault = self.handle(engine).active.get(request_id)
         late = None if fault is None else fault.state
-        return late.done if isinstance(late, _LateRead) else None
+        return late.done if isinstance(late, LateRead) else None
 
     def _end_delays(self, *, now: bool = False) -> None:
         """Thaw each ``net_delay`` P whose delay is over (every one when ``now``); for a
@@ -505,7 +463,7 @@ class NixlDriver(PairDriver):
 
     def _late_read(self, call: OnPeer) -> None:
         """``slow_peer_past_deadline``: P stops until after D's deadline, with D's READ
-        posted to it; what lands at the thaw is digested (:class:`_LateRead`)."""
+        posted to it; what lands at the thaw is digested (:class:`LateRead`)."""
         if not call.warm:
             raise RuntimeError(
                 f"NixlDriver: {call.point.value} needs a warm D (one load from P first): a "
@@ -513,7 +471,7 @@ class NixlDriver(PairDriver):
             )
         self._delay(call.producer, self.slow_peer_delay_s)
         for rid in call.request_ids:
-            self._file_on_peer(call, _LateRead(call.producer, call.engine), [rid])
+            self._file_on_peer(call, LateRead(call.producer, call.engine), [rid])
 
     def _kill(self, call: OnPeer) -> None:
         """SIGKILL P before it served the READ. A warm D posts its READ in the step that
@@ -523,7 +481,7 @@ class NixlDriver(PairDriver):
         handshake with it is over."""
         if call.warm:
             call.producer.process.freeze()
-            self._file_on_peer(call, _KillOnProvoke(call.producer), call.request_ids)
+            self._file_on_peer(call, KillOnProvoke(call.producer), call.request_ids)
         else:
             self._after_handshake(call, "kill")
 
@@ -542,7 +500,7 @@ class NixlDriver(PairDriver):
         """Kill the P a warm D's READ went out to while it was stopped (see :meth:`_kill`);
         once for several requests. The detection clock starts at the kill."""
         fault = self.handle(call.engine).active.get(call.request_id)
-        if fault is None or not isinstance(fault.state, _KillOnProvoke):
+        if fault is None or not isinstance(fault.state, KillOnProvoke):
             return  # a cold D: P died after the handshake
         producer = fault.state.producer
         fault.state = None  # killed once

@@ -32,14 +32,15 @@ handshakes with D: a D-side scenario would test P), ``kill_one_peer`` and the TP
 from __future__ import annotations
 
 from kvfail.conformance.driver import Claim, Declared
-from kvfail.conformance.nixl_driver import NixlDriver, _KillOnProvoke, _LateRead
+from kvfail.conformance.nixl_driver import NixlDriver
+from kvfail.conformance.nixl_fault_state import KillOnProvoke, LateRead
 from kvfail.conformance.pair_driver import OnPeer, PairInjector
 from kvfail.faults.points import FaultPoint
 
 __all__ = ["NixlPushDriver", "make_driver", "make_upstream_driver"]
 
 
-class _LateWrite(_LateRead):
+class _LateWrite(LateRead):
     """A ``slow_peer_past_deadline`` push: the digests are the pull driver's, the words
     say what happened in push mode (P's WRITE, not D's READ)."""
 
@@ -116,7 +117,7 @@ class NixlPushDriver(NixlDriver):
         nothing was registered)."""
         if call.warm:
             call.producer.process.freeze()
-            self._file_on_peer(call, _KillOnProvoke(call.producer), call.request_ids)
+            self._file_on_peer(call, KillOnProvoke(call.producer), call.request_ids)
         else:
             call.producer.process.kill(timeout_s=call.pair.kill_timeout_s)
 

@@ -50,11 +50,11 @@ from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
     closed_port,
-    tracker_state,
     with_param,
 )
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, P_PEER_CACHE_ENV, PREFIX
 from kvfail.peers.producer_handle import ProducerHandleBase
+from kvfail.peers.stuck_evidence import tracker_state
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost

@@ -27,15 +27,9 @@ Faults that are honest with NIXL on TCP loopback:
   blocks until its send lease ends (:meth:`NixlPair.expire_leases` ends it now);
 * :meth:`NixlPair.restart_p` replaces P (new process, new port).
 
-The nixl teardown segfault. Any process that created a nixl UCX agent segfaults in
-``_dl_fini`` at a normal interpreter exit (rc 139), so a process holding D engines must
-end with ``os._exit``. :func:`install_exit_guard` (called when the first D is built)
-registers an ``atexit`` handler that flushes stdio and calls ``os._exit`` with the
-process's real exit status: pytest's session status (recorded by
-:mod:`kvfail.rig.exit_status`, which kvfail's plugin puts on every session), else 1 after
-an uncaught exception, else the ``sys.exit`` code. Other ``atexit`` handlers registered
-*before* it still run (LIFO); later ones are skipped, which is why it is installed as late
-as possible.
+The nixl teardown segfault: a process holding D engines must end with ``os._exit``, which
+:func:`~kvfail.peers.nixl_exit_guard.install_exit_guard` (called when the first D is built)
+sees to.
 
 D's verification: D's forward hook runs when a request is first scheduled after its load
 (where a real model would read the pulled KV) and compares every pulled token of every
@@ -59,12 +53,7 @@ global KV heads (:mod:`kvfail.peers.pattern`).
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import gc
 import os
-import sys
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -74,8 +63,13 @@ from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
     closed_port,
-    tracker_state,
     with_param,
+)
+from kvfail.peers.nixl_exit_guard import install_exit_guard
+from kvfail.peers.nixl_notify_faults import (
+    NotificationFaults,
+    NotifyFaultAgent,
+    RankNotificationFaults,
 )
 from kvfail.peers.nixl_producer import (
     BAD_METADATA,
@@ -84,7 +78,7 @@ from kvfail.peers.nixl_producer import (
     restore_affinity,
 )
 from kvfail.peers.producer_handle import ProducerHandleBase, repo_pythonpath
-from kvfail.rig import exit_status
+from kvfail.peers.stuck_evidence import tracker_state
 from kvfail.rig.ports import free_port
 
 if TYPE_CHECKING:
@@ -98,9 +92,6 @@ __all__ = [
     "DecodeRecord",
     "NixlPair",
     "NixlProducerHandle",
-    "NotificationFaults",
-    "RankNotificationFaults",
-    "install_exit_guard",
     "nixl_available",
     "unknown_engine",
     "wrong_port",
@@ -139,97 +130,6 @@ def wrong_port(params: Mapping[str, Any], port: int | None = None) -> dict[str, 
 def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
     """``params`` naming an engine id other than the one P's side channel answers for."""
     return with_param(params, "remote_engine_id", engine_id)
-
-
-# --------------------------------------------------------------------------- exit guard
-
-
-class _ExitGuard:
-    """Ends this process with ``os._exit(status)`` instead of a segfaulting normal exit."""
-
-    def __init__(self) -> None:
-        self.installed = False
-        self.sys_exit_code: int | None = None
-        self.uncaught = False
-        self._lock = threading.Lock()
-
-    def install(self, config: Any = None) -> None:
-        # kvfail's plugin watches every session at configure; these cover a run with the
-        # plugin disabled. A config passed in is watched on every call (cheap: a later
-        # call may bring a session the first did not know); the heap scan runs once, as
-        # it walks every object the collector tracks and a D is built per call.
-        if config is not None:
-            with contextlib.suppress(Exception):
-                exit_status.watch(config)
-        with self._lock:
-            if self.installed:
-                return
-            self.installed = True
-        for each in _running_pytest_configs():
-            with contextlib.suppress(Exception):
-                exit_status.watch(each)
-        previous_hook = sys.excepthook
-
-        def excepthook(*args: Any) -> None:
-            self.uncaught = True
-            previous_hook(*args)
-
-        sys.excepthook = excepthook
-        real_exit = sys.exit
-
-        def recording_exit(code: Any = None) -> None:
-            self.sys_exit_code = _code_of(code)
-            real_exit(code)
-
-        sys.exit = recording_exit  # type: ignore[assignment]
-        atexit.register(self._exit)
-
-    def status(self) -> int:
-        pytest_status = exit_status.pytest_status()
-        if pytest_status is not None:
-            return pytest_status
-        if self.uncaught:
-            return 1
-        return self.sys_exit_code or 0
-
-    def _exit(self) -> None:
-        code = self.status()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-def _code_of(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    return 1  # sys.exit("message") prints it and exits 1
-
-
-def _running_pytest_configs() -> list[Any]:
-    """The live ``pytest.Config`` objects the collector still tracks (a fallback: objects
-    frozen by ``gc.freeze`` are invisible here, which is why sessions are watched at
-    configure by kvfail's plugin)."""
-    if "_pytest.config" not in sys.modules:
-        return []
-    from _pytest.config import Config
-
-    # ``type(o) is``, not isinstance: isinstance reads ``__class__``, which some lazy
-    # objects (torch, vLLM) turn into imports and deprecation warnings.
-    return [o for o in gc.get_objects() if type(o) is Config]
-
-
-_GUARD = _ExitGuard()
-
-
-def install_exit_guard(config: Any = None) -> None:
-    """Make this process end with ``os._exit(<its real status>)`` (see the module doc).
-
-    Idempotent. Pass the pytest ``config`` when at hand; otherwise it is looked up once.
-    """
-    _GUARD.install(config)
 
 
 # --------------------------------------------------------------------------- P handle
@@ -273,97 +173,7 @@ class NixlProducerHandle(ProducerHandleBase):
 
 
 # --------------------------------------------------------------------------- D side
-
-
-class NotificationFaults:
-    """D's done-notifications to P that must never arrive, by P's request id.
-
-    Why at the transport boundary: upstream D tells P it is done in two ways, and a fault
-    must hit both the way the transport would. An ordinary READ carries the notification
-    itself (``make_prepped_xfer(..., notif_msg=...)``, sent by NIXL when the READ
-    completes): here that READ is posted for real, without its notification (lost in
-    flight). A pull with nothing to read (an aborted request, a full local hit) and the
-    deferred notifications of split reads call ``send_notif``: here that raises
-    ``nixlBackendError`` (a failed send; upstream logs ``notification_failed``). Only
-    messages of the done-notification form ``<P request id>:<consumers>`` naming an armed
-    id are touched; heartbeats and every other call go to the real agent.
-    """
-
-    def __init__(self) -> None:
-        self.armed: set[str] = set()
-        #: P request ids whose notification was dropped from a READ / whose send raised.
-        self.dropped: list[str] = []
-        self.raised: list[str] = []
-        self._lock = threading.Lock()
-
-    def arm(self, remote_request_id: str) -> None:
-        with self._lock:
-            self.armed.add(remote_request_id)
-
-    def fired(self, remote_request_id: str) -> bool:
-        with self._lock:
-            return remote_request_id in self.dropped or remote_request_id in self.raised
-
-    def hit(self, notif_msg: Any, kind: str) -> bool:
-        """Whether ``notif_msg`` is an armed done-notification (recorded under ``kind``)."""
-        try:
-            raw = notif_msg.encode() if isinstance(notif_msg, str) else bytes(notif_msg)
-            text = raw.decode()
-        except (TypeError, ValueError):
-            return False
-        req_id, sep, consumers = text.rpartition(":")
-        with self._lock:
-            if not (sep and consumers.isdigit() and req_id in self.armed):
-                return False
-            (self.dropped if kind == "dropped" else self.raised).append(req_id)
-            return True
-
-
-class _NotifyFaultAgent:
-    """A D worker's ``nixl_wrapper`` with :class:`NotificationFaults` applied."""
-
-    def __init__(self, agent: Any, faults: NotificationFaults) -> None:
-        self._agent = agent
-        self.kvfail_notify_faults = faults
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
-
-    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
-        faults = self.kvfail_notify_faults
-        if "notif_msg" in kwargs:
-            if faults.hit(kwargs["notif_msg"], "dropped"):
-                kwargs["notif_msg"] = b""
-        elif len(args) > 5 and faults.hit(args[5], "dropped"):
-            args = (*args[:5], b"", *args[6:])
-        return self._agent.make_prepped_xfer(*args, **kwargs)
-
-    def send_notif(self, remote_agent_name: str, notif_msg: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.kvfail_notify_faults.hit(notif_msg, "raised"):
-            raise _nixl_error(f"kvfail: notification {notif_msg!r} to {remote_agent_name} failed")
-        return self._agent.send_notif(remote_agent_name, notif_msg, *args, **kwargs)
-
-
 # Module-level: ``Worker.call`` pickles them by reference into a D rank process.
-
-
-def _faults_on_rank(view: RankView) -> NotificationFaults:
-    """This rank's :class:`NotificationFaults`, installed on its NIXL agent on first use."""
-    nixl_worker: Any = view.connector.connector_worker  # type: ignore[attr-defined]
-    if not isinstance(nixl_worker.nixl_wrapper, _NotifyFaultAgent):
-        nixl_worker.nixl_wrapper = _NotifyFaultAgent(nixl_worker.nixl_wrapper, NotificationFaults())
-    faults: NotificationFaults = nixl_worker.nixl_wrapper.kvfail_notify_faults
-    return faults
-
-
-def _arm_notify(view: RankView, remote_request_id: str) -> None:
-    _faults_on_rank(view).arm(remote_request_id)
-
-
-def _notify_fired(view: RankView) -> tuple[list[str], list[str]]:
-    faults = _faults_on_rank(view)
-    with faults._lock:
-        return list(faults.dropped), list(faults.raised)
 
 
 def _load_state(view: RankView, req_id: str) -> str:
@@ -396,52 +206,6 @@ def _has_remote_agent(view: RankView, engine_id: str) -> bool:
     nixl_worker = getattr(view.connector, "connector_worker", None)
     agents = getattr(nixl_worker, "_remote_agents", {})
     return bool(agents.get(engine_id))
-
-
-class RankNotificationFaults:
-    """:class:`NotificationFaults` for a D whose TP ranks are processes: one per rank,
-    installed and armed there (every rank: each tells its own P rank). What fired is
-    read back from the ranks (:meth:`refresh`, called by :meth:`NixlPair.observe` after
-    each step) and kept, so it can still be asked after D's ranks are gone."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self.armed: set[str] = set()
-        self.dropped: list[str] = []
-        self.raised: list[str] = []
-
-    def arm(self, remote_request_id: str) -> None:
-        for worker in self._engine.workers:
-            worker.call(_arm_notify, remote_request_id)
-        self.armed.add(remote_request_id)
-
-    def refresh(self) -> None:
-        """Read what fired from every rank still there (a gone rank keeps its last)."""
-        dropped, raised = set(self.dropped), set(self.raised)
-        for worker in self._engine.workers:
-            if worker.process is None or not worker.process.alive():
-                continue
-            try:
-                d, r = worker.call(_notify_fired)
-            except Exception:
-                continue
-            dropped.update(d)
-            raised.update(r)
-        self.dropped, self.raised = sorted(dropped), sorted(raised)
-
-    def fired(self, remote_request_id: str) -> bool:
-        self.refresh()
-        return remote_request_id in self.dropped or remote_request_id in self.raised
-
-
-def _nixl_error(message: str) -> Exception:
-    """NIXL's own backend error when the bindings are importable, else RuntimeError."""
-    try:
-        from nixl._api import nixlBind
-
-        return nixlBind.nixlBackendError(message)  # type: ignore[no-any-return]
-    except Exception:
-        return RuntimeError(message)
 
 
 class NixlPair(PeerPair):
@@ -634,12 +398,12 @@ class NixlPair(PeerPair):
             return remote
         agents = [w.connector.connector_worker for w in engine.workers]
         for agent in agents:
-            if isinstance(agent.nixl_wrapper, _NotifyFaultAgent):
+            if isinstance(agent.nixl_wrapper, NotifyFaultAgent):
                 found: NotificationFaults = agent.nixl_wrapper.kvfail_notify_faults
                 return found
         faults = NotificationFaults()
         for nixl_worker in agents:
-            nixl_worker.nixl_wrapper = _NotifyFaultAgent(nixl_worker.nixl_wrapper, faults)
+            nixl_worker.nixl_wrapper = NotifyFaultAgent(nixl_worker.nixl_wrapper, faults)
         return faults
 
     def run(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvfail import FailureReporterMixin, LoadTracker, Stage
-from kvfail.tracker import IDLE_REPORT
+from kvfail.load_records import IDLE_REPORT
 from tests.core.fakes import ManualClock
 
 

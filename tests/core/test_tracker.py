@@ -9,7 +9,8 @@ import tracemalloc
 import pytest
 
 from kvfail import ALL_PEERS, LoadTracker, Stage
-from kvfail.tracker import IDLE_REPORT, RECENT_IDS_KEPT
+from kvfail.load_records import IDLE_REPORT
+from kvfail.tracker import RECENT_IDS_KEPT
 from tests.core.fakes import ManualClock
 
 

@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvfail.faults import FaultProxy, ProxyMode
-from kvfail.faults import proxy as proxy_module
+from kvfail.faults import FaultProxy, ProxyMode, proxy_loop
 from kvfail.rig.ports import free_port
 from tests.core.fakes import ManualClock
 from tests.waiting import wait_until
@@ -167,7 +166,7 @@ def test_delay_holds_each_chunk_until_due_in_both_directions(
     # The proxy's clock stands still unless the test moves it, so "delayed" is checked as
     # an order of events, not as seconds measured on a loaded machine.
     clock = ManualClock()
-    monkeypatch.setattr(proxy_module, "time", SimpleNamespace(monotonic=clock, sleep=time.sleep))
+    monkeypatch.setattr(proxy_loop, "time", SimpleNamespace(monotonic=clock, sleep=time.sleep))
     with connect(proxy.port) as c:
         assert echo_roundtrip(c, b"warm") == b"warm"  # pass mode: due as soon as read
         proxy.delay(0.25)

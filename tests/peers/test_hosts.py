@@ -29,7 +29,8 @@ from kvfail.faults.netns import NamespaceHost  # noqa: E402
 from kvfail.harness import Engine, oracles  # noqa: E402
 from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
-from kvfail.peers.nixl import NixlPair, install_exit_guard  # noqa: E402
+from kvfail.peers.nixl import NixlPair  # noqa: E402
+from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

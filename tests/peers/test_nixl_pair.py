@@ -9,7 +9,7 @@ freeze test thaws P again, so only the kill test (near the end) and the restart 
 need a new P.
 
 This process creates nixl agents, so it would segfault at exit: the pair installs
-``kvfail.peers.nixl.install_exit_guard`` (``os._exit`` with pytest's exit status).
+``kvfail.peers.nixl_exit_guard.install_exit_guard`` (``os._exit`` with pytest's exit status).
 
 No assertion reads a detection time: each fault is checked by its cause (the failure
 upstream logs, the stage kvfail counts). The times are printed (``-s``);
@@ -33,10 +33,10 @@ from kvfail.peers.nixl import (  # noqa: E402
     BAD_METADATA,
     HANDSHAKE_TIMEOUT_S,
     NixlPair,
-    install_exit_guard,
     unknown_engine,
     wrong_port,
 )
+from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -210,7 +210,7 @@ def test_notification_faults_touch_only_armed_done_notifications() -> None:
     """The D-side fault point at the transport boundary: an armed READ is posted without
     its notification, an armed ``send_notif`` raises, and everything else (other ids,
     heartbeats, other calls) reaches the real agent unchanged."""
-    from kvfail.peers.nixl import NotificationFaults, _NotifyFaultAgent
+    from kvfail.peers.nixl_notify_faults import NotificationFaults, NotifyFaultAgent
 
     calls: list[tuple[str, tuple, dict]] = []
 
@@ -226,7 +226,7 @@ def test_notification_faults_touch_only_armed_done_notifications() -> None:
 
     faults = NotificationFaults()
     faults.arm("req-a")
-    agent = _NotifyFaultAgent(Agent(), faults)
+    agent = NotifyFaultAgent(Agent(), faults)
     assert agent.name == "real"
     agent.make_prepped_xfer("READ", 1, [0], 2, [0], notif_msg=b"req-a:1")
     agent.make_prepped_xfer("READ", 1, [0], 2, [0], b"req-a:1")

@@ -21,7 +21,7 @@ from tests.transports import require_transport
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
-from kvfail.peers.nixl import install_exit_guard  # noqa: E402
+from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import (  # noqa: E402
     NixlPushPair,
     late_notifications,

@@ -20,7 +20,8 @@ from tests.transports import require_transport
 require_transport("nixl")
 
 from kvfail.harness import oracles  # noqa: E402
-from kvfail.peers.nixl import NixlPair, install_exit_guard  # noqa: E402
+from kvfail.peers.nixl import NixlPair  # noqa: E402
+from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

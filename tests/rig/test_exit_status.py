@@ -24,7 +24,7 @@ import gc
 
 import pytest
 
-from kvfail.peers.nixl import install_exit_guard
+from kvfail.peers.nixl_exit_guard import install_exit_guard
 
 
 def test_child():

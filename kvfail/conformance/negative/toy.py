@@ -79,8 +79,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvfail.compat import KVConnectorTransferResults, base_method
 from kvfail.conformance.negative.flag import Flag
 from kvfail.harness.toy import ToyConnector
+from kvfail.load_records import StepReport
 from kvfail.stages import Stage
-from kvfail.tracker import StepReport
 
 __all__ = [
     "EXPECTED_FLAGS",
