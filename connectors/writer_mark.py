@@ -42,6 +42,8 @@ MARK_REQUEST: Final = b"kvfail-writer-mark?"
 #: What P answers, followed by its nonce.
 MARK_REPLY: Final = b"kvfail-writer-mark/1 "
 _NONCE_BYTES: Final = 16
+#: Bound on waiting for the answering thread to leave its receive at close.
+_WAKE_TIMEOUT_S: Final = 1.0
 
 Answer = Literal["alive", "refused", "unknown"]
 
@@ -76,6 +78,8 @@ class WriterMark:
                 data, peer = self._sock.recvfrom(256)
             except OSError:
                 return  # closed
+            if self._closed.is_set():
+                return
             if data == MARK_REQUEST:
                 with contextlib.suppress(OSError):
                     self._sock.sendto(reply, peer)
@@ -85,8 +89,14 @@ class WriterMark:
         if self._closed.is_set():
             return
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's recvfrom
+        # Wake the thread out of recvfrom first: a socket closed while a thread waits in
+        # it stays bound until a datagram arrives, answering nothing and refusing nothing.
+        with (
+            contextlib.suppress(OSError),
+            socket.socket(self._sock.family, socket.SOCK_DGRAM) as waker,
+        ):
+            waker.sendto(b"", self._sock.getsockname())
+        self._thread.join(timeout=_WAKE_TIMEOUT_S)
         self._sock.close()
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "PROBE_CONFIRM_S",
     "PROBE_CONNECT_TIMEOUT_S",
     "connect_probe",
+    "refused_before_send",
     "tcp_endpoint",
     "watch_side_channel",
 ]
@@ -150,6 +151,34 @@ class _MarkWatch:
             f"P worker {self.worker_addr}'s writes are over: its writer mark refused "
             f"{PROBE_REFUSALS} times in a row"
         )
+
+
+#: Bound on the connect before a pull is sent: short, since the pull waits for it, and a
+#: connect that does not complete in time proves nothing (the pull goes ahead).
+PREFLIGHT_TIMEOUT_S: Final = 0.2
+
+
+async def refused_before_send(worker_addr: str) -> str | None:
+    """Why the P worker at ``worker_addr`` cannot receive a pull now, or None.
+
+    Asked before D's pull leaves D: a side channel that refuses :data:`PROBE_REFUSALS`
+    connects in a row has nothing listening, so the pull would never reach the process
+    that had the request, and nothing of it can be written. Proof for any P, with a
+    writer mark or without, which the watch, started once the pull is out, cannot give
+    for a worker whose mark it never saw.
+    """
+    endpoint = tcp_endpoint(worker_addr)
+    if endpoint is None:
+        return None
+    for refusals in range(1, PROBE_REFUSALS + 1):
+        if await connect_probe(*endpoint, PREFLIGHT_TIMEOUT_S) != "refused":
+            return None
+        if refusals < PROBE_REFUSALS:
+            await asyncio.sleep(PROBE_CONFIRM_S)
+    return (
+        f"P worker {worker_addr} refused {PROBE_REFUSALS} connects before the pull was "
+        "sent: nothing reached it"
+    )
 
 
 def tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:

@@ -66,7 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 from vllm.logger import init_logger
 
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
-from connectors.mooncake.probe import DEFAULT_PROBE_INTERVAL_S, watch_side_channel
+from connectors.mooncake.probe import (
+    DEFAULT_PROBE_INTERVAL_S,
+    refused_before_send,
+    watch_side_channel,
+)
 from connectors.mooncake.stats import KvfailMooncakeStats
 from connectors.writer_mark import WriterMark, start_writer_mark
 from kvfail import FailureReporterMixin, Stage, compat
@@ -358,10 +362,18 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
                 self.load_succeeded(req_id, peer=peer)
         if not live:
             return
-        if self._mc_probe_s:
-            self._mc_inflight[worker_addr][task] = (state, live)
-            self._mc_watch(worker_addr)
         try:
+            if self._mc_probe_s:
+                # Before the pull leaves D: a worker refusing now never gets it, so no
+                # write can follow, whatever kind of P it was (with a writer mark or not).
+                unreachable = await refused_before_send(worker_addr)
+                if unreachable is not None:
+                    state.over = True
+                    self._mc_forget_engines_at(worker_addr)
+                    self._mc_fail_unreported(state, live, Stage.PEER_LOST, unreachable)
+                    return
+                self._mc_inflight[worker_addr][task] = (state, live)
+                self._mc_watch(worker_addr)
             await super().receive_kv_from_single_worker(worker_addr, live)
         except asyncio.CancelledError:
             # Cancelled by the fence (the load is already settled and delivered), by the

@@ -181,8 +181,7 @@ def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
             new = WriterMark(host, port)
             first.close()  # the held connection ends: the watch asks the mark again
             try:
-                with _listener(host, port):
-                    await asyncio.wait_for(task, WAIT_S)
+                await asyncio.wait_for(task, WAIT_S)
             finally:
                 new.close()
 
@@ -227,3 +226,17 @@ def test_a_killed_writer_is_gone_without_a_lost_first() -> None:
 
     asyncio.run(scenario())
     assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
+
+
+def test_a_worker_refusing_before_the_pull_is_sent_never_got_it() -> None:
+    """Checked before the pull leaves D: a side channel that refuses proves, for any P,
+    that nothing reached the worker; one that accepts lets the pull go ahead."""
+    from connectors.mooncake.probe import refused_before_send
+
+    host = "127.0.0.1"
+    port = _free_port(host)
+    with _listener(host, port):
+        assert asyncio.run(refused_before_send(_addr(host, port))) is None
+    reason = asyncio.run(refused_before_send(_addr(host, port)))
+    assert reason is not None and "before the pull was sent" in reason
+    assert asyncio.run(refused_before_send("ipc:///tmp/not-tcp")) is None

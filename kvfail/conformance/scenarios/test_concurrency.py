@@ -318,9 +318,10 @@ ONE_RANK = 1
 
 def _require_one_rank(scenario: ScenarioContext, point: FaultPoint) -> None:
     """Skip unless the driver can fault P's rank ``ONE_RANK`` alone with ``point``, in a
-    layout where P's rank r serves D's rank r (the TP 2 ones)."""
+    layout where P has two ranks: P's rank r serves D's rank r (the TP 2 ones), or D's
+    one rank reads from both (``p2d1``: every load then touches the faulted rank)."""
     scenario.require("remote_prefill", "async_load", "tp2")
-    scenario.require_layout("tp2", "tp2-g2")
+    scenario.require_layout("tp2", "tp2-g2", "p2d1", "p2d1-g2")
     scenario.require_fault_on_rank(ONE_RANK, point)
 
 
@@ -330,7 +331,10 @@ def _fault_one_rank(
     """``MANY`` loads started together, each with ``point`` on P's rank ``ONE_RANK`` and
     its other ranks settled; returns the ids and each load's blocks."""
     rids = _rids(scenario, tag)
-    others = [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
+    # D's ranks that load from a live P rank alone: none where D's one rank reads from
+    # every P rank (p2d1).
+    hetero = scenario.layout.heterogeneous
+    others = [] if hetero else [r for r in range(scenario.layout.tp_size) if r != ONE_RANK]
     scenario.driver.add_remote_requests(
         engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
     )
