@@ -10,12 +10,13 @@ is left to the load's deadline.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["PROBE_REFUSALS", "close_rst"]
+__all__ = ["PROBE_REFUSALS", "close_rst", "resolved_socket"]
 
 #: Consecutive refusals that prove P gone. One refusal on loopback or a LAN already means
 #: "nothing listens"; the second guards against acting on a single odd answer.
@@ -30,3 +31,22 @@ def close_rst(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST_ON_CLOSE)
     sock.close()
+
+
+async def resolved_socket(
+    host: str, port: int, kind: socket.SocketKind, timeout_s: float
+) -> tuple[socket.socket, Any] | None:
+    """A new non-blocking socket of ``kind`` for ``host:port``, in the address's own family
+    (IPv4 or IPv6), with the address to use; None when the name does not resolve within
+    ``timeout_s``. The lookup runs on the loop's executor, never blocking the loop."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=kind), timeout_s)
+    except (OSError, TimeoutError, UnicodeError):
+        return None
+    if not infos:
+        return None
+    family, sock_kind, proto, _, address = infos[0]
+    sock = socket.socket(family, sock_kind, proto)
+    sock.setblocking(False)
+    return sock, address

@@ -33,6 +33,8 @@ import socket
 import threading
 from typing import Final, Literal
 
+from connectors.side_channel import resolved_socket
+
 __all__ = ["MARK_REPLY", "MARK_REQUEST", "WriterMark", "ask_writer_mark", "start_writer_mark"]
 
 logger = logging.getLogger(__name__)
@@ -124,19 +126,12 @@ async def ask_writer_mark(host: str, port: int, timeout_s: float) -> tuple[Answe
     Non-blocking on the calling loop: the lookup is the loop's own (a thread), the rest
     is a non-blocking socket.
     """
+    resolved = await resolved_socket(host, port, socket.SOCK_DGRAM, timeout_s)
+    if resolved is None:
+        return "unknown", None
+    sock, address = resolved
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM), timeout_s
-        )
-    except (OSError, TimeoutError, UnicodeError):
-        return "unknown", None
-    if not infos:
-        return "unknown", None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setblocking(False)
         sock.connect(address)  # UDP: no packet; makes the kernel report port unreachable
         await loop.sock_sendall(sock, MARK_REQUEST)
         data = await asyncio.wait_for(loop.sock_recv(sock, 256), timeout_s)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Final
 from urllib.parse import urlsplit
 
-from connectors.side_channel import PROBE_REFUSALS, close_rst
+from connectors.side_channel import PROBE_REFUSALS, close_rst, resolved_socket
 from connectors.writer_mark import ask_writer_mark
 
 __all__ = [
@@ -196,19 +196,12 @@ def tcp_endpoint(worker_addr: str) -> tuple[str, int] | None:
 async def _connect(host: str, port: int, timeout_s: float) -> tuple[str, socket.socket | None]:
     """One TCP connect: ``("alive", the connected socket)``, ``("refused", None)`` (nothing
     listens) or ``("unknown", None)``."""
+    resolved = await resolved_socket(host, port, socket.SOCK_STREAM, timeout_s)
+    if resolved is None:
+        return "unknown", None
+    sock, address = resolved
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s
-        )
-    except (OSError, TimeoutError):
-        return "unknown", None
-    if not infos:
-        return "unknown", None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setblocking(False)
         await asyncio.wait_for(loop.sock_connect(sock, address), timeout_s)
     except ConnectionRefusedError:
         close_rst(sock)

@@ -50,40 +50,32 @@ MAX_HOLD_S = 2.0
 UNPROVEN_STEPS_S = 0.5
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[MooncakePair]:
+def _open_pair(p_connector: str | None = None, **extra: object) -> Iterator[MooncakePair]:
+    """A pair with kvfail's connector on D (and on P unless ``p_connector``), the probe
+    fast and the deadline out of reach; ``extra`` adds to D's extra config."""
     p = MooncakePair(
         policy="fail",
         connector="KvfailMooncakeConnector",
         connector_module="connectors.mooncake",
-        extra_config={"kvfail_deadline_s": DEADLINE_S, "kvfail_probe_interval_s": 0.1},
+        p_connector=p_connector,
+        extra_config={"kvfail_deadline_s": DEADLINE_S, "kvfail_probe_interval_s": 0.1, **extra},
         abort_request_timeout_s=5,
     )
     try:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[MooncakePair]:
+    yield from _open_pair()
 
 
 @pytest.fixture(scope="module")
 def upstream_p_pair() -> Iterator[MooncakePair]:
     """D on kvfail's connector, P on upstream's: no writer mark, and a max hold."""
-    p = MooncakePair(
-        policy="fail",
-        connector="KvfailMooncakeConnector",
-        connector_module="connectors.mooncake",
-        p_connector="MooncakeConnector",
-        extra_config={
-            "kvfail_deadline_s": DEADLINE_S,
-            "kvfail_probe_interval_s": 0.1,
-            "kvfail_max_hold_s": MAX_HOLD_S,
-        },
-        abort_request_timeout_s=5,
-    )
-    try:
-        yield p
-    finally:
-        p.close()
+    yield from _open_pair("MooncakeConnector", kvfail_max_hold_s=MAX_HOLD_S)
 
 
 def _worker(pair: MooncakePair, consumer: str) -> KvfailMooncakeWorker:
