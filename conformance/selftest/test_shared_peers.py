@@ -113,6 +113,37 @@ def test_a_dead_p_is_replaced_by_the_registered_replacement_first(
     assert started == [a.p] and b.p is a.p and not b.owns_p
 
 
+def test_a_handed_off_p_a_borrower_killed_is_closed_when_its_replacement_registers(
+    registry: dict[str, Any],
+) -> None:
+    """Nobody owns a P a stopped driver handed off: the borrower that killed it starts its
+    own, and registering that one closes the dead P (else it outlives every owner)."""
+    handed = _Producer()
+    _stop(_Pair(handed))
+    handed.process.alive = False  # a borrower's scenario killed it
+
+    class _Restartable(_Pair):
+        ready_timeout_s = 1.0
+
+        def restart_p(self, *, wait: bool = True) -> None:
+            self.p, self.owns_p = _Producer(), True
+
+    borrower = _Restartable(handed, owns=False)
+    NixlDriver("nixl-test")._replace_p(borrower)
+    assert handed.closed and drivers.shared_producer("k") is borrower.p
+
+
+def test_an_own_dead_p_is_closed_when_the_pair_borrows_a_replacement(
+    registry: dict[str, Any],
+) -> None:
+    own, replacement = _Producer(), _Producer()
+    own.process.alive = False
+    registry["k"] = replacement
+    pair = _Pair(own)
+    NixlDriver("nixl-test")._replace_p(pair)
+    assert own.closed and pair.p is replacement and not pair.owns_p
+
+
 class _ReadyProducer(_Producer):
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         return {}

@@ -62,6 +62,10 @@ SPIN_WINDOW_S = 0.5
 WEDGED_WRITE_S = 10.0
 
 
+#: Registry keys whose P a stopped driver handed off, by that driver's class.
+_HANDED_OFF: dict[str, type] = {}
+
+
 def shared_producer(key: str) -> Any | None:
     """The live P registered under ``key``, if any."""
     shared = _SHARED_P.get(key)
@@ -71,12 +75,15 @@ def shared_producer(key: str) -> Any | None:
 
 
 def register_producer(key: str, producer: Any) -> None:
-    """Offer a P its starter owns to the drivers that want the same P (they borrow it)."""
+    """Offer a P its starter owns to the drivers that want the same P (they borrow it).
+
+    A P it replaces that a stopped driver handed off has no owner left to close it (a
+    borrower that killed it, or finds it dead, starts its own): it is closed here."""
+    old = _SHARED_P.get(key)
+    if old is not None and old is not producer and _HANDED_OFF.pop(key, None) is not None:
+        with contextlib.suppress(Exception):
+            old.close()
     _SHARED_P[key] = producer
-
-
-#: Registry keys whose P a stopped driver handed off, by that driver's class.
-_HANDED_OFF: dict[str, type] = {}
 
 
 def close_shared_producers(handed_off_by: type | None = None) -> None:
@@ -378,6 +385,9 @@ class PairDriver(Driver[PairHandle]):
         key = pair.kvfail_share_key
         shared = shared_producer(key) if key is not None else None
         if shared is not None and shared is not pair.p:
+            if pair.p is not None and pair.owns_p:
+                with contextlib.suppress(Exception):
+                    pair.p.close()  # its own P, dead or broken: nobody else closes it
             pair.p, pair.owns_p = shared, False
             if wait:
                 shared.wait_ready(pair.ready_timeout_s)
