@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import itertools
 import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Collection, Coroutine
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -65,14 +63,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 )
 from vllm.logger import init_logger
 
+from connectors.mooncake.liveness import PeerLiveness, close_after_writes
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import (
     DEFAULT_PROBE_INTERVAL_S,
     refused_before_send,
-    watch_side_channel,
+)
+from connectors.mooncake.pull_state import (
+    PULL,
+    STAGE_HINT,
+    PeerPull,
+    ReplyDecoder,
+    never_left_d,
 )
 from connectors.mooncake.stats import KvfailMooncakeStats
-from connectors.writer_mark import WriterMark, start_writer_mark
+from connectors.writer_mark import WriterMark
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
@@ -111,71 +116,7 @@ SHUTDOWN_TIMEOUT_S: Final = 2.0
 _AWAITING_PEERS: Final = "awaiting-p-workers"
 
 
-@dataclass
-class _PeerPull:
-    """What one P-worker task has seen; lives in that task's context."""
-
-    peer: tuple[int, str]
-    #: Requests this task settled: P's answer, or a failure D reported for it.
-    reported: set[str] = field(default_factory=set)
-    #: Requests P named in a reply. P replies only after its push for them ended, so
-    #: nothing more is written into their blocks by this P worker.
-    answered: set[str] = field(default_factory=set)
-    #: P ended the exchange (its FINISH or ERROR reply), or its process is gone: no
-    #: request of this pull can be written into any more.
-    over: bool = False
-    last_status: int | None = None
-    bad_reply: bool = False
-
-    def may_still_write(self, req_ids: Collection[str]) -> set[str]:
-        """The requests of this pull whose blocks P may still push into."""
-        return set() if self.over else set(req_ids) - self.answered
-
-
-#: The P-worker task we are running in, if any.
-_PULL: contextvars.ContextVar[_PeerPull | None] = contextvars.ContextVar(
-    "kvfail_mooncake_pull", default=None
-)
-#: Stage for failures reported outside a P-worker task (the bootstrap task).
-_STAGE_HINT: contextvars.ContextVar[Stage | None] = contextvars.ContextVar(
-    "kvfail_mooncake_stage", default=None
-)
-
-
-#: Upstream's helper that builds (and connects) D's DEALER socket, before the pull is sent.
-_SOCKET_SETUP: Final = "make_zmq_socket"
-
-#: Reply statuses after which P writes nothing more for the exchange (P sends ERROR
-#: before any push, and FINISH after its last one).
-_TERMINAL: Final = frozenset({MooncakeXferResponseStatus.FINISH, MooncakeXferResponseStatus.ERROR})
-
-
-class _ReplyDecoder:
-    """Wraps upstream's reply decoder to note, per task, what P answered.
-
-    Lets ``_handle_failed_recv`` tell P's ERROR reply or an undecodable reply (the peer's
-    fault, ``Stage.PEER``) from a socket error or timeout (``Stage.TRANSFER``).
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def decode(self, buf: bytes) -> MooncakeXferResponse:
-        state = _PULL.get()
-        try:
-            response = self._inner.decode(buf)
-        except Exception:
-            if state is not None:
-                state.bad_reply = True
-            raise
-        if state is not None:
-            state.last_status = response.status
-            if response.status in _TERMINAL:
-                state.over = True
-        return response
-
-
-class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWorker):
+class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, MooncakeConnectorWorker):
     """Upstream's ``MooncakeConnectorWorker`` reporting through kvfail's mixin.
 
     Extra config (``kv_connector_extra_config``):
@@ -208,7 +149,7 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
             quarantine=compat.block_pool_binding_available(),
             rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
-        self._xfer_resp_decoder = _ReplyDecoder(self._xfer_resp_decoder)
+        self._xfer_resp_decoder = ReplyDecoder(self._xfer_resp_decoder)
         #: Guards the task registry below; never held while calling the tracker.
         self._mc_lock = threading.Lock()
         #: req_id -> the P-worker tasks currently pulling it (for the fence).
@@ -228,7 +169,7 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         #: P worker address -> its pull tasks in flight, with what each must still report
         #: (receiver loop thread only, so no lock).
         self._mc_inflight: defaultdict[
-            str, dict[asyncio.Task[Any], tuple[_PeerPull, dict[str, PullReqMeta]]]
+            str, dict[asyncio.Task[Any], tuple[PeerPull, dict[str, PullReqMeta]]]
         ] = defaultdict(dict)
         #: P worker address -> its running probe task (receiver loop thread only).
         self._mc_probes: dict[str, asyncio.Task[None]] = {}
@@ -278,7 +219,7 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         self, remote_engine_id: str, pull_metas: dict[str, PullReqMeta]
     ) -> None:
         """Upstream's bootstrap lookup; its failures are ``Stage.BOOTSTRAP``."""
-        _STAGE_HINT.set(Stage.BOOTSTRAP)
+        STAGE_HINT.set(Stage.BOOTSTRAP)
         try:
             await super().handle_new_engine_id(remote_engine_id, pull_metas)
         except Exception as exc:
@@ -345,9 +286,9 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
     async def _mc_pull(
         self, peer: tuple[int, str], worker_addr: str, pull_metas: dict[str, PullReqMeta]
     ) -> None:
-        state = _PeerPull(peer)
-        _PULL.set(state)
-        _STAGE_HINT.set(None)
+        state = PeerPull(peer)
+        PULL.set(state)
+        STAGE_HINT.set(None)
         task = asyncio.current_task()
         assert task is not None
         # Check-and-register under the lock the fence takes: either the fence sees this
@@ -418,120 +359,13 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
                 self._mc_watch(worker_addr)
             self._mc_release_proven(live)
 
-    # ------------------------------------------------------------------ liveness
-
-    def _mc_watch(self, worker_addr: str) -> None:
-        """Probe this P worker while a pull to it is in flight or may still write."""
-        if self._mc_probe_s and worker_addr not in self._mc_probes:
-            self._mc_probes[worker_addr] = asyncio.create_task(
-                self._mc_probe_peer(worker_addr, self._mc_probe_s)
-            )
-
-    def _mc_watched(self, worker_addr: str) -> bool:
-        if self._mc_inflight.get(worker_addr):
-            return True
-        with self._mc_lock:
-            return any(worker_addr in addrs for addrs in self._mc_unproven.values())
-
-    async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
-        """Watch one P worker's side channel while D has pulls in flight to it, or a pull
-        that ended without P's answer may still be written by it (see
-        :func:`connectors.mooncake.probe.watch_side_channel`); one task per address, on
-        the receiver loop, which owns the registry."""
-        me = asyncio.current_task()
-        try:
-            await watch_side_channel(
-                worker_addr,
-                interval_s,
-                watched=lambda: self._mc_watched(worker_addr),
-                lost=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=False),
-                gone=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=True),
-                marks=self._mc_marks,
-            )
-        finally:
-            if self._mc_probes.get(worker_addr) is me:
-                del self._mc_probes[worker_addr]
-
-    def _mc_peer_lost(self, worker_addr: str, reason: str, *, writes_over: bool) -> None:
-        """Fail what every pull task to this P worker still owes, then stop the tasks;
-        with ``writes_over`` (its writer is proven gone), also end the holds it kept.
-
-        Runs on the receiver loop, like the tasks, so no reply can be processed between
-        the report and the cancel; each request gets its one mixin call here, and the
-        cancelled task sees it already reported. Without ``writes_over`` the requests P
-        may still push into are marked unproven here, before the tasks end, so the watch
-        goes on for them.
-        """
-        self._mc_forget_engines_at(worker_addr)
-        for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
-            if writes_over:
-                state.over = True  # a writer that is gone writes nothing more
-            tracked = self.failure_reporter.is_tracked
-            state.reported.update(r for r in pulls if not tracked(r))
-            self._mc_fail_unreported(state, pulls, Stage.PEER_LOST, reason)
-            if not writes_over:
-                unproven = state.may_still_write(pulls)
-                with self._mc_lock:
-                    for req_id in unproven:
-                        self._mc_unproven[req_id].add(worker_addr)
-            task.cancel()
-        if not writes_over:
-            return
-        with self._mc_lock:
-            cleared = [r for r, addrs in self._mc_unproven.items() if worker_addr in addrs]
-            for req_id in cleared:
-                addrs = self._mc_unproven[req_id]
-                addrs.discard(worker_addr)
-                if not addrs:
-                    del self._mc_unproven[req_id]
-        self._mc_release_proven(cleared)
-
-    def _mc_release_proven(self, req_ids: Collection[str]) -> None:
-        """Give back the blocks of loads held by us once no P worker can write into them.
-
-        Only loads this worker reported with ``fenced=False`` (:attr:`_mc_held`); loads
-        the watchdog held are released through :meth:`kvfail_fence` instead.
-        """
-        with self._mc_lock:
-            ready = [
-                r
-                for r in req_ids
-                if r in self._mc_held and not self._mc_tasks.get(r) and not self._mc_unproven.get(r)
-            ]
-            for req_id in ready:
-                del self._mc_held[req_id]
-        for req_id in ready:
-            self.load_fenced(req_id)
-
-    def _mc_forget_engines_at(self, worker_addr: str) -> None:
-        """Make the next pull from a P engine with a dead worker query the bootstrap again.
-
-        Upstream caches each P engine's worker addresses (``_remote_agents``, filled by one
-        bootstrap query) for the life of D and never drops them. A P restarted under the
-        same engine id listens on new ports, so without this every later pull would go to
-        the dead address and fail ``peer_lost`` for ever (seen in the e2e tier: P killed,
-        restarted as ``P-mooncake-e2e``, and D kept dialling the old side channel). The
-        next pull carries the bootstrap address the router gives it, which names the new
-        P. Runs on the receiver loop, the only thread that reads or fills the cache.
-        """
-        for engine_id, ranks in list(self._remote_agents.items()):
-            if any(addr == worker_addr for pps in ranks.values() for addr in pps.values()):
-                logger.warning(
-                    "kvfail: P engine %s lost its worker %s; it will be looked up on its "
-                    "bootstrap server again at the next pull",
-                    engine_id,
-                    worker_addr,
-                )
-                del self._remote_agents[engine_id]
-                self._tp_size.pop(engine_id, None)
-
     # ------------------------------------------------------------------ outcomes
 
     def process_pulling_result(
         self, response: MooncakeXferResponse, pull_metas: dict[str, PullReqMeta]
     ) -> None:
         """One reply from a P worker: each named request is settled for that peer."""
-        state = _PULL.get()
+        state = PULL.get()
         peer = state.peer if state is not None else None
         unknown: list[str] = []
         # Failures first: a request P names as both ok and failed is failed.
@@ -567,11 +401,11 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         reason: str,
     ) -> None:
         """Every failure upstream detects on D arrives here; the context says where."""
-        state = _PULL.get()
+        state = PULL.get()
         known = [r for r in req_ids if r in pull_metas]
         if state is None:
             # Before any P-worker task exists: settle every peer at once.
-            stage = _STAGE_HINT.get() or Stage.INTERNAL
+            stage = STAGE_HINT.get() or Stage.INTERNAL
             for req_id in known:
                 self.abandon_load(req_id, stage, reason)
             return
@@ -579,14 +413,14 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
             stage = Stage.PEER
         else:
             stage = Stage.TRANSFER
-        if _never_left_d(state, sys.exc_info()[1]):
+        if never_left_d(state, sys.exc_info()[1]):
             state.over = True
         # Upstream fails every request of the exchange on an exception, even those this
         # P worker already reported done; those stay done.
         self._mc_fail_unreported(state, {r: pull_metas[r] for r in known}, stage, reason)
 
     def _mc_fail_unreported(
-        self, state: _PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str
+        self, state: PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str
     ) -> None:
         """Fail what this pull has not settled yet. A request P may still push into (the
         exchange ended without P's answer for it: a socket error or timeout) is failed
@@ -767,7 +601,7 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
             # finished (new writes refused from now on), never before, whatever
             # upstream's teardown does.
             threading.Thread(
-                target=_close_after_writes,
+                target=close_after_writes,
                 args=(getattr(self, "_sender_executor", None), mark),
                 name="kvfail-writer-mark-close",
                 daemon=True,
@@ -781,46 +615,12 @@ class KvfailMooncakeWorker(NamedHolds, FailureReporterMixin, MooncakeConnectorWo
         if loop is not None and not loop.is_running() and not loop.is_closed():
             loop.close()
 
-    # ------------------------------------------------------------------ P side
-
-    async def register_worker_with_bootstrap(self) -> None:
-        """Open this worker's writer mark on its side channel's port, then register.
-
-        Before registering, so that any D that can learn the address finds the mark.
-        Runs on the sender loop, right after upstream bound the side channel.
-        """
-        self._mc_mark = start_writer_mark(self.hostname, self.side_channel_port)
-        await super().register_worker_with_bootstrap()
-
     async def _mc_stop_tasks(self) -> None:
         """Cancel every other task on the receiver loop: ours (pulls and probes) and
         upstream's; on the loop, which owns the probe registry."""
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
         if tasks:
             await _cancel_and_wait(tasks)
-
-
-def _never_left_d(state: _PeerPull, exc: BaseException | None) -> bool:
-    """Whether the pull failed before it could reach P (called inside upstream's
-    ``except``): the error was raised while upstream built the DEALER socket, before
-    its send. Anything else (a receive timeout, an undecodable reply, a send error)
-    leaves P's push possible; so does a renamed helper upstream (the safe side)."""
-    if exc is None or state.last_status is not None or state.bad_reply:
-        return False
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == _SOCKET_SETUP:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _close_after_writes(executor: Any, mark: WriterMark) -> None:
-    """Close ``mark`` once ``executor`` (P's sender threads) has no write left."""
-    if executor is not None:
-        with contextlib.suppress(Exception):
-            executor.shutdown(wait=True)
-    mark.close()
 
 
 async def _cancel_and_wait(tasks: Collection[asyncio.Task[Any]]) -> None:

@@ -23,7 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     PullReqMeta,
 )
 
-from connectors.mooncake.worker import _PULL, KvfailMooncakeWorker, _PeerPull
+from connectors.mooncake.pull_state import PULL, PeerPull
+from connectors.mooncake.worker import KvfailMooncakeWorker
 from kvfail import Stage
 
 pytestmark = pytest.mark.vllm
@@ -59,15 +60,15 @@ def test_a_request_p_answered_is_not_one_p_may_still_write() -> None:
     pulls = {"a": _pull("a", [1, 2]), "b": _pull("b", [3])}
     for req_id, pull in pulls.items():
         w.track_load(req_id, pull.local_block_ids, peers=[(0, "p")])
-    state = _PeerPull((0, "p"))
-    token = _PULL.set(state)
+    state = PeerPull((0, "p"))
+    token = PULL.set(state)
     try:
         reply = MooncakeXferResponse(
             status=MooncakeXferResponseStatus.CONTINUE, ok_reqs=["a"], err_reqs=None, err_msg=None
         )
         w.process_pulling_result(reply, pulls)
     finally:
-        _PULL.reset(token)
+        PULL.reset(token)
     assert state.may_still_write(pulls) == {"b"}
 
 
@@ -77,7 +78,7 @@ def test_a_notify_only_load_failed_unfenced_leaves_no_hold_entry() -> None:
     w = _worker()
     w.track_load("n", [], peers=[(0, "p")])
     w.track_load("r", [[4, 5]], peers=[(0, "p")])
-    state = _PeerPull((0, "p"))  # P never answered: both may still be written
+    state = PeerPull((0, "p"))  # P never answered: both may still be written
     w._mc_fail_unreported(
         state, {"n": _pull("n", []), "r": _pull("r", [4, 5])}, Stage.TRANSFER, "socket error"
     )
