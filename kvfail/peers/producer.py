@@ -191,53 +191,51 @@ class _FaultInjectingSender:
 
         ``die_mid_transfer``: really write the first half of the pull into D, then
         SIGKILL this process (P, or this P rank at TP > 1) before the rest and before
-        any reply: a peer that crashed with D's blocks half written."""
+        any reply: a peer that crashed with D's blocks half written.
+
+        ``shutdown_mid_write``: with the write under way, this worker is shut down on
+        another thread (vLLM's shutdown runs beside the sender), and the write lands
+        ``delay_s`` later: the write a graceful shutdown leaves running."""
+        args = (remote_session, src_ptrs, dst_ptrs, lengths)
         shutdown_write = self.__dict__.pop("kvfail_shutdown_write", None)
         if shutdown_write is not None:
-            return self._kvfail_write_through_shutdown(
-                *shutdown_write, remote_session, src_ptrs, dst_ptrs, lengths
-            )
+            delay_s, hit = shutdown_write
+            threading.Thread(target=self.shutdown, name="kvfail-p-shutdown", daemon=True).start()  # type: ignore[attr-defined]
+            ret = self._kvfail_write(*args, delay_s=delay_s)
+            for r in hit:
+                self.kvfail_late_pushes[r] = ret == 0
+            return ret
         if not getattr(self, "kvfail_die_in_send", False):
-            writing = self.__dict__.setdefault("kvfail_writing", {})
-            writing[threading.get_ident()] = time.monotonic()
-            try:
-                ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
-                for _ in range(WRITE_RETRIES):
-                    if ret == 0:
-                        break
-                    self.kvfail_write_retries = getattr(self, "kvfail_write_retries", 0) + 1
-                    ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
-                return ret
-            finally:
-                writing.pop(threading.get_ident(), None)
+            return self._kvfail_write(*args)
         half = max(1, len(src_ptrs) // 2)
         super()._send_blocks(remote_session, src_ptrs[:half], dst_ptrs[:half], lengths[:half])  # type: ignore[misc]
         os.kill(os.getpid(), signal.SIGKILL)
         return -1  # not reached
 
-    def _kvfail_write_through_shutdown(
+    def _kvfail_write(
         self,
-        delay_s: float,
-        hit: list[str],
         remote_session: str,
         src_ptrs: list[int],
         dst_ptrs: list[int],
         lengths: list[int],
+        *,
+        delay_s: float = 0.0,
     ) -> int:
-        """``shutdown_mid_write``: on a sender thread, with the write under way, shut this
-        worker down (on another thread, as vLLM's shutdown runs beside the sender), then
-        write ``delay_s`` later: the write a graceful shutdown leaves running."""
-        threading.Thread(target=self.shutdown, name="kvfail-p-shutdown", daemon=True).start()  # type: ignore[attr-defined]
+        """One write into D, under way (``stats``' ``oldest_write_s``) from its start,
+        ``delay_s`` included, and retried when it fails (:data:`WRITE_RETRIES`)."""
         writing = self.__dict__.setdefault("kvfail_writing", {})
         writing[threading.get_ident()] = time.monotonic()
         try:
             time.sleep(delay_s)
             ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+            for _ in range(WRITE_RETRIES):
+                if ret == 0:
+                    break
+                self.kvfail_write_retries = getattr(self, "kvfail_write_retries", 0) + 1
+                ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
+            return ret
         finally:
             writing.pop(threading.get_ident(), None)
-        for r in hit:
-            self.kvfail_late_pushes[r] = ret == 0
-        return ret
 
 
 def _make_injecting(worker: Any) -> None:
