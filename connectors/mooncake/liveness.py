@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from kvfail.tracker import LoadTracker
 
-__all__ = ["PeerLiveness", "close_after_writes"]
+__all__ = ["PeerLiveness"]
 
 logger = init_logger(__name__)
 
@@ -176,8 +176,24 @@ class PeerLiveness:
         self._mc_mark = start_writer_mark(self.hostname, self.side_channel_port)
         await super().register_worker_with_bootstrap()
 
+    def _mc_retire_mark(self) -> None:
+        """At shutdown: close the writer mark once this worker's sender threads have no
+        write left (new writes are refused from now on), on a thread of its own.
 
-def close_after_writes(executor: Any, mark: WriterMark) -> None:
+        Upstream stops its sender threads without waiting, and its context teardown can
+        wedge while one of them writes: the mark closes when they have all finished,
+        never before, whatever upstream's teardown does."""
+        mark = getattr(self, "_mc_mark", None)
+        if mark is not None:
+            threading.Thread(
+                target=_close_after_writes,
+                args=(getattr(self, "_sender_executor", None), mark),
+                name="kvfail-writer-mark-close",
+                daemon=True,
+            ).start()
+
+
+def _close_after_writes(executor: Any, mark: WriterMark) -> None:
     """Close ``mark`` once ``executor`` (P's sender threads) has no write left."""
     if executor is not None:
         with contextlib.suppress(Exception):

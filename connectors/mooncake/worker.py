@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 )
 from vllm.logger import init_logger
 
-from connectors.mooncake.liveness import PeerLiveness, close_after_writes
+from connectors.mooncake.liveness import PeerLiveness
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import (
     DEFAULT_PROBE_INTERVAL_S,
@@ -77,7 +77,6 @@ from connectors.mooncake.pull_state import (
     never_left_d,
 )
 from connectors.mooncake.stats import KvfailMooncakeStats
-from connectors.writer_mark import WriterMark
 from kvfail import FailureReporterMixin, Stage, compat
 from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
@@ -594,18 +593,7 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
         if getattr(self, "_mc_closed", True):
             return
         self._mc_closed = True
-        mark: WriterMark | None = getattr(self, "_mc_mark", None)
-        if mark is not None:
-            # Upstream stops its sender threads without waiting, and its context teardown
-            # can wedge while one of them writes: the mark closes once they have all
-            # finished (new writes refused from now on), never before, whatever
-            # upstream's teardown does.
-            threading.Thread(
-                target=close_after_writes,
-                args=(getattr(self, "_sender_executor", None), mark),
-                name="kvfail-writer-mark-close",
-                daemon=True,
-            ).start()
+        self._mc_retire_mark()
         loop = None if self.is_kv_producer else self.receiver_loop
         if loop is not None and loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self._mc_stop_tasks(), loop)
