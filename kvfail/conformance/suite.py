@@ -235,9 +235,9 @@ class ScenarioContext:
             raise SuiteSkip(str(exc), ("fault",)) from None
         if point in LATE_WRITE_POINTS:
             # Reported (by the deadline, C10, or a closed side channel) with its blocks
-            # held while P still writes
-            # (C11): only vLLM's block pool can hold them. Without it no connector can
-            # pass, so the run is an error naming the feature, never a verdict.
+            # held while P still writes (C11): only vLLM's block pool can hold them.
+            # Without it no connector can pass, so the run is an error naming the
+            # feature, never a verdict.
             compat.require("block_pool_binding", f"{self.scenario} ({point.value})")
         return point
 
