@@ -52,9 +52,14 @@ log = logging.getLogger(__name__)
 NETNS_DIR = Path("/var/run/netns")
 #: Every namespace and interface this module makes starts with this, then the owner's pid.
 PREFIX = "kvf"
-#: The block the /30 of each simulated link is drawn from. It exists only on interfaces
-#: this module creates; nothing outside the machine is ever addressed.
+#: The block the /30 of each simulated IPv4 link is drawn from. It exists only on
+#: interfaces this module creates; nothing outside the machine is ever addressed.
 SUBNET = ipaddress.ip_network("10.213.0.0/16")
+#: The same for IPv6 links (a /126 each): a unique-local block (RFC 4193), which no
+#: router forwards.
+SUBNET6 = ipaddress.ip_network("fd6b:7666:6169:6c00::/64")
+#: A simulated link's prefix length, by IP version.
+_LINK_PREFIX = {4: 30, 6: 126}
 
 #: ``silent``: packets to the other side vanish (the caller's connect or read times out),
 #: as behind a dead switch. ``refuse``: the route lookup fails at once on both sides
@@ -142,42 +147,52 @@ def sweep_stale() -> list[str]:
     return removed
 
 
-def _addresses_in_use() -> set[ipaddress.IPv4Address]:
+def _addresses_in_use(version: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     ip = _ip_binary()
-    out = _run([ip or "ip", "-j", "-4", "addr", "show"], check=False).stdout or "[]"
-    used: set[ipaddress.IPv4Address] = set()
+    out = _run([ip or "ip", "-j", f"-{version}", "addr", "show"], check=False).stdout or "[]"
+    used: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
     with contextlib.suppress(ValueError):
         for link in json.loads(out):
             for info in link.get("addr_info", []):
                 with contextlib.suppress(ValueError):
-                    used.add(ipaddress.IPv4Address(info.get("local", "")))
+                    used.add(ipaddress.ip_address(info.get("local", "")))
     return used
 
 
-def _pick_subnet() -> ipaddress.IPv4Network:
-    """A /30 of :data:`SUBNET` that no interface of the root namespace uses yet.
+def _pick_subnet(version: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """A link-sized subnet of :data:`SUBNET` (IPv4) or :data:`SUBNET6` (IPv6) that no
+    interface of the root namespace uses yet.
 
     Namespaces' own addresses are invisible from here, but each of ours has its peer in
-    the root namespace, so a free outer address means a free /30."""
-    used = _addresses_in_use()
-    subnets = list(SUBNET.subnets(new_prefix=30))
-    start = (os.getpid() * 7 + next(_counter) * 131) % len(subnets)
-    for offset in range(len(subnets)):
-        net = subnets[(start + offset) % len(subnets)]
+    the root namespace, so a free outer address means a free subnet. The IPv6 block has
+    far more subnets than a run makes, so only a window of it is searched."""
+    used = _addresses_in_use(version)
+    block = SUBNET if version == 4 else SUBNET6
+    prefix = _LINK_PREFIX[version]
+    count = min(2 ** (prefix - block.prefixlen), 1 << 14)
+    start = (os.getpid() * 7 + next(_counter) * 131) % count
+    for offset in range(count):
+        index = (start + offset) % count
+        net = ipaddress.ip_network(
+            (int(block.network_address) + (index << (block.max_prefixlen - prefix)), prefix)
+        )
         if not any(host in used for host in net.hosts()):
             return net
-    raise RuntimeError(f"no free /30 left in {SUBNET}")
+    raise RuntimeError(f"no free /{prefix} left in {block}")
 
 
 class NamespaceHost(ClosesOnExit):
     """One simulated host: a namespace with ``lo`` up and a veth link to the test's own
     namespace. The test's side is :attr:`outer_addr`, the host's side :attr:`inner_addr`.
+    ``ip_version`` 6 gives the link IPv6 addresses only (unique-local, no duplicate-address
+    wait), so whatever crosses it must speak IPv6: the shape of a P/D pair on an IPv6
+    network.
 
     Use as a context manager, or call :meth:`close` in a ``finally``: the namespace, the
     link and any route or queueing discipline on it go away together.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ip_version: Literal[4, 6] = 4) -> None:
         ip = _ip_binary()
         if ip is None:
             raise RuntimeError("iproute2's `ip` is not installed")
@@ -193,10 +208,14 @@ class NamespaceHost(ClosesOnExit):
         self.inner_if = f"{PREFIX}{pid}i{index}"
         if len(self.outer_if) > 15:
             raise RuntimeError(f"interface name {self.outer_if!r} is over 15 characters")
-        self._net = _pick_subnet()
-        hosts = list(self._net.hosts())
+        self.ip_version = ip_version
+        self._net = _pick_subnet(ip_version)
+        hosts = list(itertools.islice(self._net.hosts(), 2))
         self.outer_addr = str(hosts[0])
         self.inner_addr = str(hosts[1])
+        #: ``ip``'s family option and one address's prefix length, for routes.
+        self._family = f"-{ip_version}"
+        self._host_len = 32 if ip_version == 4 else 128
         self._partition: PartitionMode | None = None
         self._limited = False
         self._closed = False
@@ -213,8 +232,12 @@ class NamespaceHost(ClosesOnExit):
         _run([ip, "netns", "add", ns])
         _run([ip, "link", "add", self.outer_if, "type", "veth", "peer", "name", self.inner_if])
         _run([ip, "link", "set", self.inner_if, "netns", ns])
-        _run([ip, "addr", "add", f"{self.outer_addr}/30", "dev", self.outer_if])
-        _run([ip, "-n", ns, "addr", "add", f"{self.inner_addr}/30", "dev", self.inner_if])
+        # ``nodad``: an IPv6 address is usable at once, not after duplicate detection.
+        nodad = ["nodad"] if self.ip_version == 6 else []
+        prefix = self._net.prefixlen
+        _run([ip, "addr", "add", f"{self.outer_addr}/{prefix}", "dev", self.outer_if, *nodad])
+        inner = [ip, "-n", ns, "addr", "add", f"{self.inner_addr}/{prefix}"]
+        _run([*inner, "dev", self.inner_if, *nodad])
         _run([ip, "link", "set", self.outer_if, "up"])
         _run([ip, "-n", ns, "link", "set", self.inner_if, "up"])
         _run([ip, "-n", ns, "link", "set", "lo", "up"])
@@ -240,10 +263,10 @@ class NamespaceHost(ClosesOnExit):
         so every send or connect across the link errors at once."""
         self.heal()
         if mode == "silent":
-            _run([self._ip, "-n", self.name, "route", "add", "blackhole", f"{self.outer_addr}/32"])
+            self._add_route(["-n", self.name], "blackhole", self.outer_addr)
         elif mode == "refuse":
-            _run([self._ip, "-n", self.name, "route", "add", "prohibit", f"{self.outer_addr}/32"])
-            _run([self._ip, "route", "add", "prohibit", f"{self.inner_addr}/32"])
+            self._add_route(["-n", self.name], "prohibit", self.outer_addr)
+            self._add_route([], "prohibit", self.inner_addr)
         else:
             raise ValueError(f"unknown partition mode {mode!r}")
         self._partition = mode
@@ -257,8 +280,12 @@ class NamespaceHost(ClosesOnExit):
             self._del_route(["-n", self.name], "prohibit", self.outer_addr)
             self._del_route([], "prohibit", self.inner_addr)
 
+    def _add_route(self, where: list[str], kind: str, addr: str) -> None:
+        _run([self._ip, self._family, *where, "route", "add", kind, f"{addr}/{self._host_len}"])
+
     def _del_route(self, where: list[str], kind: str, addr: str) -> None:
-        _run([self._ip, *where, "route", "del", kind, f"{addr}/32"], check=False)
+        route = [self._ip, self._family, *where, "route", "del", kind, f"{addr}/{self._host_len}"]
+        _run(route, check=False)
 
     @property
     def partitioned(self) -> PartitionMode | None:

@@ -7,6 +7,7 @@ code under test's own bookkeeping alone.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 import subprocess
@@ -32,7 +33,8 @@ SERVER = textwrap.dedent(
     """
     import socket, sys, threading
     host, port = sys.argv[1], int(sys.argv[2])
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind((host, port)); s.listen()
     def serve(c):
         with c:
@@ -56,9 +58,11 @@ SERVER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def host() -> Iterator[NamespaceHost]:
-    with NamespaceHost() as made:
+@pytest.fixture(params=[4, 6], ids=["ipv4", "ipv6"])
+def host(request: pytest.FixtureRequest) -> Iterator[NamespaceHost]:
+    """Every check holds on an IPv4 link and on an IPv6-only one."""
+    with NamespaceHost(ip_version=request.param) as made:
+        assert ipaddress.ip_address(made.inner_addr).version == request.param
         yield made
 
 
