@@ -19,12 +19,15 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def run_child_pytest(args: list[str], cwd: Path, timeout_s: float) -> tuple[int, str]:
-    """Run ``pytest args`` in ``cwd`` (bounded); returns its exit status and its output."""
+def run_child_pytest(
+    args: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Run ``pytest args`` in ``cwd`` (bounded), with ``env`` added to the environment;
+    returns its exit status and its output."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=cwd,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -14,11 +14,14 @@ No assertion reads a time; each wait is bounded and names what it waited for.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.child_pytest import ROOT, run_child_pytest
 from tests.transports import require_netns, require_transport
 
 require_transport("mooncake")
@@ -31,6 +34,7 @@ from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
+from kvfail.rig.processes import PeerExitedError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -41,10 +45,14 @@ MANY = 4
 KVFAIL = "kvfail"
 
 
-@pytest.fixture(scope="module")
-def host() -> Iterator[NamespaceHost]:
-    with NamespaceHost() as made:
-        yield made
+#: Set in the fresh process that runs NIXL over an IPv6-only link
+#: (:func:`test_nixl_over_an_ipv6_only_link_in_a_fresh_process`).
+IPV6_CHILD_ENV = "KVFAIL_TEST_HOSTS_IPV6"
+#: The links the pairs run over: each transport on IPv4 here, and NIXL on an IPv6-only
+#: link (the shape of a P/D pair on an IPv6 network) in a process of its own. Mooncake has
+#: no IPv6 case: upstream's Mooncake P cannot serve on an IPv6 address
+#: (:func:`test_upstream_mooncake_p_cannot_serve_on_ipv6` pins the evidence).
+LINKS = [("nixl", 6)] if os.environ.get(IPV6_CHILD_ENV) == "1" else [("mooncake", 4), ("nixl", 4)]
 
 
 def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
@@ -68,24 +76,35 @@ def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
     )
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def pair(request: pytest.FixtureRequest, host: NamespaceHost) -> Iterator[PeerPair]:
-    if request.param == "nixl":
+@pytest.fixture(scope="module", params=LINKS, ids=[f"{t}-ipv{v}" for t, v in LINKS])
+def pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
+    transport, ip_version = request.param
+    if transport == "nixl":
         install_exit_guard(request.config)
-    p = _new_pair(request.param, host)
-    try:
-        p.consumer("fail", name=KVFAIL)
-        yield p
-    finally:
-        p.close()
+    with NamespaceHost(ip_version=ip_version) as host:
+        p = _new_pair(transport, host)
+        try:
+            p.consumer("fail", name=KVFAIL)
+            yield p
+        finally:
+            p.close()
+
+
+@pytest.fixture
+def host(pair: PeerPair) -> NamespaceHost:
+    """The simulated host the pair's P runs on."""
+    assert pair.host is not None
+    return pair.host
 
 
 @pytest.fixture(autouse=True)
-def healed(host: NamespaceHost) -> Iterator[None]:
+def healed(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test that fails half-way must not leave the next one partitioned."""
+    host = request.getfixturevalue("host") if "pair" in request.fixturenames else None
     yield
-    host.heal()
-    host.unlimit()
+    if host is not None:
+        host.heal()
+        host.unlimit()
 
 
 def _engine(pair: PeerPair) -> Engine:
@@ -226,3 +245,39 @@ def test_a_bandwidth_limited_link_still_delivers_exact_bytes(
     assert host.qdiscs() == ["tbf", "tbf"]
     for i in range(2):
         _load_ok(pair, f"hosts-slow-link-{i}")
+
+
+def test_upstream_mooncake_p_cannot_serve_on_ipv6() -> None:
+    """Why :data:`LINKS` has no Mooncake IPv6 case, as evidence rather than a note:
+    upstream's Mooncake P binds its side channel at ``tcp://{host}:*``, with neither
+    brackets nor ZMQ's IPv6 option, so on an IPv6 address P stops at start. When this
+    fails, upstream's P serves on IPv6 and ``("mooncake", 6)`` belongs in :data:`LINKS`."""
+    with NamespaceHost(ip_version=6) as host:
+        pair: PeerPair | None = None
+        with pytest.raises(PeerExitedError) as stopped:
+            pair = _new_pair("mooncake", host)
+            pair.consumer("fail", name=KVFAIL)
+        if pair is not None:
+            pair.close()
+    assert "ZMQError: No such device" in str(stopped.value), stopped.value
+    assert host.inner_addr in str(stopped.value)
+
+
+def test_nixl_over_an_ipv6_only_link_in_a_fresh_process() -> None:
+    """NIXL between hosts that share only an IPv6 link: exact bytes, a silent cut during
+    many loads held until the heal, a refused route and a throttled link, as above.
+
+    Why a fresh process: UCX reads the routing table once per process and keeps it, and
+    its TCP transport cannot tell an IPv6 peer in its own subnet without it, so a link made
+    after this process's first NIXL transfer is "no route" to its agent (a D in production
+    meets the same when an interface appears after it started). The deadline-free control
+    stays with the IPv4 links: what it shows does not depend on the address family."""
+    if os.environ.get(IPV6_CHILD_ENV) == "1":
+        return  # the child itself: its cases are the pair's ``nixl-ipv6`` ones
+    rc, out = run_child_pytest(
+        [__file__, "-o", "addopts=", "-p", "no:randomly", "-k", "nixl-ipv6 and not control"],
+        cwd=ROOT,
+        timeout_s=600,
+        env={IPV6_CHILD_ENV: "1"},
+    )
+    assert rc == 0 and re.search(r"\b4 passed", out), out[-6000:]
