@@ -306,7 +306,13 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
             if self._mc_probe_s:
                 # Before the pull leaves D: a worker refusing now never gets it, so no
                 # write can follow, whatever kind of P it was (with a writer mark or not).
-                unreachable = await refused_before_send(worker_addr)
+                # A worker whose writer mark D has seen skips this wait on the pull's
+                # path: if it is gone, its mark's refusal proves so to the watch below.
+                unreachable = (
+                    None
+                    if worker_addr in self._mc_marks
+                    else await refused_before_send(worker_addr)
+                )
                 if unreachable is not None:
                     state.over = True
                     self._mc_forget_engines_at(worker_addr)
