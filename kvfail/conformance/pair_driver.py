@@ -1,4 +1,4 @@
-"""What the drivers over a real P/D pair share, and the session's registry of shared P's.
+"""What the drivers over a real P/D pair share.
 
 A pair is a real P process and the D engines built against it (``kvfail.peers.base
 .PeerPair``); :class:`PairDriver` turns one into the Driver API. ``mooncake_driver``,
@@ -13,11 +13,12 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector
+from kvfail.conformance.shared_producers import hand_off, register_producer, shared_producer
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
 
@@ -33,19 +34,7 @@ __all__ = [
     "PairDriver",
     "PairHandle",
     "PairInjector",
-    "close_shared_producers",
-    "prestart_for",
-    "register_producer",
-    "shared_producer",
 ]
-
-#: One P process per P configuration, shared by the drivers of a session that want the
-#: same P (``mooncake`` and the real negative controls pull from kvfail's P; every NIXL
-#: driver pulls from upstream's): each P costs a vLLM import, the dearest step of a run. A pair that
-#: finds a live P here borrows it. The driver that started it owns it and closes it in
-#: ``stop``, unless the driver hands it off (``PairDriver.hand_off_p``): then this registry
-#: keeps it for the next driver and :func:`close_shared_producers` closes it at the end.
-_SHARED_P: dict[str, Any] = {}
 
 logger = logging.getLogger("kvfail.conformance")
 
@@ -62,71 +51,11 @@ SPIN_WINDOW_S = 0.5
 WEDGED_WRITE_S = 10.0
 
 
-#: Registry keys whose P a stopped driver handed off, by that driver's class.
-_HANDED_OFF: dict[str, type] = {}
-
-
-def shared_producer(key: str) -> Any | None:
-    """The live P registered under ``key``, if any."""
-    shared = _SHARED_P.get(key)
-    if shared is None or not shared.process.alive:
-        return None
-    return shared
-
-
-def register_producer(key: str, producer: Any) -> None:
-    """Offer a P its starter owns to the drivers that want the same P (they borrow it).
-
-    A P it replaces that a stopped driver handed off has no owner left to close it (a
-    borrower that killed it, or finds it dead, starts its own): it is closed here."""
-    old = _SHARED_P.get(key)
-    if old is not None and old is not producer and _HANDED_OFF.pop(key, None) is not None:
-        with contextlib.suppress(Exception):
-            old.close()
-    _SHARED_P[key] = producer
-
-
-def close_shared_producers(handed_off_by: type | None = None) -> None:
-    """Close the registered P's (only those handed off by drivers of ``handed_off_by``
-    when given: a P an idle registry keeps still costs CPU); idempotent."""
-    keys = [
-        k for k in list(_SHARED_P) if handed_off_by is None or _HANDED_OFF.get(k) is handed_off_by
-    ]
-    for key in keys:
-        with contextlib.suppress(Exception):
-            _SHARED_P[key].close()
-        _SHARED_P.pop(key, None)
-        _HANDED_OFF.pop(key, None)
-
-
 #: A failing scenario shows at most this many of each P's error-looking lines.
 PEER_OUTPUT_LINES = 15
 #: What an error-looking line of a P's output is: vLLM's, UCX's and glog's error and
 #: warning marks, and Python's tracebacks.
 _NOTABLE_OUTPUT = re.compile(r"error|fail|traceback|exception|warn|^[EWF]\d{4} ", re.IGNORECASE)
-
-#: Modules of the drivers whose P is a real process forked from the P zygote
-#: (:func:`kvfail.peers.producer_handle.p_zygote`).
-P_DRIVER_MODULES = frozenset(
-    {
-        "kvfail.conformance.mooncake_driver",
-        "kvfail.conformance.nixl_driver",
-        "kvfail.conformance.nixl_push_driver",
-    }
-)
-
-
-def prestart_for(specs: Iterable[str], modules: Mapping[str, str]) -> bool:
-    """Start the P zygote's import now when a ``--connector`` value is a registered
-    driver of :data:`P_DRIVER_MODULES` (``modules``: each registered name's driver module,
-    read from its entry point, nothing imported); whether it was started. A
-    ``module:Class`` or ``vllm:`` value is known only once resolved (a vLLM import): its
-    P starts when first wanted, as before."""
-    from kvfail.peers.producer_handle import prestart_p_zygote
-
-    if not any(modules.get(spec) in P_DRIVER_MODULES for spec in specs):
-        return False
-    return prestart_p_zygote()
 
 
 @dataclass(frozen=True)
@@ -302,7 +231,7 @@ class PairDriver(Driver[PairHandle]):
     #: The faults that may be armed on a pair's second P (``add_remote_requests``, peer 1).
     SECOND_P_FAULTS = frozenset({FaultPoint.KILL_ONE_PEER})
     #: At ``stop``, leave a healthy P to the session's registry for the next driver that
-    #: wants the same P, instead of closing it (see ``_SHARED_P``).
+    #: wants the same P, instead of closing it (:mod:`kvfail.conformance.shared_producers`).
     hand_off_p: bool = False
 
     def _new_pair(self, tp_size: int, num_kv_cache_groups: int, p_tp_size: int) -> PeerPair:
@@ -352,8 +281,9 @@ class PairDriver(Driver[PairHandle]):
         self._layout_pairs.clear()
 
     def _hand_off(self, pair: PeerPair) -> None:
-        """Leave ``pair``'s own, healthy P to the session registry (see ``_SHARED_P``)
-        instead of closing it, unless another live P already serves its key."""
+        """Leave ``pair``'s own, healthy P to the session registry
+        (:mod:`kvfail.conformance.shared_producers`) instead of closing it, unless another
+        live P already serves its key."""
         key = pair.kvfail_share_key
         producer = pair.p
         if key is None or producer is None or not pair.owns_p:
@@ -364,8 +294,7 @@ class PairDriver(Driver[PairHandle]):
         current = shared_producer(key)
         if current is not None and current is not producer:
             return
-        _SHARED_P[key] = producer
-        _HANDED_OFF[key] = type(self)
+        hand_off(key, producer, type(self))
         pair.owns_p = False
 
     def _p_replaced(self, pair: PeerPair) -> None:

@@ -412,8 +412,8 @@ def test_a_connectors_driver_stops_after_its_last_scenario(
     """The conformance plugin stops a connector's driver once its last scenario is done
     (its idle P would cost CPU for the rest of the run), exactly once, and closes the P's
     its kind handed off only when no connector still to run has a driver of that kind."""
-    from kvfail.conformance import pair_driver as driver_module
     from kvfail.conformance import plugin
+    from kvfail.conformance import shared_producers as driver_module
 
     closed: list[type | None] = []
     monkeypatch.setattr(

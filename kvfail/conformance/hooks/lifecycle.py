@@ -114,8 +114,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # know yet whether it will get a connector's scenarios.
     distributing = worker or distributed.is_controller(config)
     if given and not distributing and os.environ.get(_PRESTART_ENV, "1") != "0":
-        from kvfail.conformance.pair_driver import prestart_for
         from kvfail.conformance.resolve import entry_point_modules
+        from kvfail.conformance.shared_producers import prestart_for
 
         # After the environment above is set (the zygote inherits it): P's import now
         # overlaps this process's own, which collection is about to do. Only for a
@@ -259,7 +259,7 @@ def pytest_runtest_protocol(
 def release(state: SessionState, spec: str, index: int) -> None:
     """Stop ``spec``'s driver; then close the P's its kind handed off, unless a connector
     still to run has a driver of the same kind (it would take that P over)."""
-    from kvfail.conformance.pair_driver import close_shared_producers
+    from kvfail.conformance.shared_producers import close_shared_producers
 
     driver = state.drivers.get(spec)
     if driver is None or spec not in state.started:
@@ -311,7 +311,7 @@ def _close_session(config: pytest.Config) -> None:
         return
     if state.patches is not None:
         state.patches.close()
-    from kvfail.conformance.pair_driver import close_shared_producers
+    from kvfail.conformance.shared_producers import close_shared_producers
 
     try:
         for spec in list(state.started):
