@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvfail import FailureReporterMixin
 
@@ -78,3 +81,37 @@ class DetectionCase:
         if self.ended_at is None:
             return self.outcome + unreached
         return f"{self.ended_at - self.injected_at:.3f}"
+
+
+CaseT = TypeVar("CaseT", bound=DetectionCase)
+
+
+def step_until_settled(
+    cases: Sequence[CaseT],
+    decoders: Mapping[str, Any],
+    cap_s: float,
+    settle: Callable[[CaseT, Any, float], None],
+    before_step: Callable[[str], None] | None = None,
+) -> None:
+    """Step the cases' D engines (``decoders`` by consumer name) round-robin until
+    ``settle`` has ended every case or ``cap_s`` has passed since the first injection; a
+    case still open is marked with the cap. Each detection bench judges "ended" its own
+    way (``settle``) but must pace and cap its cases alike, or the two transports'
+    figures would not compare."""
+    engines = {c.consumer: decoders[c.consumer] for c in cases}
+    start = min(c.injected_at for c in cases)
+    while True:
+        now = time.monotonic()
+        for c in cases:
+            if c.ended_at is None:
+                settle(c, engines[c.consumer], now)
+        if all(c.ended_at is not None for c in cases) or now - start >= cap_s:
+            break
+        for key, engine in engines.items():
+            if before_step is not None:
+                before_step(key)
+            engine.step()
+        time.sleep(0.002)
+    for c in cases:
+        if c.ended_at is None:
+            c.outcome = f">{cap_s:g}s"

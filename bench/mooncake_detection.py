@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench._common import DetectionCase, quiet
+from bench._common import DetectionCase, quiet, step_until_settled
 
 SIDES: dict[str, tuple[str, str | None]] = {
     "upstream": ("MooncakeConnector", None),
@@ -143,24 +143,14 @@ class Detection:
     def measure(self, cases: Iterable[Case], *, cap_s: float | None = None) -> None:
         """Step the cases' engines round-robin until every case ended or ``cap_s``."""
         cases = list(cases)
-        cap = self.cap_s if cap_s is None else cap_s
-        engines = {c.consumer: self.pair.decoders[c.consumer] for c in cases}
-        start_steps = {c.req_id: engines[c.consumer].record.steps for c in cases}
-        start = min(c.injected_at for c in cases)
-        while True:
-            now = time.monotonic()
-            for c in cases:
-                if c.ended_at is None:
-                    self._settle(c, engines[c.consumer], now, start_steps[c.req_id])
-            if all(c.ended_at is not None for c in cases) or now - start >= cap:
-                break
-            for key, engine in engines.items():
-                self.probes[key].step_starts.append(time.monotonic())
-                engine.step()
-            time.sleep(0.002)
-        for c in cases:
-            if c.ended_at is None:
-                c.outcome = f">{cap:g}s"
+        steps0 = {c.req_id: self.pair.decoders[c.consumer].record.steps for c in cases}
+        step_until_settled(
+            cases,
+            self.pair.decoders,
+            self.cap_s if cap_s is None else cap_s,
+            lambda c, engine, now: self._settle(c, engine, now, steps0[c.req_id]),
+            before_step=lambda key: self.probes[key].step_starts.append(time.monotonic()),
+        )
 
     def _settle(self, c: Case, engine: Any, now: float, steps0: int) -> None:
         from vllm.v1.request import RequestStatus

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench._common import DetectionCase, quiet
+from bench._common import DetectionCase, quiet, step_until_settled
 
 SIDES: dict[str, tuple[str, str | None]] = {
     "upstream": ("NixlConnector", None),
@@ -97,23 +97,8 @@ class Detection:
 
     def measure(self, cases: Iterable[Case], *, cap_s: float | None = None) -> None:
         """Step the cases' engines round-robin until every case ended or ``cap_s``."""
-        cases = list(cases)
         cap = self.cap_s if cap_s is None else cap_s
-        engines = {c.consumer: self.pair.decoders[c.consumer] for c in cases}
-        start = min(c.injected_at for c in cases)
-        while True:
-            now = time.monotonic()
-            for c in cases:
-                if c.ended_at is None:
-                    self._settle(c, engines[c.consumer], now)
-            if all(c.ended_at is not None for c in cases) or now - start >= cap:
-                break
-            for engine in engines.values():
-                engine.step()
-            time.sleep(0.002)
-        for c in cases:
-            if c.ended_at is None:
-                c.outcome = f">{cap:g}s"
+        step_until_settled(list(cases), self.pair.decoders, cap, self._settle)
 
     def _settle(self, c: Case, engine: Any, now: float) -> None:
         if c.req_id in engine.scheduler.requests:

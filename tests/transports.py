@@ -8,6 +8,7 @@ is a failure and never a quiet skip. ``tests/conftest.py`` records the switch at
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -50,3 +51,21 @@ def require_netns() -> None:
     if REQUIRED:
         pytest.fail(f"simulated hosts are required by this run but absent: {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def nixl_child_env(side_channel_port: int, **overrides: str) -> dict[str, str]:
+    """This process's environment plus what a child that builds a real NIXL worker needs:
+    no model downloads, UCX over TCP on loopback, and the side channel on
+    ``side_channel_port``. Tests that drive a worker in a fresh process share it, so
+    the transport set-up they run under cannot drift apart."""
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        UCX_TLS="tcp,self",
+        UCX_NET_DEVICES="lo",
+        NIXL_LOG_LEVEL="WARN",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_channel_port),
+        **overrides,
+    )

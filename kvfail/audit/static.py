@@ -252,6 +252,15 @@ def _collect(funcs: list[Func], pattern) -> list[Evidence]:  # type: ignore[no-u
     return sorted(set(out), key=lambda e: (e.path, e.line))
 
 
+def _fails_on(
+    check_id: str, found: list[Evidence], failing: str, passing: str, shown: int | None = None
+) -> Finding:
+    """The cell of a check that fails on any evidence of a pattern: FAIL with the
+    evidence (its first ``shown``) and ``failing``, else PASS with ``passing``. One
+    place, so every such check words and trims its cell alike."""
+    return Finding(check_id, FAIL if found else PASS, failing if found else passing, found[:shown])
+
+
 @dataclass
 class CheckContext:
     """One connector under the static checks: its class model, the call graph, and the
@@ -336,12 +345,7 @@ def check_stub(ctx: CheckContext) -> Finding:
 
 def check_fallback(ctx: CheckContext) -> Finding:
     fallbacks = _collect(ctx.block_impls, getattr_fallbacks)
-    return Finding(
-        "fallback",
-        FAIL if fallbacks else PASS,
-        "getattr(..., set())" if fallbacks else "none",
-        fallbacks,
-    )
+    return _fails_on("fallback", fallbacks, "getattr(..., set())", "none")
 
 
 def check_request_channel(ctx: CheckContext) -> Finding:
@@ -403,33 +407,18 @@ def check_hma(ctx: CheckContext) -> Finding:
 
 def check_result_checked(ctx: CheckContext) -> Finding:
     done = _collect(ctx.reach(*WORKER_HOOKS), done_without_result)
-    return Finding(
-        "result_checked",
-        FAIL if done else PASS,
-        ".done() without .result()" if done else "ok",
-        done[:3],
-    )
+    return _fails_on("result_checked", done, ".done() without .result()", "ok", shown=3)
 
 
 def check_no_assert(ctx: CheckContext) -> Finding:
     asserts = _collect(ctx.reach(*WORKER_HOOKS), result_asserts)
-    return Finding(
-        "no_assert",
-        FAIL if asserts else PASS,
-        "asserts success" if asserts else "none",
-        asserts[:3],
-    )
+    return _fails_on("no_assert", asserts, "asserts success", "none", shown=3)
 
 
 def check_no_raise(ctx: CheckContext) -> Finding:
     hooks = [f for f in ctx.reach(*WORKER_HOOKS) if f.name in RAISE_HOOKS]
     raised = _collect(hooks, raises)
-    return Finding(
-        "no_raise",
-        FAIL if raised else PASS,
-        f"raise x{len(raised)}" if raised else "none",
-        raised[:3],
-    )
+    return _fails_on("no_raise", raised, f"raise x{len(raised)}", "none", shown=3)
 
 
 def check_deadline(ctx: CheckContext) -> Finding:

@@ -34,6 +34,8 @@ from typing import IO, Any
 
 import pytest
 
+from tests.transports import nixl_child_env
+
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 pytest.importorskip("nixl", reason="nixl is not installed")
 
@@ -188,17 +190,7 @@ def _d_main(params_json: str, mode: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        UCX_TLS="tcp,self",
-        UCX_NET_DEVICES="lo",
-        NIXL_LOG_LEVEL="WARN",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()),
-    )
+    return nixl_child_env(_free_port(), PYTHONPATH=str(ROOT))
 
 
 def _expect(proc: subprocess.Popen[str], tag: str, timeout_s: float) -> Any:

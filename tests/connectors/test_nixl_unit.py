@@ -40,6 +40,8 @@ from typing import Any
 
 import pytest
 
+from tests.transports import nixl_child_env
+
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 pytest.importorskip("nixl", reason="nixl is not installed")
 
@@ -336,17 +338,7 @@ def _child_main(silent_port: int, closed_port: int) -> None:
 
 @pytest.fixture(scope="module")
 def child() -> dict[str, Any]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        UCX_TLS="tcp,self",
-        UCX_NET_DEVICES="lo",
-        NIXL_LOG_LEVEL="WARN",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(_free_port()),
-    )
+    env = nixl_child_env(_free_port(), PYTHONPATH=str(ROOT))
     args = [sys.executable, __file__, str(_free_port()), str(_free_port())]
     done = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -31,10 +31,11 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfail import ALL_PEERS, FailureReporterMixin, LoadTracker, Stage
+from kvfail import ALL_PEERS, FailureReporterMixin, Stage
 from kvfail.stages import Stage as StageEnum
 from kvfail.stats import EVENT_COUNTERS
 from tests.core.fakes import ManualClock
+from tests.core.machines import TrackerStateMachine
 
 REQS = [f"req-{i}" for i in range(5)]
 #: Ids that are reported but never tracked.
@@ -74,19 +75,9 @@ class Truth:
         return self.peers <= self.failed_peers | self.silent_peers
 
 
-class PropertyMachine(RuleBasedStateMachine):
-    GROUPS = 1
-
+class PropertyMachine(TrackerStateMachine):
     def __init__(self) -> None:
-        super().__init__()
-        self.clock = ManualClock()
-        self.fence_ok = True
-        self.tracker = LoadTracker(
-            num_kv_cache_groups=self.GROUPS,
-            clock=self.clock,
-            fence=lambda _req: self.fence_ok,
-            recent_ids_kept=RECENT_KEPT,
-        )
+        super().__init__(recent_ids_kept=RECENT_KEPT)
         # No slack in the deadline heap, so a few loads are enough to see it leak.
         self.tracker._heap_slack = 0
         self.loads: dict[str, Truth] = {}

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
-from kvfail import ALL_PEERS, LoadTracker, Stage
-from tests.core.fakes import ManualClock
+from kvfail import ALL_PEERS, Stage
+from tests.core.machines import TrackerStateMachine
 
 IDS = st.sampled_from([f"req-{i}" for i in range(6)])
 PEER = st.integers(min_value=0, max_value=2)
@@ -39,16 +39,9 @@ class Model:
     refused: int = 0
 
 
-class TrackerMachine(RuleBasedStateMachine):
-    GROUPS = 1
-
+class TrackerMachine(TrackerStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.clock = ManualClock()
-        self.fence_ok = True
-        self.tracker = LoadTracker(
-            num_kv_cache_groups=self.GROUPS, clock=self.clock, fence=lambda _r: self.fence_ok
-        )
         self.model = Model(self.GROUPS)
 
     # -- helpers on the model side

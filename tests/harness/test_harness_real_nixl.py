@@ -11,12 +11,13 @@ reports the load as failed. Marked slow: a second vLLM import plus the timeout.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.transports import nixl_child_env
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 pytest.importorskip("nixl", reason="nixl is not installed")
@@ -58,16 +59,7 @@ def _closed_port() -> int:
 
 
 def test_real_nixl_worker_reports_a_failed_handshake_through_the_harness() -> None:
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        UCX_TLS="tcp,self",
-        UCX_NET_DEVICES="lo",
-        NIXL_LOG_LEVEL="WARN",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(_closed_port()),
-    )
+    env = nixl_child_env(_closed_port())
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(_closed_port())],
         capture_output=True,
