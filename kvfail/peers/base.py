@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.stuck_evidence import StuckEvidence
 from kvfail.rig.environ import environ_set
+from kvfail.rig.procfs import signal_landed
 
 if TYPE_CHECKING:
     from kvfail.faults.netns import NamespaceHost
@@ -503,8 +504,12 @@ class PeerPair(StuckEvidence):
 
     def signal_p_rank(self, rank: int, sig: int) -> None:
         """Send ``sig`` to P's rank ``rank`` only (SIGKILL, SIGSTOP, SIGCONT): a fault on
-        one TP rank while the other ranks and P's scheduler go on."""
-        os.kill(self.p_rank_pid(rank), sig)
+        one TP rank while the other ranks and P's scheduler go on. Returns once it has
+        landed (:func:`kvfail.rig.procfs.signal_landed`): a rank killed is gone, its
+        sockets closed, before the scenario's next step."""
+        pid = self.p_rank_pid(rank)
+        os.kill(pid, sig)
+        signal_landed(pid, sig, timeout_s=self.kill_timeout_s)
 
     # ------------------------------------------------------------------ a second P
 

@@ -23,6 +23,7 @@ __all__ = [
     "group_members",
     "proc_state",
     "same_process_alive",
+    "signal_landed",
     "spinning_threads",
     "thread_shares",
 ]
@@ -142,6 +143,32 @@ def proc_state(pid: int) -> str | None:
     """The kernel's one-letter state of `pid` ('R', 'S', 'T', 'Z', ...), or None if gone."""
     fields = _read_stat(pid)
     return fields[0] if fields else None
+
+
+def signal_landed(pid: int, sig: int, timeout_s: float = 10.0) -> None:
+    """Return once the kernel shows ``sig``'s effect on ``pid``: gone or a zombie after
+    SIGKILL (its sockets are closed then), stopped after SIGSTOP, running after SIGCONT.
+
+    Why wait: a signal is only queued when ``kill`` returns. A large process killed is
+    still tearing down its memory, its listening sockets still completing handshakes,
+    when the caller goes on; a fault "P died before D's pull" must have landed first.
+    Other signals return at once. Raises TimeoutError past ``timeout_s``."""
+    import signal
+
+    def done(state: str | None) -> bool:
+        if state is None or state in "ZXx":
+            return True
+        if sig == signal.SIGSTOP:
+            return state in "Tt"
+        if sig == signal.SIGCONT:
+            return state not in "Tt"
+        return sig != signal.SIGKILL
+
+    deadline = time.monotonic() + timeout_s
+    while not done(state := proc_state(pid)):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"signal {sig} to pid {pid} not landed after {timeout_s}s ({state})")
+        time.sleep(0.005)
 
 
 def group_members(pgid: int) -> list[int]:
