@@ -175,6 +175,13 @@ class ByteOracle(Protocol):
         ...
 
 
+#: D steps a driver lets pass, once a late-write load stopped waiting, before its P's
+#: late write lands: enough for a connector to have freed (or held) the load's blocks,
+#: so the write comes when it does the most harm. Steps, not seconds, so the verdict is
+#: the same on a loaded machine.
+LATE_WRITE_STEPS = 5
+
+
 @runtime_checkable
 class LateWrites(Protocol):
     """A driver whose slow P writes after D's deadline: every driver whose table has

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
 from kvfail.conformance.claims import probe as probe_of
-from kvfail.conformance.driver import Claim, Declared, abort_request
+from kvfail.conformance.driver import LATE_WRITE_STEPS, Claim, Declared, abort_request
 from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 
@@ -38,11 +38,25 @@ BOOTSTRAP_ON_RANK_0 = (
 
 @dataclass
 class _LatePush:
-    """A ``slow_peer_past_deadline`` fault's state: the P armed to push late, and what its
-    push did once P says it happened."""
+    """A late-write fault's state (``slow_peer_past_deadline``, ``peer_shutdown_mid_write``):
+    the P holding the write, whether the driver let it go, and what the write did once P
+    says it happened."""
 
     producer: Any
+    #: D's step count when the scenario first asked (the load had stopped waiting).
+    asked_at: int | None = None
+    released: bool = False
     done: str | None = None
+
+    def release(self, request_id: str) -> bool:
+        """Let P's held write go (once); False while P could not be asked."""
+        if not self.released:
+            try:
+                self.producer.release(request_id)
+            except Exception:  # P busy or gone: asked again at the next poll
+                return False
+            self.released = True
+        return True
 
 
 class MooncakeDriver(PairDriver):
@@ -65,14 +79,20 @@ class MooncakeDriver(PairDriver):
     * a slow but live P (``net_delay``): P's sender sleeps :attr:`NET_DELAY_S` before it
       serves the pull for real, so the transfer and its reply come late (P-side, in the
       real process: a proxy in front of the bootstrap would delay only the lookup);
-    * a slow P that writes after D's deadline (``slow_peer_past_deadline``): the same,
-      for :attr:`slow_peer_delay_s` (the deadline the scenario asks D for, plus
-      :attr:`SLOW_PEER_PAST_S`); P's own expiry is held off meanwhile, so P really
-      pushes into D's blocks then, whatever D did (Mooncake is P-push: D has no handle
-      on that write). :meth:`late_write_finding` asks P whether each of its ranks pushed;
+    * a slow P that writes after D gave the load up (``slow_peer_past_deadline``): P's
+      sender holds the pull until the scenario, having seen the load fail, asks for the
+      late write (:meth:`late_write_finding` lets it go some D steps later, then asks P
+      whether each of its ranks pushed); P's own expiry is held off meanwhile, so P
+      really pushes into D's blocks then, whatever D did (Mooncake is P-push: D has no
+      handle on that write);
     * a P shut down gracefully while its write is under way (``peer_shutdown_mid_write``):
-      each rank's connector runs its own shutdown as the write starts, and the write
-      lands :attr:`slow_peer_delay_s` later (see ``kvfail.peers.producer``);
+      each rank's connector runs its own shutdown as the write starts, and the write is
+      held the same way (see ``kvfail.peers.producer``).
+
+    Why a release and not P's clock: a write timed to land some seconds after the pull
+    races D's deadline, and on a loaded machine D's report can come after it; a
+    connector that frees blocks too early would then pass. Released some D steps after D
+    gave the load up, the write lands when it does the most harm, on any machine.
     * driver-side abort and empty pulls.
 
     P is shared across scenarios; after a scenario a frozen P is thawed and a killed one
@@ -91,6 +111,9 @@ class MooncakeDriver(PairDriver):
     layouts = frozenset(itertools.product((1, 2), (1, 2), (1, 2)))
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
+    #: The longest P holds a late write the driver has not released: a bound for a
+    #: scenario that never asks (it ended first); :meth:`end_faults` releases it sooner.
+    LATE_WRITE_CAP_S = 60.0
 
     def __init__(
         self,
@@ -220,18 +243,31 @@ class MooncakeDriver(PairDriver):
             FaultPoint.NOTIFY_ONLY_EMPTY_BLOCKS: PairInjector(),
         }
 
+    def end_faults(self, engine: Engine) -> None:
+        """A late write still held goes now, so the blocks it holds on D can come back."""
+        for fault in self.handle(engine).active.values():
+            if isinstance(fault.state, _LatePush):
+                fault.state.release(fault.request_id)
+        super().end_faults(engine)
+
+    @property
+    def slow_peer_delay_s(self) -> float | None:
+        """None: the slow P answers only once the load was reported (see the class)."""
+        return None
+
     def _late_push(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
-        """``slow_peer_past_deadline``: P's sender sleeps past D's deadline, then pushes."""
-        arming.pair.inject(arming.fault.request_id, "delay", delay_s=self.slow_peer_delay_s)
+        """``slow_peer_past_deadline``: P's sender holds the pull until released, then
+        pushes and answers."""
+        arming.pair.inject(arming.fault.request_id, "delay", delay_s=self.LATE_WRITE_CAP_S)
         arming.fault.state = _LatePush(arming.pair.p)
         return params
 
     def _shutdown_mid_write(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
         """``peer_shutdown_mid_write``: each P rank shuts its connector down as its write
-        for the pull starts, and the write lands :attr:`slow_peer_delay_s` later. The P
-        serves nothing more, so the pair is replaced after the scenario."""
+        for the pull starts, and the write lands once released. The P serves nothing
+        more, so the pair is replaced after the scenario."""
         arming.pair.inject(
-            arming.fault.request_id, "shutdown_mid_write", delay_s=self.slow_peer_delay_s
+            arming.fault.request_id, "shutdown_mid_write", delay_s=self.LATE_WRITE_CAP_S
         )
         arming.fault.state = _LatePush(arming.pair.p)
         self._broken.add(id(arming.pair))
@@ -359,20 +395,28 @@ class MooncakeDriver(PairDriver):
         return list(request_ids)
 
     def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
-        """Whether P's delayed push for ``request_id`` ran on every P rank (asked of P
-        at most every :attr:`LATE_POLL_S`); then which ranks' push wrote into D."""
+        """The scenario asks once D gave the load up: :data:`LATE_WRITE_STEPS` D steps
+        later P's held write for ``request_id`` goes, then whether it ran on every P rank
+        (asked of P at most every :attr:`LATE_POLL_S`), and which ranks' push wrote
+        into D."""
         fault = self.handle(engine).active.get(request_id)
         late = None if fault is None else fault.state
         if not isinstance(late, _LatePush):
             return None
         if late.done is not None:
             return late.done
+        if late.asked_at is None:
+            late.asked_at = engine.record.steps
+        if engine.record.steps - late.asked_at < LATE_WRITE_STEPS:
+            return None
         producer = late.producer
         now = time.monotonic()
         if now - self._late_polled < self.LATE_POLL_S:
             return None
         self._late_polled = now
         if not producer.process.alive or producer.process.frozen:
+            return None
+        if not late.release(request_id):
             return None
         try:
             pushes = producer.late_pushes()
@@ -383,7 +427,8 @@ class MooncakeDriver(PairDriver):
             return None
         written = pushes["written"].get(request_id, [])
         late.done = (
-            f"P pushed {request_id} {self.slow_peer_delay_s:g} s after the pull; the push "
+            f"P pushed {request_id} once released, {LATE_WRITE_STEPS} D steps after D gave "
+            "the load up; the push "
             f"wrote into D on rank(s) {written} of {sorted(pushed)}"
         )
         return late.done

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
 from kvfail.conformance.driver import (
+    LATE_WRITE_STEPS,
     Claim,
     Declared,
     Driver,
@@ -68,7 +69,7 @@ class ToyDriver(Driver["_ToyHandle"]):
     DELAY_STEPS = 3
     #: D steps after a ``slow_peer_past_deadline`` load stopped waiting before the
     #: in-memory P's late write lands (requests added right after it got its blocks).
-    LATE_WRITE_STEPS = 5
+    LATE_WRITE_STEPS = LATE_WRITE_STEPS
     REMOTE_ENGINE = "P-toy"
 
     def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:

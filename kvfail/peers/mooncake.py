@@ -163,6 +163,12 @@ class ProducerHandle(ProducerHandleBase):
             cmd["ranks"] = list(ranks)
         return self.request(cmd, timeout_s)
 
+    def release(self, req_id: str, timeout_s: float = 10.0) -> None:
+        """Let a held ``delay`` or ``shutdown_mid_write`` write of ``req_id`` go now."""
+        reply = self.request({"cmd": "release", "req_id": req_id}, timeout_s)
+        if not reply.get("ok"):
+            raise RuntimeError(f"P could not release {req_id}: {reply}")
+
     def late_pushes(self, timeout_s: float = 10.0) -> dict[str, dict[str, list[int]]]:
         """The ``delay`` pulls P served so far: ``{"pushed": {req: [ranks]}, "written":
         {req: [ranks]}}`` (the ranks whose push ran / wrote into D's blocks)."""

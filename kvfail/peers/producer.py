@@ -27,13 +27,19 @@ the reply echoes:
   naming the armed requests, the rest of the pull served) or ``finish_without_result``
   (FINISH naming no request), moving no data for the armed requests; or
   ``die_mid_transfer``: write the first half of the pull into D, then SIGKILL itself;
-  or ``delay`` (with ``delay_s``): a slow but live P, which sleeps ``delay_s`` before
-  serving the pull for real (its other sender tasks and its engine go on; its own
-  expiry of the request is held off meanwhile, as for a send under way); or
-  ``shutdown_mid_write`` (with ``delay_s``): when the write for the pull starts, this
-  rank's connector worker is shut down (upstream's ``shutdown``, what vLLM calls on a
-  worker that exits: the side channel closes at once, the sender threads are left to
-  finish), and the write itself lands ``delay_s`` later. One-shot;
+  or ``delay`` (with ``delay_s``): a slow but live P, which holds the pull until the
+  driver lets it go (``release``), at most ``delay_s``, then serves it for real (its
+  other sender tasks and its engine go on; its own expiry of the request is held off
+  meanwhile, as for a send under way); or ``shutdown_mid_write`` (with ``delay_s``):
+  when the write for the pull starts, this rank's connector worker is shut down
+  (upstream's ``shutdown``, what vLLM calls on a worker that exits: the side channel
+  closes at once, the sender threads are left to finish), and the write itself is held
+  the same way. One-shot;
+* ``{"cmd": "release", "req_id"}``: a held ``delay`` or ``shutdown_mid_write`` write of
+  ``req_id`` goes ahead now, on every rank (one released before its pull arrives is not
+  held). Why a release and not a clock: the scenario lets the write land once D has
+  given the load up, so no verdict turns on which of P's timer and D's deadline fired
+  first on a loaded machine;
 * ``{"cmd": "late_pushes"}``: the ``delay`` and ``shutdown_mid_write`` pulls served so
   far, per request: the ranks whose push ran, and the ranks whose push wrote
   (``{"pushed": {req: [ranks]}, "written": {req: [ranks]}}``), so a driver knows when a
@@ -54,6 +60,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.protocol import Channel, dispatch, serve
@@ -100,8 +107,6 @@ class _FaultInjectingSender:
     """
 
     kvfail_armed: dict[str, str]
-    #: Seconds a ``delay`` fault holds the pull of each armed request.
-    kvfail_delays: dict[str, float]
     #: ``delay`` pulls served, by request: whether the push wrote (for ``late_pushes``).
     kvfail_late_pushes: dict[str, bool]
 
@@ -121,8 +126,7 @@ class _FaultInjectingSender:
             await self._kvfail_late_send(identity, sock, meta, hit)
             return
         if fault == "shutdown_mid_write":
-            delays = getattr(self, "kvfail_delays", {})
-            self.kvfail_shutdown_write = (max(delays.pop(r, 0.0) for r in hit), hit)
+            self.kvfail_shutdown_write = hit
             fault = None
         if fault is None or fault == "die_mid_transfer":
             self.kvfail_die_in_send = fault is not None
@@ -166,8 +170,6 @@ class _FaultInjectingSender:
         (``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``) must not drop a push that is only late,
         or a delay close to it would make the fault vanish. Records, per request, whether
         the push wrote (upstream counts a send as ``sent`` only when it did)."""
-        delays = getattr(self, "kvfail_delays", {})
-        delay_s = max(delays.pop(r, 0.0) for r in hit)
         need_send = self.reqs_need_send  # type: ignore[attr-defined]
         metas = {r: need_send.get(meta.req_blocks[r][0]) for r in hit}
         held = [m for m in metas.values() if m is not None]
@@ -175,7 +177,7 @@ class _FaultInjectingSender:
         for m in held:
             m.sending += 1
         try:
-            await asyncio.sleep(delay_s)
+            await asyncio.to_thread(self._kvfail_hold, hit)
             self.kvfail_die_in_send = False
             await super().send_kv_to_decode(identity, sock, meta)  # type: ignore[misc]
         finally:
@@ -194,14 +196,13 @@ class _FaultInjectingSender:
         any reply: a peer that crashed with D's blocks half written.
 
         ``shutdown_mid_write``: with the write under way, this worker is shut down on
-        another thread (vLLM's shutdown runs beside the sender), and the write lands
-        ``delay_s`` later: the write a graceful shutdown leaves running."""
+        another thread (vLLM's shutdown runs beside the sender), and the write lands once
+        released (:meth:`_kvfail_hold`): the write a graceful shutdown leaves running."""
         args = (remote_session, src_ptrs, dst_ptrs, lengths)
-        shutdown_write = self.__dict__.pop("kvfail_shutdown_write", None)
-        if shutdown_write is not None:
-            delay_s, hit = shutdown_write
+        hit = self.__dict__.pop("kvfail_shutdown_write", None)
+        if hit is not None:
             threading.Thread(target=self.shutdown, name="kvfail-p-shutdown", daemon=True).start()  # type: ignore[attr-defined]
-            ret = self._kvfail_write(*args, delay_s=delay_s)
+            ret = self._kvfail_write(*args, held=hit)
             for r in hit:
                 self.kvfail_late_pushes[r] = ret == 0
             return ret
@@ -219,14 +220,16 @@ class _FaultInjectingSender:
         dst_ptrs: list[int],
         lengths: list[int],
         *,
-        delay_s: float = 0.0,
+        held: list[str] | None = None,
     ) -> int:
         """One write into D, under way (``stats``' ``oldest_write_s``) from its start,
-        ``delay_s`` included, and retried when it fails (:data:`WRITE_RETRIES`)."""
+        a hold for the ``held`` requests' release included, and retried when it fails
+        (:data:`WRITE_RETRIES`)."""
         writing = self.__dict__.setdefault("kvfail_writing", {})
         writing[threading.get_ident()] = time.monotonic()
         try:
-            time.sleep(delay_s)
+            if held:
+                self._kvfail_hold(held)
             ret = int(super()._send_blocks(remote_session, src_ptrs, dst_ptrs, lengths))  # type: ignore[misc]
             for _ in range(WRITE_RETRIES):
                 if ret == 0:
@@ -236,6 +239,15 @@ class _FaultInjectingSender:
             return ret
         finally:
             writing.pop(threading.get_ident(), None)
+
+    def _kvfail_hold(self, req_ids: list[str]) -> None:
+        """Block until each of ``req_ids`` is released (``release``), or its cap (the
+        ``delay_s`` it was armed with) has passed since the hold began."""
+        started = time.monotonic()
+        for req_id in req_ids:
+            gate = _gate(self, req_id)
+            gate.event.wait(max(0.0, gate.cap_s - (time.monotonic() - started)))
+            self.__dict__["kvfail_gates"].pop(req_id, None)
 
 
 def _make_injecting(worker: Any) -> None:
@@ -250,8 +262,20 @@ def _make_injecting(worker: Any) -> None:
         return
     worker.__class__ = type(f"FaultInjecting{cls.__name__}", (_FaultInjectingSender, cls), {})
     worker.kvfail_armed = {}
-    worker.kvfail_delays = {}
     worker.kvfail_late_pushes = {}
+
+
+@dataclass
+class _Gate:
+    """What holds one request's late write: its release, and the longest it waits."""
+
+    cap_s: float = 0.0
+    event: threading.Event = field(default_factory=threading.Event)
+
+
+def _gate(sender: Any, req_id: str) -> _Gate:
+    gates: dict[str, _Gate] = sender.__dict__.setdefault("kvfail_gates", {})
+    return gates.setdefault(req_id, _Gate())
 
 
 def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
@@ -262,7 +286,16 @@ def _arm(view: RankView, req_id: str, fault: str, delay_s: float = 0.0) -> bool:
     _make_injecting(sender)
     sender.kvfail_armed[req_id] = fault
     if fault in ("delay", "shutdown_mid_write"):
-        sender.kvfail_delays[req_id] = delay_s
+        _gate(sender, req_id).cap_s = delay_s
+    return True
+
+
+def _release(view: RankView, req_id: str) -> bool:
+    """On a rank: let ``req_id``'s held write go (False: this rank has no sender)."""
+    sender = getattr(view.connector, "connector_worker", None)
+    if sender is None:
+        return False
+    _gate(sender, req_id).event.set()
     return True
 
 
@@ -450,6 +483,12 @@ class _Producer:
         self.injected += 1
         return {"ok": True, "fault": fault, "req_id": req_id, "ranks": armed}
 
+    def release(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A held late write of ``req_id`` goes ahead now, on every rank."""
+        req_id = str(cmd["req_id"])
+        ranks = [w.rank for w in self.engine.workers if w.call(_release, req_id)]
+        return {"ok": bool(ranks), "req_id": req_id, "ranks": ranks}
+
     def late_pushes(self) -> dict[str, Any]:
         """Per request, the ranks whose ``delay`` push ran and those whose push wrote."""
         pushed: dict[str, list[int]] = {}
@@ -486,6 +525,7 @@ class _Producer:
             {
                 "prefill": self.prefill,
                 "inject": self.inject,
+                "release": self.release,
                 "stats": lambda _: self.stats(),
                 "late_pushes": lambda _: self.late_pushes(),
             },
