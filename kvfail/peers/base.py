@@ -140,8 +140,9 @@ class PeerPair(StuckEvidence):
 
     #: Names D engine ids: ``D-<transport>-<name>-<pid>-<n>``.
     transport: str = ""
-    #: How long :meth:`kill_p` waits for P's group to be reaped.
-    kill_timeout_s: float = 5.0
+    #: How long :meth:`kill_p` waits for P's group to be reaped: a bound, never a verdict,
+    #: so generous; a P process with TP ranks, on a loaded machine, took over 5 s to exit.
+    kill_timeout_s: float = 30.0
 
     records: dict[str, DecodeRecord]
     integrity: IntegrityLedger

@@ -46,7 +46,13 @@ def test_b(kvfail):
 
 ENDINGS = {
     "internalerror": ("True", "assert False, 'a failure pytest must render'"),
-    "sigint": ("False", "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"),
+    # Python keeps SIGINT ignored when its parent did (a run started in the background):
+    # Ctrl-C's default handler first, as a terminal's run has it.
+    "sigint": (
+        "False",
+        "signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)",
+    ),
     "sigterm": ("False", "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"),
 }
 
