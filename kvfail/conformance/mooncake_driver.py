@@ -111,9 +111,6 @@ class MooncakeDriver(PairDriver):
     layouts = frozenset(itertools.product((1, 2), (1, 2), (1, 2)))
     #: The malformed ``kv_transfer_params`` this driver can build (see :meth:`malformed`).
     MALFORMED = ("missing_transfer_id", "bad_bootstrap_addr")
-    #: The longest P holds a late write the driver has not released: a bound for a
-    #: scenario that never asks (it ended first); :meth:`end_faults` releases it sooner.
-    LATE_WRITE_CAP_S = 60.0
 
     def __init__(
         self,
@@ -249,11 +246,6 @@ class MooncakeDriver(PairDriver):
             if isinstance(fault.state, _LatePush):
                 fault.state.release(fault.request_id)
         super().end_faults(engine)
-
-    @property
-    def slow_peer_delay_s(self) -> float | None:
-        """None: the slow P answers only once the load was reported (see the class)."""
-        return None
 
     def _late_push(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
         """``slow_peer_past_deadline``: P's sender holds the pull until released, then

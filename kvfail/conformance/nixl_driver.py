@@ -23,13 +23,14 @@ are real with NIXL here:
   in ``PROC`` (as for ``freeze_peer``) and then completes with P's bytes; a cold D's
   handshake waits on P's side-channel listener the same way. A delay of the handshake
   alone would hold nothing for a warm D, which never handshakes again;
-* ``slow_peer_past_deadline``: the same stall, for
-  :attr:`~kvfail.conformance.pair_driver.PairDriver.slow_peer_delay_s` (the deadline the
-  scenario asks D for, plus ``SLOW_PEER_PAST_S``): a warm D's READ is posted to the
-  stopped P, D's deadline passes, and the READ completes when P goes on, writing P's
-  bytes into the blocks D gave the load, whatever D did with them meanwhile. Needs a warm
-  D (a cold D's READ would wait for the handshake, and nothing would be posted). At the
-  thaw the driver digests the load's blocks on every D rank, lets P run
+* ``slow_peer_past_deadline``: the same stall, until D gave the load up: a warm D's READ
+  is posted to the stopped P, D's deadline passes, and P goes on
+  :data:`~kvfail.conformance.driver.LATE_WRITE_STEPS` D steps after the scenario first
+  asks for the late write (:meth:`NixlDriver.late_write_finding`; steps, not a timer, so
+  a loaded machine cannot land the write before D's report). The READ then completes,
+  writing P's bytes into the blocks D gave the load, whatever D did with them meanwhile.
+  Needs a warm D (a cold D's READ would wait for the handshake, and nothing would be
+  posted). At the thaw the driver digests the load's blocks on every D rank, lets P run
   :attr:`NixlDriver.LATE_SETTLE_S` without stepping D, and digests them again: what
   changed meanwhile only the transfer wrote (:meth:`NixlDriver.late_write_finding` says where);
 * ``refuse``: a side-channel port nobody listens on: zmq retries a refused connect
@@ -76,7 +77,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
-from kvfail.conformance.driver import Claim, Declared, Fault, Provocation, abort_request
+from kvfail.conformance.driver import (
+    LATE_WRITE_STEPS,
+    Claim,
+    Declared,
+    Fault,
+    Provocation,
+    abort_request,
+)
 from kvfail.conformance.nixl_fault_state import KillOnProvoke, LateRead
 from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
@@ -379,28 +387,42 @@ class NixlDriver(PairDriver):
         self._thaw_at[id(producer)] = (producer, at)
 
     def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
-        """Once the stopped P was thawed and had :attr:`LATE_SETTLE_S` to answer the READ:
-        on which D ranks the load's blocks changed meanwhile (D not stepping)."""
+        """The scenario asks once D gave the load up: :data:`LATE_WRITE_STEPS` D steps
+        later the stopped P goes on, and once it had :attr:`LATE_SETTLE_S` to answer the
+        READ, on which D ranks the load's blocks changed meanwhile (D not stepping)."""
         fault = self.handle(engine).active.get(request_id)
         late = None if fault is None else fault.state
-        return late.done if isinstance(late, LateRead) else None
+        if not isinstance(late, LateRead):
+            return None
+        if late.done is None:
+            if late.asked_at is None:
+                late.asked_at = engine.record.steps
+            if engine.record.steps - late.asked_at >= LATE_WRITE_STEPS:
+                self._thaw(late.producer, settle=True)
+        return late.done
 
     def _end_delays(self, *, now: bool = False) -> None:
-        """Thaw each ``net_delay`` P whose delay is over (every one when ``now``); for a
-        ``slow_peer_past_deadline`` P, see whether its late READ answers land."""
-        for key, (producer, at) in list(self._thaw_at.items()):
+        """Thaw each stopped P whose delay is over (every one when ``now``). A late-write
+        P's delay is only its cap: :meth:`late_write_finding` lets it go, by steps."""
+        for producer, at in list(self._thaw_at.values()):
             if now or time.monotonic() >= at:
-                del self._thaw_at[key]
-                late = [] if now else [v for v in self._late_reads() if v.producer is producer]
-                before = [v.digests() for v in late]
-                proc = producer.process
-                if proc.alive and proc.frozen:
-                    proc.thaw()
-                if not late:
-                    continue
-                time.sleep(self.LATE_SETTLE_S)  # D does not step: only P's answers write
-                for entry, digests in zip(late, before, strict=True):
-                    entry.settle(digests, self.slow_peer_delay_s)
+                self._thaw(producer, settle=False)
+
+    def _thaw(self, producer: Any, *, settle: bool) -> None:
+        """Let a stopped P go on; with ``settle``, digest its late writes' blocks before
+        and :attr:`LATE_SETTLE_S` after, D not stepping, so only P's answers wrote."""
+        self._thaw_at.pop(id(producer), None)
+        late = [v for v in self._late_reads() if v.producer is producer and v.done is None]
+        late = late if settle else []
+        before = [v.digests() for v in late]
+        proc = producer.process
+        if proc.alive and proc.frozen:
+            proc.thaw()
+        if not late:
+            return
+        time.sleep(self.LATE_SETTLE_S)
+        for entry, digests in zip(late, before, strict=True):
+            entry.settle(digests, f"{LATE_WRITE_STEPS} D steps after D gave the load up")
 
     def _never_reaches_p(
         self, breaks: Callable[[dict[str, Any]], dict[str, Any]]
@@ -462,14 +484,15 @@ class NixlDriver(PairDriver):
         self._delay(call.producer)
 
     def _late_read(self, call: OnPeer) -> None:
-        """``slow_peer_past_deadline``: P stops until after D's deadline, with D's READ
-        posted to it; what lands at the thaw is digested (:class:`LateRead`)."""
+        """``slow_peer_past_deadline``: P stops, with D's READ posted to it, until
+        :meth:`late_write_finding` lets it go (at most :attr:`LATE_WRITE_CAP_S`); what
+        lands at the thaw is digested (:class:`LateRead`)."""
         if not call.warm:
             raise RuntimeError(
                 f"NixlDriver: {call.point.value} needs a warm D (one load from P first): a "
                 "cold D's READ would wait for the handshake, and no late write could land"
             )
-        self._delay(call.producer, self.slow_peer_delay_s)
+        self._delay(call.producer, self.LATE_WRITE_CAP_S)
         for rid in call.request_ids:
             self._file_on_peer(call, LateRead(call.producer, call.engine), [rid])
 

@@ -22,6 +22,9 @@ class LateRead:
     engine: Any
     #: The request's blocks (one tuple per KV-cache group), read while its load waited.
     blocks: tuple[tuple[int, ...], ...] | None = None
+    #: D's step count when the scenario first asked for the late write (the load had
+    #: stopped waiting); P goes on a fixed number of D steps later.
+    asked_at: int | None = None
     done: str | None = None
 
     def digests(self) -> list[str]:
@@ -41,10 +44,11 @@ class LateRead:
         where = f"on D rank(s) {changed}" if changed else "on no D rank"
         return where, "" if before else " (the load's blocks were never seen)"
 
-    def settle(self, before: list[str], delay_s: float) -> None:
+    def settle(self, before: list[str], went_on: str) -> None:
+        """Record what P's answer wrote: P went on ``went_on`` (when, in words)."""
         where, seen = self.changed_since(before)
         self.done = (
-            f"P, stopped while D's READ was posted, went on {delay_s:g} s after D added it; "
+            f"P, stopped while D's READ was posted, went on {went_on}; "
             f"the load's blocks changed {where} while D did not step{seen}"
         )
 

@@ -14,9 +14,10 @@ Fault points advertised, each real here:
 
 * ``freeze_peer``: P stopped after both handshakes (a warm D); D's registration waits in
   P's socket buffer, P writes nothing; only D's deadline ends the load;
-* ``slow_peer_past_deadline``: P stopped likewise and continued after D's deadline; it
-  then reads the registration and WRITEs into the blocks D gave the load (the digests
-  of :class:`~kvfail.conformance.nixl_driver.NixlDriver` say where it landed);
+* ``slow_peer_past_deadline``: P stopped likewise and continued some D steps after D gave
+  the load up (as in pull mode); it then reads the registration and WRITEs into the
+  blocks D gave the load (the digests of
+  :class:`~kvfail.conformance.nixl_driver.NixlDriver` say where it landed);
 * ``net_delay``: the same stall, shorter than the deadline: the WRITE lands in time;
 * ``kill_before_pull``: P stopped, then SIGKILLed before it ever wrote;
 * ``refuse`` / ``unknown_engine``: D's registration handshake cannot reach the P it names;
@@ -44,11 +45,11 @@ class _LateWrite(LateRead):
     """A ``slow_peer_past_deadline`` push: the digests are the pull driver's, the words
     say what happened in push mode (P's WRITE, not D's READ)."""
 
-    def settle(self, before: list[str], delay_s: float) -> None:
+    def settle(self, before: list[str], went_on: str) -> None:
         where, seen = self.changed_since(before)
         self.done = (
-            f"P, stopped with D's registration unread, went on {delay_s:g} s after D added "
-            f"the load; in the {NixlDriver.LATE_SETTLE_S:g} s after, while D did not step "
+            f"P, stopped with D's registration unread, went on {went_on}; "
+            f"in the {NixlDriver.LATE_SETTLE_S:g} s after, while D did not step "
             f"(only P's WRITE could write), the load's blocks changed {where}{seen}"
         )
 
@@ -94,7 +95,7 @@ class NixlPushDriver(NixlDriver):
         }
 
     def _late_write(self, call: OnPeer) -> None:
-        """P stopped with D's registration unread, and continued after D's deadline.
+        """P stopped with D's registration unread, continued once D gave the load up.
 
         Why at once, and not after D's handshake as in pull mode (true of every fault on
         P here): a push D sends its registration as soon as its handshake ends, and P
@@ -107,7 +108,7 @@ class NixlPushDriver(NixlDriver):
                 "a cold D's handshake with the stopped P outlasts its deadline, so its "
                 "registration is never sent and nothing could be written late"
             )
-        self._delay(call.producer, self.slow_peer_delay_s)
+        self._delay(call.producer, self.LATE_WRITE_CAP_S)
         for rid in call.request_ids:
             self._file_on_peer(call, _LateWrite(call.producer, call.engine), [rid])
 
