@@ -14,6 +14,8 @@ One module per family, each with the flags the self-test expects of it:
   provoked by a real P process over TCP (:data:`EXPECTED_FLAGS_REAL`);
 * :mod:`.store`: store connectors (vLLM's Example and MultiConnector, the Mooncake store,
   kvfail's Example) with a load broken (:data:`EXPECTED_FLAGS_STORE`);
+* :mod:`.nixl`: kvfail's REAL NIXL pull connector releasing READs still in flight
+  (:data:`EXPECTED_FLAGS_REAL_NIXL`);
 * :mod:`.push`: upstream's NIXL push connector with its failures dropped
   (:data:`EXPECTED_FLAGS_PUSH`).
 
@@ -23,11 +25,19 @@ its family; a control whose connector cannot be imported here is absent, and so 
 flag.
 """
 
-from kvfail.conformance.negative import flag, mooncake, push, store, toy
+from kvfail.conformance.negative import flag, mooncake, nixl, push, store, toy
 from kvfail.conformance.negative.flag import *  # noqa: F403
 from kvfail.conformance.negative.mooncake import *  # noqa: F403
+from kvfail.conformance.negative.nixl import *  # noqa: F403
 from kvfail.conformance.negative.push import *  # noqa: F403
 from kvfail.conformance.negative.store import *  # noqa: F403
 from kvfail.conformance.negative.toy import *  # noqa: F403
 
-__all__ = [*flag.__all__, *toy.__all__, *mooncake.__all__, *store.__all__, *push.__all__]
+__all__ = [
+    *flag.__all__,
+    *toy.__all__,
+    *mooncake.__all__,
+    *nixl.__all__,
+    *store.__all__,
+    *push.__all__,
+]

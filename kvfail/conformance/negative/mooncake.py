@@ -8,9 +8,7 @@ answers the pull with an ERROR reply) and the real scheduler sees the result. De
 only where the Mooncake connector can be imported (:data:`EXPECTED_FLAGS_REAL` is empty
 otherwise).
 
-Why re-class the built worker: the connector builds its worker itself, and building a
-second one would start a second TransferEngine; giving the built object a subclass of its
-own class copies nothing and leaves every other method real.
+Each breakage is put in front of the built worker's class (:mod:`.rebind` says why).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from typing import Any
 
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.conformance.negative.flag import Flag
+from kvfail.conformance.negative.rebind import break_worker
 from kvfail.stages import Stage
 
 __all__ = ["EXPECTED_FLAGS_REAL", "EXPECTED_FLAGS_REAL_DEADLINE", "EXPECTED_FLAGS_REAL_HETERO"]
@@ -108,14 +107,7 @@ if _KvfailMooncake is not None:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            worker = getattr(self, "connector_worker", None)
-            if worker is not None:
-                base = type(worker)
-                worker.__class__ = type(
-                    f"{self._broken_worker.__name__.strip('_')}({base.__name__})",
-                    (self._broken_worker, base),
-                    {},
-                )
+            break_worker(self, self._broken_worker)
 
     class SwallowingMooncake(_BrokenMooncake):
         """KvfailMooncakeConnector whose failure calls only log."""
