@@ -6,8 +6,8 @@ Why: a conformance suite is only worth its negative controls. Each control in
 (fast; tests the oracles) and in the REAL ``KvfailMooncakeConnector`` (its worker broken
 in one method; the real Mooncake driver, P process and TCP transport provoke the fault).
 We run the real suite (``kvfail/conformance/scenarios/test_scenarios.py``; the toy session
-also ``test_concurrency.py`` and ``test_quarantine.py`` there) against them
-in in-process sessions and read its ``report.json`` (each control flagged by its
+also ``test_concurrency.py``, ``test_concurrency_soak.py`` and ``test_quarantine.py`` there)
+against them in in-process sessions and read its ``report.json`` (each control flagged by its
 :data:`~kvfail.conformance.negative.EXPECTED_FLAGS` scenario and its ``EXTRA_FLAGS`` ones).
 In-process, so vLLM is imported once; everything the inner run needs is imported (and one
 engine run) before it, because ``pytester`` (used for the skip test) unloads modules the
@@ -38,6 +38,8 @@ from kvfail.harness.toy import ToyConnector
 SUITE = SCENARIOS / "test_scenarios.py"
 #: The concurrency scenarios: a control built to lose concurrent failures is flagged there.
 CONCURRENCY = SCENARIOS / "test_concurrency.py"
+#: The soak: a control that loses concurrent failures is flagged there too (``EXTRA_FLAGS``).
+SOAK = SCENARIOS / "test_concurrency_soak.py"
 #: The quarantine scenario: a control that frees blocks a slow P still writes is flagged there.
 QUARANTINE = SCENARIOS / "test_quarantine.py"
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
@@ -65,7 +67,8 @@ BASICS = ("test_successful_load", "test_local_request_untouched")
 def _inner(out: Path, connectors: list[str], *extra: str) -> tuple[int, list[dict[str, Any]]]:
     """One inner session of the scenario modules at tp1 (the controls are each built to
     break one clause in the basic layout; the project's ini adds tp2-g2 to its run)."""
-    args = [str(SUITE), str(CONCURRENCY), str(QUARANTINE), "-p", "no:cacheprovider", "-q"]
+    args = [str(p) for p in (SUITE, CONCURRENCY, SOAK, QUARANTINE)]
+    args += ["-p", "no:cacheprovider", "-q"]
     args += ["--layout", "tp1"]
     args += ["--kvfail-report", str(out), *extra]
     for spec in connectors:

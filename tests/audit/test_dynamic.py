@@ -492,7 +492,7 @@ def test_the_audit_runs_every_scenario_module(tmp_path: Path) -> None:
         for p in DIRECTORY.iterdir()
         if p.suffix == ".py" and (p.name.startswith("test_") or p.stem.endswith("_test"))
     }
-    assert "test_concurrency.py" in modules and "test_quarantine.py" in modules
+    assert {"test_concurrency.py", "test_concurrency_soak.py", "test_quarantine.py"} <= modules
     args = suite_args(["a"], tmp_path, "fail", ["tp1"])
     passed = [Path(a) for a in args if a.endswith(".py")]
     assert all(p.parent == DIRECTORY for p in passed)

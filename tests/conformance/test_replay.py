@@ -72,7 +72,7 @@ def test_a_failing_soak_prints_the_seed_that_replays_it(tmp_path: Path, vllm_loa
     control = "kvfail.conformance.negative:SwallowsFailure"
     rc, log = run_child_pytest(
         [
-            str(SCENARIOS / "test_concurrency.py"),
+            str(SCENARIOS / "test_concurrency_soak.py"),
             *("-k", "soak", "--kvfail-seed", "23"),
             *("--connector", control, "--policy", "fail", "--layout", "tp1"),
         ],

@@ -29,8 +29,10 @@ SHIPPED = {
     "kvfail/conformance/scenarios/conftest.py",
     "kvfail/conformance/scenarios/test_scenarios.py",
     "kvfail/conformance/scenarios/test_concurrency.py",
+    "kvfail/conformance/scenarios/test_concurrency_soak.py",
     "kvfail/conformance/scenarios/test_quarantine.py",
     "kvfail/conformance/plugin.py",
+    "kvfail/conformance/many_loads.py",
     "connectors/mooncake/__init__.py",
 }
 PIP = (sys.executable, "-m", "pip")

@@ -46,10 +46,11 @@ class                      what is broken                               clause  
 =========================  ===========================================  =======  =========
 
 ``ReportsOneFailurePerStep`` is toy-only, and flagged by a concurrency scenario
-(``kvfail/conformance/scenarios/test_concurrency.py``), and by its soak
-(:data:`EXTRA_FLAGS`): with one load in flight it is indistinguishable from a working
-connector, which is why those scenarios exist. ``FailsBeforeDeadline`` is flagged by the
-slow-peer scenario there: a peer that answers at once, or never, does not show it.
+(``kvfail/conformance/scenarios/test_concurrency.py``), and by the soak
+(``test_concurrency_soak.py`` beside it, :data:`EXTRA_FLAGS`): with one load in flight it
+is indistinguishable from a working connector, which is why those scenarios exist.
+``FailsBeforeDeadline`` is flagged by the slow-peer scenario of ``test_concurrency.py``: a
+peer that answers at once, or never, does not show it.
 ``FailsEveryPeerOnLoss`` is flagged by the two-P scenario there: with one peer, all loads in
 flight are that peer's. ``FreesWhileWriting`` is flagged by
 ``kvfail/conformance/scenarios/test_quarantine.py``: only a P that writes after the

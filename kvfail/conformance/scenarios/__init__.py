@@ -3,7 +3,8 @@ installed: ``pytest --pyargs kvfail.conformance --connector X`` from any folder.
 checkout's ``conformance/`` runs the same modules (``pytest conformance/ --connector X``).
 
 Modules: ``test_scenarios`` (one failure story each), ``test_concurrency`` (many loads at
-once, two peers, races, the soak) and ``test_quarantine`` (a slow peer's late write).
+once, two peers, races), ``test_concurrency_soak`` (the seeded soak), ``test_quarantine`` (a
+slow peer's late write) and ``test_store_faults`` (a KV store's faults).
 Importing this package imports no vLLM; the modules import it when pytest collects them.
 """
 

@@ -15,28 +15,31 @@ started in one step (one batched pull where the transport batches) and the step 
 of the failures are noted in the report (``failure_steps``), never asserted.
 
 The last scenarios put time into it: a frozen P that only D's declared deadline can end
-for all ``MANY`` loads at once; a slow but live P whose loads that deadline must NOT end;
-and a seeded soak of ``SOAK_BATCHES`` batches of mixed outcomes through one long-lived D.
+for all ``MANY`` loads at once, and a slow but live P whose loads that deadline must NOT
+end. The seeded soak, many such batches through one long-lived D, is
+``test_concurrency_soak.py``; the batch helpers both use are in
+:mod:`kvfail.conformance.many_loads`.
 """
 
 from __future__ import annotations
 
-import random
 import time
-from collections import Counter
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import (
-    DEFAULT_SEED,
-    ScenarioContext,
-    check_not_late,
-    deadline_findings,
-    declared_text,
+from kvfail.conformance.many_loads import (
+    PROMPT_LEN,
+    failed_at,
+    not_late,
+    note_failure_steps,
+    reports_after_free,
+    start_loads,
+    wrong_bytes,
 )
+from kvfail.conformance.suite import ScenarioContext, deadline_findings, declared_text
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 
@@ -44,10 +47,6 @@ pytestmark = pytest.mark.vllm
 
 #: Loads in flight at once, all from the same P.
 MANY = 8
-#: Prompt of each request: one block to load (block size 32). Small, because D's and P's
-#: 63 usable blocks must hold MANY requests in two KV-cache groups, and P keeps a failed
-#: pull's blocks until its abort timeout, across scenarios.
-PROMPT_LEN = 40
 #: Faults that fail every load they are armed for promptly, preferred order.
 ALL_FAIL = (
     FaultPoint.PEER_ERROR_RESPONSE,
@@ -71,81 +70,10 @@ RACE_SETTLE_S = 0.5
 #: Steps a slow peer's load must have waited: fewer, and the delay did not hold it, so a
 #: connector that fails loads after one step would pass (the scenario proves nothing).
 MIN_DELAY_STEPS = 2
-#: The soak: batches of loads through one D, each request with a fault drawn from a
-#: seeded plan. A batch's requests (2 blocks each per KV-cache group) fit D's 63 usable
-#: blocks with two groups.
-SOAK_SEED = DEFAULT_SEED
-SOAK_BATCHES = 15
-SOAK_BATCH = 14
-#: Faults that fail only their own request (never P, never another request of the same
-#: pull), for the soak. An error reply answers a whole pull where pulls are batched, so it
-#: is used only where neither of the others is advertised (the toy's is per request).
-SOAK_FAILS = (FaultPoint.PEER_ERR_REQS, FaultPoint.UNKNOWN_ENGINE)
-SOAK_FAILS_FALLBACK = FaultPoint.PEER_ERROR_RESPONSE
-#: Plan weights: a plain success, a failure (one of the soak's failing faults), an abort.
-SOAK_WEIGHTS = {"success": 5, "fail": 3, "abort": 2}
 
 
 def _rids(scenario: ScenarioContext, stem: str, n: int = MANY) -> list[str]:
     return [scenario.rid(stem) for _ in range(n)]
-
-
-def _start_loads(scenario: ScenarioContext, engine: Any, rids: list[str]) -> dict[str, list[int]]:
-    """Step until every request in ``rids`` has entered WAITING_FOR_REMOTE_KVS (the
-    engine's record: over a real transport a load may end within the step that starts
-    it). Returns the block ids each held while it waited, read while it still did (none
-    if it ended at once), for :func:`check_not_late`."""
-    blocks: dict[str, list[int]] = {rid: [] for rid in rids}
-
-    def entered(e: Any) -> bool:
-        scenario.driver.observe(e)
-        waiting = e.waiting_for_remote()
-        for rid in rids:
-            if rid in waiting and not blocks[rid]:
-                groups = e.scheduler.kv_cache_manager.get_block_ids(rid)
-                blocks[rid] = [b for g in groups for b in g]
-        seen = set().union(*e.record.waiting_for_remote)
-        return all(rid in seen for rid in rids)
-
-    result = engine.run_until(entered, max_steps=10, timeout_s=10.0)
-    seen = set().union(*engine.record.waiting_for_remote)
-    missing = [rid for rid in rids if rid not in seen]
-    # Only a load that never started is a setup failure: an engine that crashed once they
-    # all had (a failure reported on a channel the layout forbids, C5) is the oracles' to
-    # judge, under its own clause.
-    if missing:
-        scenario.assert_clean(
-            [f"C12 setup: {missing} never entered WAITING_FOR_REMOTE_KVS ({result})"]
-        )
-    return blocks
-
-
-def _not_late(engine: Any, blocks: dict[str, list[int]]) -> list[str]:
-    return [v for rid, ids in blocks.items() for v in check_not_late(engine, rid, ids)]
-
-
-def _wrong_bytes(scenario: ScenarioContext, engine: Any, rids: list[str]) -> list[str]:
-    """C1: no failed load may be run on as if it succeeded (bytes that are not P's)."""
-    if not scenario.caps.byte_verification:
-        return []
-    found = (scenario.driver.wrong_bytes_finding(engine, rid) for rid in rids)
-    return [f"C1 wrong bytes reported as success: {w}" for w in found if w is not None]
-
-
-def _failed_at(engine: Any, rids: list[str]) -> dict[str, list[int]]:
-    """Request id -> steps in which a failure for it reached the scheduler."""
-    wanted = set(rids)
-    steps: dict[str, list[int]] = {}
-    for report in engine.record.scheduler_reports():
-        for rid in report.failed_requests & wanted:
-            steps.setdefault(rid, []).append(report.step)
-    return steps
-
-
-def _note_failure_steps(scenario: ScenarioContext, engine: Any, rids: list[str]) -> None:
-    """Record in how many distinct steps the failures reached the scheduler (report only)."""
-    steps = {s for found in _failed_at(engine, rids).values() for s in found}
-    scenario.note("failure_steps", len(steps))
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
@@ -161,12 +89,12 @@ def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
     engine = scenario.engine()
     rids = _rids(scenario, "fail-many")
     scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in rids:
         scenario.driver.provoke(engine, rid, point)
     scenario.run(engine)
-    _note_failure_steps(scenario, engine, rids)
-    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    note_failure_steps(scenario, engine, rids)
+    extra = [*wrong_bytes(scenario, engine, rids), *not_late(engine, blocks)]
     scenario.check(engine, rids, failed=True, extra=extra)
 
 
@@ -187,15 +115,15 @@ def test_failures_and_successes_same_step(scenario: ScenarioContext) -> None:
     for rid in rids:  # interleaved, all added before D steps: one batch
         fault = point if rid in bad else None
         scenario.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in bad:
         scenario.driver.provoke(engine, rid, point)
     for rid in good:
         scenario.driver.settle(engine, rid)
     scenario.run(engine)
-    _note_failure_steps(scenario, engine, bad)
-    extra = [*_wrong_bytes(scenario, engine, bad), *_not_late(engine, blocks)]
-    falsely = _failed_at(engine, good)
+    note_failure_steps(scenario, engine, bad)
+    extra = [*wrong_bytes(scenario, engine, bad), *not_late(engine, blocks)]
+    falsely = failed_at(engine, good)
     extra += [
         f"C8 false failure: {rid} loaded well but a failure reached the scheduler at "
         f"step(s) {steps}"
@@ -208,27 +136,6 @@ def test_failures_and_successes_same_step(scenario: ScenarioContext) -> None:
                 extra.append(f"C1 wrong bytes for a successful load next to failures: {mismatch}")
     extra += scenario.violations(engine, good, failed=False)
     scenario.check(engine, bad, failed=True, extra=extra)
-
-
-def _reports_after_free(engine: Any, rid: str) -> list[str]:
-    """C7: reports naming ``rid`` after the step whose finished_recving let the scheduler
-    free it (an aborted request is freed then)."""
-    finished = [r.step for r in engine.record.scheduler_reports() if rid in r.finished_recving]
-    if not finished:
-        return []
-    freed = min(finished)
-    out = []
-    for r in engine.record.kv_reports:
-        if r.step <= freed:
-            continue
-        for attr in ("finished_recving", "failed_recving"):
-            if rid in getattr(r, attr):
-                who = "scheduler" if r.rank is None else f"worker[{r.rank}]"
-                out.append(
-                    f"C7 freed id: {who} reported {rid} in {attr} at step {r.step}, after "
-                    f"the scheduler freed it at step {freed}"
-                )
-    return out
 
 
 @pytest.mark.clauses("C7", "C8", "C9", "C10")
@@ -247,7 +154,7 @@ def test_failure_races_abort(scenario: ScenarioContext) -> None:
     rids = _rids(scenario, "race")
     abort_first, fail_first = rids[::2], rids[1::2]
     scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in abort_first:
         scenario.driver.provoke(engine, rid, FaultPoint.ABORT_WHILE_WAITING)
     for rid in rids:
@@ -259,9 +166,9 @@ def test_failure_races_abort(scenario: ScenarioContext) -> None:
     scenario.run(engine)
     scenario.next_traffic(engine)
     found = scenario.violations(engine, rids, failed=None, policy_outcome=False)
-    found += _not_late(engine, blocks)
+    found += not_late(engine, blocks)
     for rid in rids:
-        found += _reports_after_free(engine, rid)
+        found += reports_after_free(engine, rid)
         tokens = [t for o in engine.record.outputs_for(rid) for t in o.new_token_ids]
         if tokens:
             found.append(f"C9: aborted {rid} generated {len(tokens)} tokens")
@@ -280,12 +187,12 @@ def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     engine = scenario.engine()
     rids = _rids(scenario, "killed-many")
     scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in rids:
         scenario.driver.provoke(engine, rid, point)
     scenario.run(engine)
-    _note_failure_steps(scenario, engine, rids)
-    scenario.check(engine, rids, failed=True, extra=_not_late(engine, blocks))
+    note_failure_steps(scenario, engine, rids)
+    scenario.check(engine, rids, failed=True, extra=not_late(engine, blocks))
 
 
 def _judge_by_deadline(
@@ -301,8 +208,8 @@ def _judge_by_deadline(
     budget = scenario.deadline_budget(deadline)
     scenario.wait_floor(budget if deadline is None else deadline)  # only the deadline ends it
     scenario.run(engine, timeout_s=budget)
-    _note_failure_steps(scenario, engine, rids)
-    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    note_failure_steps(scenario, engine, rids)
+    extra = [*wrong_bytes(scenario, engine, rids), *not_late(engine, blocks)]
     stranded = [rid for rid in rids if rid in engine.waiting_for_remote()]
     times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
     if times:
@@ -338,7 +245,7 @@ def _fault_one_rank(
     scenario.driver.add_remote_requests(
         engine, rids, fault=point, prompt_len=PROMPT_LEN, ranks=[ONE_RANK]
     )
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in rids:
         scenario.driver.provoke(engine, rid, point, ranks=[ONE_RANK])
         scenario.driver.settle(engine, rid, ranks=others)
@@ -360,8 +267,8 @@ def test_many_loads_one_rank_killed(scenario: ScenarioContext) -> None:
     engine = scenario.engine()
     rids, blocks = _fault_one_rank(scenario, engine, FaultPoint.TP_ONE_RANK, "rank-killed-many")
     scenario.run(engine)
-    _note_failure_steps(scenario, engine, rids)
-    extra = [*_wrong_bytes(scenario, engine, rids), *_not_late(engine, blocks)]
+    note_failure_steps(scenario, engine, rids)
+    extra = [*wrong_bytes(scenario, engine, rids), *not_late(engine, blocks)]
     scenario.check(engine, rids, failed=True, extra=extra)
 
 
@@ -406,25 +313,25 @@ def test_two_peers_one_killed(scenario: ScenarioContext) -> None:
     # pulls. Both shares are then in flight in D together.
     scenario.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
     scenario.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in dead:
         scenario.driver.provoke(engine, rid, point)
     for rid in live:
         scenario.driver.settle(engine, rid)
     scenario.run(engine)
-    _note_failure_steps(scenario, engine, dead)
+    note_failure_steps(scenario, engine, dead)
     # The live P's false failures first: its loads' policy outcomes follow from them.
     found = [
         f"C8 false failure: {rid} loaded from the live P, but a failure reached the "
         f"scheduler at step(s) {steps}"
-        for rid, steps in sorted(_failed_at(engine, live).items())
+        for rid, steps in sorted(failed_at(engine, live).items())
     ]
     if scenario.caps.byte_verification and engine.crashed is None:  # a dead D ran nothing
         for rid in live:
             mismatch = scenario.driver.verify_bytes(engine, rid)
             if mismatch:
                 found.append(f"C1 wrong bytes for a load from the live P: {mismatch}")
-    found += [*_wrong_bytes(scenario, engine, dead), *_not_late(engine, blocks)]
+    found += [*wrong_bytes(scenario, engine, dead), *not_late(engine, blocks)]
     found += scenario.violations(engine, rids, failed=None, policy_outcome=False)
     if engine.crashed is None:
         for rid in live:
@@ -449,7 +356,7 @@ def test_many_loads_peer_frozen(scenario: ScenarioContext) -> None:
     deadline = scenario.declared_deadline_s(engine)
     rids = _rids(scenario, "frozen-many")
     scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     for rid in rids:
         scenario.driver.provoke(engine, rid, point)
     _judge_by_deadline(scenario, engine, rids, blocks, deadline)
@@ -463,7 +370,7 @@ def _failed_early(
     bounds a silent peer, it is no licence to fail a slow one. A failure after the
     declared deadline is still a false failure here (the answer was due well before)."""
     out = []
-    for rid, steps in sorted(_failed_at(engine, rids).items()):
+    for rid, steps in sorted(failed_at(engine, rids).items()):
         seconds = scenario.driver.detection_s(engine, rid)
         when = "" if seconds is None else f", {seconds:.2f} s after it was added"
         if deadline is None or seconds is None or seconds < deadline:
@@ -500,11 +407,11 @@ def test_slow_peer_not_failed_before_deadline(scenario: ScenarioContext) -> None
     scenario.warm_up(engine)
     rids = _rids(scenario, "slow")
     scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = _start_loads(scenario, engine, rids)
+    blocks = start_loads(scenario, engine, rids)
     scenario.wait_floor(getattr(scenario.driver, "NET_DELAY_S", 0.0))  # P's own delay
     scenario.run(engine, timeout_s=scenario.deadline_budget(deadline))
-    failed = _failed_at(engine, rids)
-    extra = [*_failed_early(scenario, engine, rids, deadline), *_not_late(engine, blocks)]
+    failed = failed_at(engine, rids)
+    extra = [*_failed_early(scenario, engine, rids, deadline), *not_late(engine, blocks)]
     waited = {rid: _waited_steps(engine, rid) for rid in rids}
     scenario.note("waited_steps", min(waited.values()))
     times = [t for t in (scenario.driver.detection_s(engine, rid) for rid in rids) if t is not None]
@@ -523,123 +430,3 @@ def test_slow_peer_not_failed_before_deadline(scenario: ScenarioContext) -> None
                 extra.append(f"C1 wrong bytes for a slow peer's load: {mismatch}")
     # The early failures first: the policy outcome of a failed load follows from them.
     scenario.assert_clean([*extra, *scenario.violations(engine, rids, failed=False)])
-
-
-def _soak_plan(scenario: ScenarioContext, rng: random.Random, n: int) -> list[FaultPoint | None]:
-    """``n`` faults drawn with ``SOAK_WEIGHTS`` over what the driver advertises (None: a
-    plain success). Only faults that fail their own request: none kills or freezes the
-    P every request shares, none fails a whole pull next to good requests."""
-    faults = scenario.caps.faults
-    fails = [p for p in SOAK_FAILS if p in faults]
-    if not fails and SOAK_FAILS_FALLBACK in faults:
-        fails = [SOAK_FAILS_FALLBACK]
-    kinds = [k for k in SOAK_WEIGHTS if k == "success" or (k == "fail" and fails)]
-    if FaultPoint.ABORT_WHILE_WAITING in faults:
-        kinds.append("abort")
-    weights = [SOAK_WEIGHTS[k] for k in kinds]
-    plan: list[FaultPoint | None] = []
-    for kind in rng.choices(kinds, weights=weights, k=n):
-        if kind == "fail":
-            plan.append(rng.choice(fails))
-        else:
-            plan.append(FaultPoint.ABORT_WHILE_WAITING if kind == "abort" else None)
-    return plan
-
-
-def _rss_kib() -> int | None:
-    """This process's resident set (D's scheduler and, at TP 1, its worker), or None."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-@pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
-@pytest.mark.guards("#50719", "#55870", "#32255")
-def test_soak_random_faults(scenario: ScenarioContext) -> None:
-    """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
-    with a fault drawn from a seeded plan (``--kvfail-seed``, default ``SOAK_SEED``; noted
-    with the counts) over the driver's per-request faults: a plain success, a failure of
-    that request only, or an abort while it waits. Bugs that one load never shows (a
-    slot, a counter or a block that leaks per failure, one failure lost per batch) add up
-    here. Summed over every request: all resolved, nothing leaked, each reported exactly
-    once, never late, each ends as its plan says (successes on P's bytes), and the
-    KV-integrity oracle holds. A batch that does not drain ends the soak (its findings are
-    reported, with the seed that replays it). Runs in the tp1 layout only (the layouts'
-    own scenarios cover TP 2 and two groups)."""
-    scenario.require("remote_prefill", "async_load")
-    # At TP 2 with two groups every request costs P and D twice the blocks and a real
-    # pair's rank processes; the soak's sums do not depend on the layout, its time does.
-    scenario.require_layout("tp1")
-    seed = scenario.seed_value
-    rng = random.Random(seed)
-    plan = _soak_plan(scenario, rng, SOAK_BATCHES * SOAK_BATCH)
-    if all(p is None for p in plan):
-        scenario.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
-    scenario.note("soak_seed", seed)
-    scenario.note("soak_plan", dict(Counter("success" if p is None else p.value for p in plan)))
-    engine = scenario.engine()
-    fault_of: dict[str, FaultPoint | None] = {}
-    found: list[str] = []
-    batches = 0
-    rss: list[int | None] = []  # this process's RSS after each batch: reported, not judged
-    for start in range(0, len(plan), SOAK_BATCH):
-        batch = {scenario.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
-        fault_of.update(batch)
-        for rid, point in batch.items():  # all added before D steps: one batch
-            armed = None if point is FaultPoint.ABORT_WHILE_WAITING else point
-            scenario.driver.add_remote_requests(engine, [rid], fault=armed, prompt_len=PROMPT_LEN)
-        blocks = _start_loads(scenario, engine, list(batch))
-        for rid, point in batch.items():
-            if point is None:
-                scenario.driver.settle(engine, rid)
-            elif point is FaultPoint.ABORT_WHILE_WAITING:
-                scenario.driver.provoke(engine, rid, point)
-                scenario.driver.settle(engine, rid)  # the load itself still ends
-            else:
-                scenario.driver.provoke(engine, rid, point)
-        batches += 1
-        drained = scenario.run(engine).ok
-        rss.append(_rss_kib())
-        # Now, before later batches reuse these blocks (a report naming them then is theirs).
-        found += _not_late(engine, blocks)
-        if not drained:
-            break
-    scenario.note("soak_batches", batches)
-    if len(rss) > 1 and None not in rss:  # D's memory after the first batch vs the last
-        scenario.note("soak_rss_growth_kib", rss[-1] - rss[0])
-    rids = list(fault_of)
-    good = [rid for rid in rids if fault_of[rid] is None]
-    bad = [rid for rid in rids if fault_of[rid] not in (None, FaultPoint.ABORT_WHILE_WAITING)]
-    aborted = [rid for rid in rids if fault_of[rid] is FaultPoint.ABORT_WHILE_WAITING]
-    found += scenario.violations(engine, rids, failed=None, policy_outcome=False)
-    found += _wrong_bytes(scenario, engine, bad)
-    if engine.crashed is None:
-        for rid in good:
-            found += oracles.check_policy_outcome(engine, rid, failed=False)
-        for rid in bad:
-            found += oracles.check_policy_outcome(engine, rid, failed=True)
-    found += [
-        f"C8 false failure: {rid} loaded well but a failure reached the scheduler at "
-        f"step(s) {steps}"
-        for rid, steps in sorted(_failed_at(engine, good).items())
-    ]
-    if scenario.caps.byte_verification:
-        for rid in good:
-            mismatch = scenario.driver.verify_bytes(engine, rid)
-            if mismatch:
-                found.append(f"C1 wrong bytes for a successful load in the soak: {mismatch}")
-    for rid in aborted:
-        found += _reports_after_free(engine, rid)
-    if found:
-        # The seed decides the plan, the request ids and so the prompts: the same run again.
-        replay = (
-            f"soak seed {seed}: replay with --kvfail-seed {seed} -k soak --connector "
-            f"{scenario.node.callspec.params['kvfail_connector'] if scenario.node else '...'} "
-            f"--policy {scenario.policy} --layout {scenario.layout.name}"
-        )
-        raise scenario.violation(list(dict.fromkeys(found)), evidence=[replay])
