@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from connectors.mooncake.probe import watch_side_channel
+from connectors.mooncake.probe import MarkBook, watch_side_channel
 from connectors.mooncake.pull_state import PeerPull
 from connectors.writer_mark import WriterMark, start_writer_mark
 from kvfail import Stage
@@ -41,7 +41,7 @@ class PeerLiveness:
     # The worker's state this part reads and changes (set in its ``__init__``).
     _mc_probe_s: float | None
     _mc_probes: dict[str, asyncio.Task[None]]
-    _mc_marks: dict[str, bytes]
+    _mc_marks: MarkBook
     _mc_lock: threading.Lock
     _mc_inflight: defaultdict[str, dict[asyncio.Task[Any], tuple[PeerPull, dict[str, PullReqMeta]]]]
     _mc_unproven: defaultdict[str, set[str]]

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_PROBE_INTERVAL_S",
     "PROBE_CONFIRM_S",
     "PROBE_CONNECT_TIMEOUT_S",
+    "MarkBook",
     "connect_probe",
     "refused_before_send",
     "tcp_endpoint",
@@ -54,7 +55,7 @@ async def watch_side_channel(
     watched: Callable[[], bool],
     lost: Callable[[str], None],
     gone: Callable[[str], None],
-    marks: dict[str, bytes],
+    marks: MarkBook,
 ) -> None:
     """Watch the P worker at ``worker_addr`` while ``watched()``.
 
@@ -69,7 +70,10 @@ async def watch_side_channel(
       address. Only this ends the holds.
 
     ``marks`` keeps each address's nonce across watches (the caller owns it), so a watch
-    started after the worker died still knows it had a mark.
+    started after the worker died still knows it had a mark. :func:`refused_before_send`
+    refreshes it before a pull leaves D while no watch runs, so a worker that dies before
+    this watch first asks is still proven gone, and one restarted unseen meanwhile is
+    not taken for the pull's writer's end.
 
     Event-driven: the probe holds a TCP connection to the side channel, so P's death or
     shutdown reaches D as it happens (EOF or reset); the mark is asked then, and at every
@@ -121,10 +125,33 @@ async def watch_side_channel(
             close_rst(held)
 
 
+class MarkBook(dict[str, bytes]):
+    """Each P worker address's writer-mark nonce, as D last saw it, and the addresses
+    whose nonce may not be the writer of D's latest pull there.
+
+    Unconfirmed: the mark did not answer before that pull left D (a stopped or busy P).
+    The writer is then the nonce's holder, or a P restarted unseen since. A refusal still
+    proves both gone (no mark is bound there), but a new nonce proves nothing: it may be
+    the pull's own writer. Seen answering, it becomes the one watched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unconfirmed: set[str] = set()
+
+    def saw(self, worker_addr: str, nonce: bytes) -> None:
+        self[worker_addr] = nonce
+        self.unconfirmed.discard(worker_addr)
+
+    def forget(self, worker_addr: str) -> None:
+        self.pop(worker_addr, None)
+        self.unconfirmed.discard(worker_addr)
+
+
 class _MarkWatch:
     """What one watch has learnt of an address's writer mark."""
 
-    def __init__(self, worker_addr: str, host: str, port: int, marks: dict[str, bytes]) -> None:
+    def __init__(self, worker_addr: str, host: str, port: int, marks: MarkBook) -> None:
         self.worker_addr, self.host, self.port = worker_addr, host, port
         self.marks = marks
 
@@ -135,8 +162,9 @@ class _MarkWatch:
             answer, nonce = await ask_writer_mark(self.host, self.port, PROBE_CONNECT_TIMEOUT_S)
             seen = self.marks.get(self.worker_addr)
             if answer == "alive" and nonce is not None:
-                self.marks[self.worker_addr] = nonce
-                if seen is not None and nonce != seen:
+                unsure = self.worker_addr in self.marks.unconfirmed
+                self.marks.saw(self.worker_addr, nonce)
+                if seen is not None and nonce != seen and not unsure:
                     return (
                         f"P worker {self.worker_addr} was restarted: a new writer answers at "
                         "its address, so the one D pulled from is gone"
@@ -146,7 +174,7 @@ class _MarkWatch:
                 return None  # unknown, or never seen: proves nothing
             if refusals < PROBE_REFUSALS:
                 await asyncio.sleep(PROBE_CONFIRM_S)
-        del self.marks[self.worker_addr]
+        self.marks.forget(self.worker_addr)
         return (
             f"P worker {self.worker_addr}'s writes are over: its writer mark refused "
             f"{PROBE_REFUSALS} times in a row"
@@ -158,7 +186,7 @@ class _MarkWatch:
 PREFLIGHT_TIMEOUT_S: Final = 0.2
 
 
-async def refused_before_send(worker_addr: str) -> str | None:
+async def refused_before_send(worker_addr: str, marks: MarkBook) -> str | None:
     """Why the P worker at ``worker_addr`` cannot receive a pull now, or None.
 
     Asked before D's pull leaves D: a side channel that refuses :data:`PROBE_REFUSALS`
@@ -166,12 +194,27 @@ async def refused_before_send(worker_addr: str) -> str | None:
     that had the request, and nothing of it can be written. Proof for any P, with a
     writer mark or without, which the watch, started once the pull is out, cannot give
     for a worker whose mark it never saw.
+
+    A worker that accepts is asked for its writer mark too: seen before the pull is
+    sent, its nonce belongs to the writer the pull reaches, so that writer's death is
+    proof for the watch even if it dies before the watch first asks, and a P restarted
+    since D last looked is recorded as the new writer, not read later as proof that the
+    pull's writer is gone. A mark that refuses (an upstream P) leaves nothing recorded;
+    one that does not answer within :data:`PREFLIGHT_TIMEOUT_S` (a stopped or busy P)
+    leaves the nonce D had, unconfirmed (:class:`MarkBook`). The pull goes ahead.
     """
     endpoint = tcp_endpoint(worker_addr)
     if endpoint is None:
         return None
     for refusals in range(1, PROBE_REFUSALS + 1):
         if await connect_probe(*endpoint, PREFLIGHT_TIMEOUT_S) != "refused":
+            answer, nonce = await ask_writer_mark(*endpoint, PREFLIGHT_TIMEOUT_S)
+            if answer == "alive" and nonce is not None:
+                marks.saw(worker_addr, nonce)
+            elif answer == "refused":
+                marks.forget(worker_addr)
+            elif worker_addr in marks:
+                marks.unconfirmed.add(worker_addr)
             return None
         if refusals < PROBE_REFUSALS:
             await asyncio.sleep(PROBE_CONFIRM_S)

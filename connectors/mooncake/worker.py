@@ -67,6 +67,7 @@ from connectors.mooncake.liveness import PeerLiveness
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import (
     DEFAULT_PROBE_INTERVAL_S,
+    MarkBook,
     refused_before_send,
 )
 from connectors.mooncake.pull_state import (
@@ -173,7 +174,7 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
         #: P worker address -> its running probe task (receiver loop thread only).
         self._mc_probes: dict[str, asyncio.Task[None]] = {}
         #: P worker address -> the nonce of its writer mark, once seen (receiver loop).
-        self._mc_marks: dict[str, bytes] = {}
+        self._mc_marks = MarkBook()
 
     # ------------------------------------------------------------------ starting pulls
 
@@ -305,13 +306,14 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
         try:
             if self._mc_probe_s:
                 # Before the pull leaves D: a worker refusing now never gets it, so no
-                # write can follow, whatever kind of P it was (with a writer mark or not).
-                # A worker whose writer mark D has seen skips this wait on the pull's
-                # path: if it is gone, its mark's refusal proves so to the watch below.
+                # write can follow, whatever kind of P it was (with a writer mark or not);
+                # one that accepts has its writer mark's nonce refreshed, so the watch
+                # below can prove its death. A worker a watch is on (asking its mark
+                # every round) skips this wait on the pull's path.
                 unreachable = (
                     None
-                    if worker_addr in self._mc_marks
-                    else await refused_before_send(worker_addr)
+                    if worker_addr in self._mc_probes
+                    else await refused_before_send(worker_addr, self._mc_marks)
                 )
                 if unreachable is not None:
                     state.over = True

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from connectors.mooncake.probe import watch_side_channel
+from connectors.mooncake.probe import MarkBook, watch_side_channel
 from connectors.writer_mark import WriterMark, ask_writer_mark, start_writer_mark
 
 #: Bound on every wait here; far above a loopback round trip.
@@ -127,7 +127,7 @@ def test_a_port_taken_gives_no_mark() -> None:
         assert start_writer_mark("127.0.0.1", port) is None
 
 
-async def _watch(host: str, port: int, seen: _Verdicts, marks: dict[str, bytes]) -> None:
+async def _watch(host: str, port: int, seen: _Verdicts, marks: MarkBook) -> None:
     addr = _addr(host, port)
     await watch_side_channel(
         addr,
@@ -145,7 +145,7 @@ def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> No
     watch reports the worker lost (fail now) but not gone (blocks stay held) until the
     mark closes."""
     port = _free_port(host)
-    seen, marks = _Verdicts(), {}
+    seen, marks = _Verdicts(), MarkBook()
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
@@ -170,7 +170,7 @@ def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> No
 def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
     host = "127.0.0.1"
     port = _free_port(host)
-    seen, marks = _Verdicts(), {}
+    seen, marks = _Verdicts(), MarkBook()
 
     async def scenario() -> None:
         old = WriterMark(host, port)
@@ -194,7 +194,7 @@ def test_a_p_with_no_mark_is_lost_but_never_proven_gone() -> None:
     ever proves its writes over (the holds wait for P's answer or the max hold)."""
     host = "127.0.0.1"
     port = _free_port(host)
-    seen, marks = _Verdicts(), {}
+    seen, marks = _Verdicts(), MarkBook()
 
     async def scenario() -> None:
         with _listener(host, port):
@@ -214,7 +214,7 @@ def test_a_killed_writer_is_gone_without_a_lost_first() -> None:
     """Side channel and mark close together (SIGKILL): one verdict, gone."""
     host = "127.0.0.1"
     port = _free_port(host)
-    seen, marks = _Verdicts(), {}
+    seen, marks = _Verdicts(), MarkBook()
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
@@ -235,8 +235,97 @@ def test_a_worker_refusing_before_the_pull_is_sent_never_got_it() -> None:
 
     host = "127.0.0.1"
     port = _free_port(host)
+    marks = MarkBook()
     with _listener(host, port):
-        assert asyncio.run(refused_before_send(_addr(host, port))) is None
-    reason = asyncio.run(refused_before_send(_addr(host, port)))
+        assert asyncio.run(refused_before_send(_addr(host, port), marks)) is None
+    assert marks == {}  # no mark there (an upstream P): nothing recorded
+    reason = asyncio.run(refused_before_send(_addr(host, port), marks))
     assert reason is not None and "before the pull was sent" in reason
-    assert asyncio.run(refused_before_send("ipc:///tmp/not-tcp")) is None
+    assert asyncio.run(refused_before_send("ipc:///tmp/not-tcp", marks)) is None
+
+
+def test_a_writer_dead_before_the_watch_first_asks_is_proven_gone() -> None:
+    """The mark is asked before the pull is sent: a P that takes the pull and dies before
+    the watch's first round is still proven gone. Without the nonce seen first, its
+    refusal would prove nothing (a P with no mark refuses the same way) and the load's
+    blocks would stay held for good."""
+    from connectors.mooncake.probe import refused_before_send
+
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), MarkBook()
+
+    async def scenario() -> None:
+        mark = WriterMark(host, port)
+        with _listener(host, port):
+            assert await refused_before_send(_addr(host, port), marks) is None
+            assert marks == {_addr(host, port): mark.nonce}
+            mark.close()  # SIGKILL between the send and the watch's first round
+        await asyncio.wait_for(_watch(host, port, seen, marks), WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
+
+
+def test_a_restart_while_nothing_was_watched_is_not_taken_for_the_next_writers_end() -> None:
+    """P restarts on the same address while D watches nothing there. The mark asked
+    before the next pull records the new writer, so the watch does not read its nonce
+    as proof that this pull's writer is gone (the blocks would be freed while it writes)."""
+    from connectors.mooncake.probe import refused_before_send
+
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), MarkBook()
+
+    async def scenario() -> None:
+        old = WriterMark(host, port)
+        with _listener(host, port):
+            assert await refused_before_send(_addr(host, port), marks) is None
+            old.close()
+            new = WriterMark(host, port)  # restarted on the same address, unseen
+            try:
+                assert await refused_before_send(_addr(host, port), marks) is None
+                assert marks == {_addr(host, port): new.nonce}
+                task = asyncio.create_task(_watch(host, port, seen, marks))
+                await asyncio.sleep(10 * INTERVAL_S)
+                seen.watching = False
+                await asyncio.wait_for(task, WAIT_S)
+            finally:
+                new.close()
+
+    asyncio.run(scenario())
+    assert seen.gone == [] and seen.lost == []
+
+
+def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
+    """Before the pull, the mark D saw earlier does not answer (a stopped P, or one
+    restarted unseen and busy). A new nonce later may be the pull's own writer: no proof.
+    A refusal still is: no mark is bound there, so whichever wrote is gone."""
+    from connectors.mooncake.probe import refused_before_send
+
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), MarkBook()
+
+    async def scenario() -> None:
+        old = WriterMark(host, port)
+        with _listener(host, port):
+            assert await refused_before_send(_addr(host, port), marks) is None
+            old.close()
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
+                silent.bind((host, port))  # bound, never answers: a stopped P's mark
+                assert await refused_before_send(_addr(host, port), marks) is None
+            assert marks == {_addr(host, port): old.nonce}
+            assert _addr(host, port) in marks.unconfirmed
+            new = WriterMark(host, port)  # the writer that answers after the pull
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            try:
+                await _until(lambda: marks.get(_addr(host, port)) == new.nonce)
+                await asyncio.sleep(5 * INTERVAL_S)
+                assert seen.gone == [] and not task.done()
+            finally:
+                new.close()
+            await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
