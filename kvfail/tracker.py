@@ -15,11 +15,14 @@ Design notes (why it looks like this):
 * Reports for ids we do not track are counted and logged, never raised and never passed
   on (C7): the scheduler asserts on unknown ids inside the engine loop.
 * The idle drain takes no lock: it checks a list and the earliest deadline.
+
+This module holds the per-load state and the reports that change it; :class:`LoadTracker`
+composes the rest as mixins over that state: the deadline heap and its watchdog
+(:mod:`kvfail.tracker_watchdog`).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -42,8 +45,7 @@ from kvfail.load_records import (
 )
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats, StatsRecorder
-
-logger = logging.getLogger("kvfail")
+from kvfail.tracker_watchdog import DEADLINE_HEAP_SLACK, TrackerWatchdog
 
 Clock = Callable[[], float]
 Fence = Callable[[str], bool]
@@ -55,12 +57,8 @@ Fence = Callable[[str], bool]
 #: most this size or one drain's deliveries, so the memory does not grow with traffic.
 RECENT_IDS_KEPT: Final = 4096
 
-#: Stale entries the deadline heap may hold beyond twice the in-flight loads before it is
-#: compacted (delivered loads leave their entry behind; popping them is lazy).
-DEADLINE_HEAP_SLACK: Final = 64
 
-
-class LoadTracker:
+class LoadTracker(TrackerWatchdog):
     """Thread-safe registry of in-flight KV loads on the receiving side."""
 
     def __init__(
@@ -192,7 +190,7 @@ class LoadTracker:
         if not pending:
             self._settle_locked(load, ALL_PEERS, log)
         if deadline != math.inf and not load.settled:
-            heapq.heappush(self._deadlines, (deadline, next(self._seq), load))
+            self._push_deadline_locked(deadline, load)
             self._compact_deadlines_locked()
         return True
 
@@ -435,74 +433,6 @@ class LoadTracker:
             return "blocks"
         return "request" if self.request_level_available else "none"
 
-    def _run_watchdog(self, log: PendingLog) -> None:
-        now = self._clock()
-        overdue: list[Load] = []
-        held: list[Load] = []  # quarantined loads whose fence is due a retry
-        with self._lock:
-            heap, loads = self._deadlines, self._loads
-            while heap and heap[0][0] <= now:
-                deadline, _, load = heapq.heappop(heap)
-                if self._quarantined.get(load.req_id) is load:
-                    held.append(load)
-                    continue
-                if loads.get(load.req_id) is not load or load.settled:
-                    continue  # delivered or re-tracked since; a stale heap entry
-                # Unsettled: some peer is silent, and may have written none of the blocks.
-                load.all_blocks_failed = True
-                if load.failure is None:
-                    self._fail_locked(
-                        load,
-                        Stage.WATCHDOG,
-                        f"no result within {deadline - load.started:.3f}s",
-                        None,
-                        log,
-                    )
-                if not load.notify_only:  # counted as what is reported: nothing, for those
-                    self._stats.event("watchdog_fired")
-                overdue.append(load)
-        if not (overdue or held):
-            return
-        # The fence runs outside our lock: it is connector code and may call back into us.
-        fence = self._fence
-        fenced = {load for load in (*overdue, *held) if fence is None or self._try_fence(load)}
-        with self._lock:
-            for load in held:
-                if self._quarantined.get(load.req_id) is not load:
-                    continue  # fenced() released it meanwhile
-                if load in fenced:
-                    self._release_locked(load, log)
-                else:
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-            for load in overdue:
-                if load.settled or self._loads.get(load.req_id) is not load:
-                    continue
-                if load in fenced:  # the fence holds now, whatever a report said before
-                    load.unfenced = False
-                    self._settle_locked(load, ALL_PEERS, log)
-                elif self.quarantine:
-                    # Fail fast, free safely: delivered now, its blocks held until the
-                    # fence holds (retried at later drains) or fenced() is called.
-                    load.unfenced = True
-                    self._settle_locked(load, ALL_PEERS, log)
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-                else:
-                    # A transfer that may still write into these blocks must not be
-                    # delivered (C11); try again at a later drain.
-                    self._stats.event("fence_deferred")
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-
-    def _try_fence(self, load: Load) -> bool:
-        assert self._fence is not None
-        try:
-            return bool(self._fence(load.req_id))
-        except Exception:
-            logger.exception("kvfail: fence raised for req_id=%r; retrying later", load.req_id)
-            return False
-
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> FailureStats:
@@ -649,21 +579,3 @@ class LoadTracker:
             self._recent_old = recent
             self._recent = recent = set()
         recent.update(req_ids)
-
-    def _compact_deadlines_locked(self) -> None:
-        """Drop stale heap entries once they outnumber the live ones (amortised O(1)).
-
-        Called wherever a load is added or leaves, so the heap stays within twice the
-        in-flight loads plus a constant, for every way a load can leave.
-        """
-        loads, held = self._loads, self._quarantined
-        if len(self._deadlines) <= 2 * (len(loads) + len(held)) + self._heap_slack:
-            return
-        live = [
-            e
-            for e in self._deadlines
-            if (loads.get(e[2].req_id) is e[2] and not e[2].settled)
-            or held.get(e[2].req_id) is e[2]  # a quarantined load's fence retry
-        ]
-        heapq.heapify(live)
-        self._deadlines = live
