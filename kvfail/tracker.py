@@ -18,7 +18,8 @@ Design notes (why it looks like this):
 
 This module holds the per-load state and the reports that change it; :class:`LoadTracker`
 composes the rest as mixins over that state: the deadline heap and its watchdog
-(:mod:`kvfail.tracker_watchdog`).
+(:mod:`kvfail.tracker_watchdog`) and the loads held for quarantine
+(:mod:`kvfail.tracker_quarantine`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from kvfail.load_records import (
 )
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats, StatsRecorder
+from kvfail.tracker_quarantine import TrackerQuarantine
 from kvfail.tracker_watchdog import DEADLINE_HEAP_SLACK, TrackerWatchdog
 
 Clock = Callable[[], float]
@@ -58,7 +60,7 @@ Fence = Callable[[str], bool]
 RECENT_IDS_KEPT: Final = 4096
 
 
-class LoadTracker(TrackerWatchdog):
+class LoadTracker(TrackerQuarantine, TrackerWatchdog):
     """Thread-safe registry of in-flight KV loads on the receiving side."""
 
     def __init__(
@@ -267,60 +269,6 @@ class LoadTracker(TrackerWatchdog):
 
         return self._on_load(req_id, "failure", fail)
 
-    def fenced(self, req_id: str) -> bool:
-        """The transfer of ``req_id`` can no longer write (it completed, its peer is
-        dead, or the peer's own expiry passed): a quarantined load's blocks go back to
-        the scheduler at the next step, a load not yet delivered is no longer unfenced.
-        Returns False (and counts it) for an id in neither state."""
-        log = PendingLog()
-        try:
-            with self._lock:
-                held = self._quarantined.get(req_id)
-                if held is not None:
-                    self._release_locked(held, log)
-                    return True
-                load = self._loads.get(req_id)
-                if load is not None:
-                    load.unfenced = False
-                    return True
-                self._refuse_locked(req_id, "fenced", log)
-                return False
-        finally:
-            log.flush()
-
-    def is_quarantined(self, req_id: str) -> bool:
-        return req_id in self._quarantined
-
-    @property
-    def quarantined_blocks(self) -> int:
-        """Blocks of delivered loads still held for their transfer (this worker's view)."""
-        with self._lock:
-            return sum(len(load.flat) for load in self._quarantined.values())
-
-    def take_quarantine_notice(self) -> tuple[frozenset[str], frozenset[str]]:
-        """(held, released) request ids since the last call: what the scheduler side
-        must apply (:class:`kvfail.quarantine.BlockQuarantine`) with this step's
-        report. Take it after :meth:`drain`, in the same step."""
-        if not (self._notice_held or self._notice_released):
-            return frozenset(), frozenset()
-        with self._lock:
-            held, released = frozenset(self._notice_held), frozenset(self._notice_released)
-            self._notice_held.clear()
-            self._notice_released.clear()
-        return held, released
-
-    def _release_locked(self, load: Load, log: PendingLog) -> None:
-        del self._quarantined[load.req_id]
-        self._notice_released.add(load.req_id)
-        self._stats.event("quarantine_released")
-        log.add(
-            logging.INFO,
-            "kvfail: quarantined load fenced; its blocks go back",
-            connector=self.name,
-            req_id=load.req_id,
-            blocks=len(load.flat),
-        )
-
     def _on_load(
         self,
         req_id: str,
@@ -408,9 +356,7 @@ class LoadTracker(TrackerWatchdog):
             else:
                 unreportable.add(load.req_id)
             if load.unfenced and self.quarantine:
-                self._quarantined[load.req_id] = load
-                self._notice_held.add(load.req_id)
-                self._stats.event("loads_quarantined")
+                self._hold_locked(load)
         if len(failures) < len(ready):
             self._stats.event("loads_succeeded", len(ready) - len(failures))
         if unreportable:
