@@ -17,8 +17,9 @@ Design notes (why it looks like this):
 * The idle drain takes no lock: it checks a list and the earliest deadline.
 
 This module holds the per-load state and the reports that change it; :class:`LoadTracker`
-composes the rest as mixins over that state: the deadline heap and its watchdog
-(:mod:`kvfail.tracker_watchdog`) and the loads held for quarantine
+composes the rest as mixins over that state: the drain and its choice of channel
+(:mod:`kvfail.tracker_drain`), the deadline heap and its watchdog
+(:mod:`kvfail.tracker_watchdog`), and the loads held for quarantine
 (:mod:`kvfail.tracker_quarantine`).
 """
 
@@ -36,16 +37,15 @@ from kvfail.blocks import normalise_block_ids
 from kvfail.deferred_log import PendingLog
 from kvfail.load_records import (
     ALL_PEERS,
-    IDLE_REPORT,
     Failure,
     Load,
-    StepReport,
     as_stage,
     no_peers_problem,
     peer_set,
 )
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats, StatsRecorder
+from kvfail.tracker_drain import TrackerDrain
 from kvfail.tracker_quarantine import TrackerQuarantine
 from kvfail.tracker_watchdog import DEADLINE_HEAP_SLACK, TrackerWatchdog
 
@@ -60,8 +60,14 @@ Fence = Callable[[str], bool]
 RECENT_IDS_KEPT: Final = 4096
 
 
-class LoadTracker(TrackerQuarantine, TrackerWatchdog):
-    """Thread-safe registry of in-flight KV loads on the receiving side."""
+class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
+    """Thread-safe registry of in-flight KV loads on the receiving side.
+
+    Its parts share one lock and one state, so every part's state is set here; the drain
+    (:class:`~kvfail.tracker_drain.TrackerDrain`), the watchdog
+    (:class:`~kvfail.tracker_watchdog.TrackerWatchdog`) and the quarantine's holds
+    (:class:`~kvfail.tracker_quarantine.TrackerQuarantine`) are mixins without their own.
+    """
 
     def __init__(
         self,
@@ -103,6 +109,7 @@ class LoadTracker(TrackerQuarantine, TrackerWatchdog):
         self._lock = threading.Lock()
         self._loads: dict[str, Load] = {}
         self._ready: list[Load] = []
+        #: (due, tie-break, load), a lazy heap the watchdog pops at the drain.
         self._deadlines: list[tuple[float, int, Load]] = []
         self._heap_slack = DEADLINE_HEAP_SLACK
         self._seq = itertools.count()
@@ -307,77 +314,6 @@ class LoadTracker(TrackerQuarantine, TrackerWatchdog):
 
     def __len__(self) -> int:
         return len(self._loads)
-
-    # ------------------------------------------------------------------ drain
-
-    def drain(self) -> StepReport:
-        """Deliver every settled load, failing overdue ones first. Call once per step."""
-        if not self._ready:
-            heap = self._deadlines
-            if not heap or heap[0][0] > self._clock():
-                return IDLE_REPORT
-        log = PendingLog()
-        try:
-            if self._deadlines:
-                self._run_watchdog(log)
-            with self._lock:
-                return self._deliver_locked()
-        finally:
-            log.flush()
-
-    def _deliver_locked(self) -> StepReport:
-        ready, self._ready = self._ready, []
-        if not ready:
-            return IDLE_REPORT
-        finished = {load.req_id for load in ready}
-        loads = self._loads
-        for req_id in finished:
-            del loads[req_id]
-        self._remember_locked(finished)
-        self._compact_deadlines_locked()
-        failed: set[str] = set()
-        invalid: set[int] = set()
-        unreportable: set[str] = set()
-        failures: list[tuple[str, Failure]] = []
-        for load in ready:
-            failure = load.failure
-            if failure is None:
-                continue
-            failures.append((load.req_id, failure))
-            channel = self._channel(load)
-            if channel == "request":
-                failed.add(load.req_id)
-            elif channel == "blocks":
-                narrowed = load.failed_blocks
-                if narrowed and not (load.all_blocks_failed or load.unfenced):
-                    invalid.update(narrowed)
-                else:
-                    invalid.update(load.flat)
-            else:
-                unreportable.add(load.req_id)
-            if load.unfenced and self.quarantine:
-                self._hold_locked(load)
-        if len(failures) < len(ready):
-            self._stats.event("loads_succeeded", len(ready) - len(failures))
-        if unreportable:
-            finished -= unreportable  # never delivered as finished: see StepReport
-        return StepReport(finished, failed, invalid, tuple(failures), frozenset(unreportable))
-
-    def _channel(self, load: Load) -> str:
-        """The one per-load decision of how a failure reaches the scheduler: by request
-        id (``"request"``), by block (``"blocks"``), or by neither (``"none"``)."""
-        if load.unfenced and self.quarantine:
-            # Request-level, so the scheduler drops everything the load computed and
-            # recomputes into fresh blocks, never into the held ones (C11). Without that
-            # channel every block of the load is named, and the scheduler half turns it
-            # into the same (kvfail.vllm_quarantine._RecordedLoads).
-            if self.request_level_available:
-                return "request"
-            if not self.request_level:
-                return "blocks"
-        elif not (self.request_level or load.request_level_only):
-            return "blocks"
-        return "request" if self.request_level_available else "none"
 
     # ------------------------------------------------------------------ stats
 
