@@ -11,8 +11,9 @@ The reference is dropped when every rank that held it says the write is now impo
 
 Two halves, in two processes in a real deployment:
 
-* the worker side (:class:`kvfail.tracker.LoadTracker`) names, each step, the
-  ``(request id, rank)`` pairs it quarantined and the ones it released;
+* the worker side (:class:`kvfail.tracker.LoadTracker`, its holds kept by
+  :mod:`kvfail.tracker_quarantine`) names, each step, the ``(request id, rank)`` pairs it
+  quarantined and the ones it released;
 * the scheduler side (:class:`BlockQuarantine`, here) applies those notices to the block
   pool, in ``update_connector_output``, which vLLM calls before it frees the blocks of a
   request whose failed load it is told about in the same output.

@@ -15,11 +15,16 @@ Design notes (why it looks like this):
 * Reports for ids we do not track are counted and logged, never raised and never passed
   on (C7): the scheduler asserts on unknown ids inside the engine loop.
 * The idle drain takes no lock: it checks a list and the earliest deadline.
+
+This module holds the per-load state and the reports that change it; :class:`LoadTracker`
+composes the rest as mixins over that state: the drain and its choice of channel
+(:mod:`kvfail.tracker_drain`), the deadline heap and its watchdog
+(:mod:`kvfail.tracker_watchdog`), and the loads held for quarantine
+(:mod:`kvfail.tracker_quarantine`).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import math
@@ -32,18 +37,17 @@ from kvfail.blocks import normalise_block_ids
 from kvfail.deferred_log import PendingLog
 from kvfail.load_records import (
     ALL_PEERS,
-    IDLE_REPORT,
     Failure,
     Load,
-    StepReport,
     as_stage,
     no_peers_problem,
     peer_set,
 )
 from kvfail.stages import Stage
 from kvfail.stats import FailureStats, StatsRecorder
-
-logger = logging.getLogger("kvfail")
+from kvfail.tracker_drain import TrackerDrain
+from kvfail.tracker_quarantine import TrackerQuarantine
+from kvfail.tracker_watchdog import DEADLINE_HEAP_SLACK, TrackerWatchdog
 
 Clock = Callable[[], float]
 Fence = Callable[[str], bool]
@@ -55,13 +59,15 @@ Fence = Callable[[str], bool]
 #: most this size or one drain's deliveries, so the memory does not grow with traffic.
 RECENT_IDS_KEPT: Final = 4096
 
-#: Stale entries the deadline heap may hold beyond twice the in-flight loads before it is
-#: compacted (delivered loads leave their entry behind; popping them is lazy).
-DEADLINE_HEAP_SLACK: Final = 64
 
+class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
+    """Thread-safe registry of in-flight KV loads on the receiving side.
 
-class LoadTracker:
-    """Thread-safe registry of in-flight KV loads on the receiving side."""
+    Its parts share one lock and one state, so every part's state is set here; the drain
+    (:class:`~kvfail.tracker_drain.TrackerDrain`), the watchdog
+    (:class:`~kvfail.tracker_watchdog.TrackerWatchdog`) and the quarantine's holds
+    (:class:`~kvfail.tracker_quarantine.TrackerQuarantine`) are mixins without their own.
+    """
 
     def __init__(
         self,
@@ -103,6 +109,7 @@ class LoadTracker:
         self._lock = threading.Lock()
         self._loads: dict[str, Load] = {}
         self._ready: list[Load] = []
+        #: (due, tie-break, load), a lazy heap the watchdog pops at the drain.
         self._deadlines: list[tuple[float, int, Load]] = []
         self._heap_slack = DEADLINE_HEAP_SLACK
         self._seq = itertools.count()
@@ -192,7 +199,7 @@ class LoadTracker:
         if not pending:
             self._settle_locked(load, ALL_PEERS, log)
         if deadline != math.inf and not load.settled:
-            heapq.heappush(self._deadlines, (deadline, next(self._seq), load))
+            self._push_deadline_locked(deadline, load)
             self._compact_deadlines_locked()
         return True
 
@@ -269,60 +276,6 @@ class LoadTracker:
 
         return self._on_load(req_id, "failure", fail)
 
-    def fenced(self, req_id: str) -> bool:
-        """The transfer of ``req_id`` can no longer write (it completed, its peer is
-        dead, or the peer's own expiry passed): a quarantined load's blocks go back to
-        the scheduler at the next step, a load not yet delivered is no longer unfenced.
-        Returns False (and counts it) for an id in neither state."""
-        log = PendingLog()
-        try:
-            with self._lock:
-                held = self._quarantined.get(req_id)
-                if held is not None:
-                    self._release_locked(held, log)
-                    return True
-                load = self._loads.get(req_id)
-                if load is not None:
-                    load.unfenced = False
-                    return True
-                self._refuse_locked(req_id, "fenced", log)
-                return False
-        finally:
-            log.flush()
-
-    def is_quarantined(self, req_id: str) -> bool:
-        return req_id in self._quarantined
-
-    @property
-    def quarantined_blocks(self) -> int:
-        """Blocks of delivered loads still held for their transfer (this worker's view)."""
-        with self._lock:
-            return sum(len(load.flat) for load in self._quarantined.values())
-
-    def take_quarantine_notice(self) -> tuple[frozenset[str], frozenset[str]]:
-        """(held, released) request ids since the last call: what the scheduler side
-        must apply (:class:`kvfail.quarantine.BlockQuarantine`) with this step's
-        report. Take it after :meth:`drain`, in the same step."""
-        if not (self._notice_held or self._notice_released):
-            return frozenset(), frozenset()
-        with self._lock:
-            held, released = frozenset(self._notice_held), frozenset(self._notice_released)
-            self._notice_held.clear()
-            self._notice_released.clear()
-        return held, released
-
-    def _release_locked(self, load: Load, log: PendingLog) -> None:
-        del self._quarantined[load.req_id]
-        self._notice_released.add(load.req_id)
-        self._stats.event("quarantine_released")
-        log.add(
-            logging.INFO,
-            "kvfail: quarantined load fenced; its blocks go back",
-            connector=self.name,
-            req_id=load.req_id,
-            blocks=len(load.flat),
-        )
-
     def _on_load(
         self,
         req_id: str,
@@ -361,147 +314,6 @@ class LoadTracker:
 
     def __len__(self) -> int:
         return len(self._loads)
-
-    # ------------------------------------------------------------------ drain
-
-    def drain(self) -> StepReport:
-        """Deliver every settled load, failing overdue ones first. Call once per step."""
-        if not self._ready:
-            heap = self._deadlines
-            if not heap or heap[0][0] > self._clock():
-                return IDLE_REPORT
-        log = PendingLog()
-        try:
-            if self._deadlines:
-                self._run_watchdog(log)
-            with self._lock:
-                return self._deliver_locked()
-        finally:
-            log.flush()
-
-    def _deliver_locked(self) -> StepReport:
-        ready, self._ready = self._ready, []
-        if not ready:
-            return IDLE_REPORT
-        finished = {load.req_id for load in ready}
-        loads = self._loads
-        for req_id in finished:
-            del loads[req_id]
-        self._remember_locked(finished)
-        self._compact_deadlines_locked()
-        failed: set[str] = set()
-        invalid: set[int] = set()
-        unreportable: set[str] = set()
-        failures: list[tuple[str, Failure]] = []
-        for load in ready:
-            failure = load.failure
-            if failure is None:
-                continue
-            failures.append((load.req_id, failure))
-            channel = self._channel(load)
-            if channel == "request":
-                failed.add(load.req_id)
-            elif channel == "blocks":
-                narrowed = load.failed_blocks
-                if narrowed and not (load.all_blocks_failed or load.unfenced):
-                    invalid.update(narrowed)
-                else:
-                    invalid.update(load.flat)
-            else:
-                unreportable.add(load.req_id)
-            if load.unfenced and self.quarantine:
-                self._quarantined[load.req_id] = load
-                self._notice_held.add(load.req_id)
-                self._stats.event("loads_quarantined")
-        if len(failures) < len(ready):
-            self._stats.event("loads_succeeded", len(ready) - len(failures))
-        if unreportable:
-            finished -= unreportable  # never delivered as finished: see StepReport
-        return StepReport(finished, failed, invalid, tuple(failures), frozenset(unreportable))
-
-    def _channel(self, load: Load) -> str:
-        """The one per-load decision of how a failure reaches the scheduler: by request
-        id (``"request"``), by block (``"blocks"``), or by neither (``"none"``)."""
-        if load.unfenced and self.quarantine:
-            # Request-level, so the scheduler drops everything the load computed and
-            # recomputes into fresh blocks, never into the held ones (C11). Without that
-            # channel every block of the load is named, and the scheduler half turns it
-            # into the same (kvfail.vllm_quarantine._RecordedLoads).
-            if self.request_level_available:
-                return "request"
-            if not self.request_level:
-                return "blocks"
-        elif not (self.request_level or load.request_level_only):
-            return "blocks"
-        return "request" if self.request_level_available else "none"
-
-    def _run_watchdog(self, log: PendingLog) -> None:
-        now = self._clock()
-        overdue: list[Load] = []
-        held: list[Load] = []  # quarantined loads whose fence is due a retry
-        with self._lock:
-            heap, loads = self._deadlines, self._loads
-            while heap and heap[0][0] <= now:
-                deadline, _, load = heapq.heappop(heap)
-                if self._quarantined.get(load.req_id) is load:
-                    held.append(load)
-                    continue
-                if loads.get(load.req_id) is not load or load.settled:
-                    continue  # delivered or re-tracked since; a stale heap entry
-                # Unsettled: some peer is silent, and may have written none of the blocks.
-                load.all_blocks_failed = True
-                if load.failure is None:
-                    self._fail_locked(
-                        load,
-                        Stage.WATCHDOG,
-                        f"no result within {deadline - load.started:.3f}s",
-                        None,
-                        log,
-                    )
-                if not load.notify_only:  # counted as what is reported: nothing, for those
-                    self._stats.event("watchdog_fired")
-                overdue.append(load)
-        if not (overdue or held):
-            return
-        # The fence runs outside our lock: it is connector code and may call back into us.
-        fence = self._fence
-        fenced = {load for load in (*overdue, *held) if fence is None or self._try_fence(load)}
-        with self._lock:
-            for load in held:
-                if self._quarantined.get(load.req_id) is not load:
-                    continue  # fenced() released it meanwhile
-                if load in fenced:
-                    self._release_locked(load, log)
-                else:
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-            for load in overdue:
-                if load.settled or self._loads.get(load.req_id) is not load:
-                    continue
-                if load in fenced:  # the fence holds now, whatever a report said before
-                    load.unfenced = False
-                    self._settle_locked(load, ALL_PEERS, log)
-                elif self.quarantine:
-                    # Fail fast, free safely: delivered now, its blocks held until the
-                    # fence holds (retried at later drains) or fenced() is called.
-                    load.unfenced = True
-                    self._settle_locked(load, ALL_PEERS, log)
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-                else:
-                    # A transfer that may still write into these blocks must not be
-                    # delivered (C11); try again at a later drain.
-                    self._stats.event("fence_deferred")
-                    retry = (now + self._fence_retry_s, next(self._seq), load)
-                    heapq.heappush(self._deadlines, retry)
-
-    def _try_fence(self, load: Load) -> bool:
-        assert self._fence is not None
-        try:
-            return bool(self._fence(load.req_id))
-        except Exception:
-            logger.exception("kvfail: fence raised for req_id=%r; retrying later", load.req_id)
-            return False
 
     # ------------------------------------------------------------------ stats
 
@@ -649,21 +461,3 @@ class LoadTracker:
             self._recent_old = recent
             self._recent = recent = set()
         recent.update(req_ids)
-
-    def _compact_deadlines_locked(self) -> None:
-        """Drop stale heap entries once they outnumber the live ones (amortised O(1)).
-
-        Called wherever a load is added or leaves, so the heap stays within twice the
-        in-flight loads plus a constant, for every way a load can leave.
-        """
-        loads, held = self._loads, self._quarantined
-        if len(self._deadlines) <= 2 * (len(loads) + len(held)) + self._heap_slack:
-            return
-        live = [
-            e
-            for e in self._deadlines
-            if (loads.get(e[2].req_id) is e[2] and not e[2].settled)
-            or held.get(e[2].req_id) is e[2]  # a quarantined load's fence retry
-        ]
-        heapq.heapify(live)
-        self._deadlines = live

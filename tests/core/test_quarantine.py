@@ -12,12 +12,12 @@ import pytest
 from kvfail import FailureReporterMixin, LoadTracker, Stage
 from kvfail.load_records import IDLE_REPORT
 from tests.core.fakes import ManualClock
+from tests.core.trackers import make_tracker
 
 
 def make(**kw: object) -> LoadTracker:
-    kw.setdefault("clock", ManualClock())
     kw.setdefault("quarantine", True)
-    return LoadTracker(**kw)  # type: ignore[arg-type]
+    return make_tracker(**kw)
 
 
 def test_an_unfenced_deadline_fails_at_once_and_holds_until_the_fence_holds() -> None:

@@ -1,0 +1,101 @@
+"""The tracker's memory is bounded by the loads in flight, not by past traffic.
+
+Released at the drain, repeated reports allocate nothing, and what is remembered (recent
+ids, the lazy deadline heap) stays within a bound, notify-only loads included.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+
+from kvfail import Stage
+from kvfail.tracker import RECENT_IDS_KEPT
+from tests.core.trackers import make_tracker
+
+
+@pytest.mark.usefixtures("quiet_kvfail_logs")
+def test_memory_is_released_at_drain_and_repeated_reports_grow_nothing() -> None:
+    t = make_tracker()
+
+    def round_trip(n: int) -> None:
+        for i in range(n):
+            t.track(f"r{i}", [i, i + 1])
+        for _ in range(5):  # repeated reports must not allocate per report
+            for i in range(n):
+                t.failed(f"r{i}", Stage.TRANSFER, "x", settle=False)
+        for i in range(n):
+            t.succeeded(f"r{i}")
+        t.drain()
+
+    tracemalloc.start()
+    round_trip(2000)  # warm up: dict tables and the recent-id memory reach steady size
+    round_trip(2000)
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    for _ in range(5):
+        round_trip(2000)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(t) == 0
+    assert grown < 64 * 1024, f"retained {grown} bytes after delivery"
+
+
+def test_recent_id_memory_is_bounded() -> None:
+    t = make_tracker()
+    for i in range(RECENT_IDS_KEPT + 500):
+        t.track(f"r{i}", [1])
+        t.succeeded(f"r{i}")
+        if i % 100 == 0:
+            t.drain()
+    t.drain()
+    assert len(t._recent) + len(t._recent_old) <= 2 * RECENT_IDS_KEPT + 100
+
+
+def test_deadline_heap_is_compacted() -> None:
+    t = make_tracker(default_deadline_s=1000.0)
+    for i in range(5000):
+        t.track(f"r{i}", [1])
+        t.succeeded(f"r{i}")
+        if i % 10 == 0:
+            t.drain()
+    t.drain()
+    assert len(t._deadlines) <= 2 * len(t) + 64
+
+
+@pytest.mark.usefixtures("quiet_kvfail_logs")
+def test_notify_only_loads_retain_no_memory_after_they_settle() -> None:
+    t = make_tracker()
+
+    def round_trip(rnd: int, n: int) -> None:
+        for i in range(n):
+            t.track(f"n{rnd}-{i}", [])
+            t.succeeded(f"n{rnd}-{i}")
+        t.drain()
+
+    tracemalloc.start()
+    round_trip(0, 20_000)  # warm up: the recent-id memory reaches its steady size
+    round_trip(1, 20_000)
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    for rnd in range(2, 5):
+        round_trip(rnd, 20_000)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(t) == 0
+    assert grown < 64 * 1024, f"retained {grown} bytes for 60,000 settled notify-only loads"
+
+
+def test_deadline_heap_shrinks_when_loads_leave_without_new_tracks() -> None:
+    """Bounded by the loads in flight, not by past traffic: delivery compacts too."""
+    t = make_tracker(default_deadline_s=1000.0)
+    for i in range(500):
+        t.track(f"r{i}", [i] if i % 2 else [])  # half of them notify-only
+    for i in range(500):
+        t.succeeded(f"r{i}")
+    t.drain()
+    assert len(t) == 0 and len(t._deadlines) <= 64
