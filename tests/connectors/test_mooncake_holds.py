@@ -1,4 +1,5 @@
-"""KvfailMooncakeWorker's hold bookkeeping, in process: no map outlives its load.
+"""KvfailMooncakeWorker's hold bookkeeping (:mod:`connectors.mooncake.fence`), in
+process: no map outlives its load.
 
 Why: a hold entry that outlives its load keeps a P "maybe writing" forever (and grows
 with traffic). Built without a TransferEngine (``object.__new__`` plus the state the
