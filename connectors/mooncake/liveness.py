@@ -1,10 +1,12 @@
 """The liveness half of kvfail's Mooncake worker: on D, the watch of each P worker a
 pull goes to and what its two verdicts do; on P, the writer mark its D asks.
 
-Why apart: it is the one part of the worker that decides when a hold may end, and it
-reads as one piece: a worker unreachable fails what its pulls owe (blocks held), a
+Why apart: it is the part of the worker that proves from P's side that a hold may end,
+and it reads as one piece: a worker unreachable fails what its pulls owe (blocks held), a
 writer proven gone ends the holds (:mod:`connectors.mooncake.probe`,
-:mod:`connectors.writer_mark`). Mixed in front of the worker, whose state it uses.
+:mod:`connectors.writer_mark`). The fence and the max hold, which end holds without that
+proof, are :mod:`connectors.mooncake.fence`'s. Mixed in front of the worker, whose state
+it uses.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class PeerLiveness:
     side_channel_port: int
     failure_reporter: LoadTracker
 
-    if TYPE_CHECKING:  # the worker's and the reporter mixin's; never shadowed at runtime
+    if TYPE_CHECKING:  # the fence's and the reporter mixin's; never shadowed at runtime
 
         def _mc_fail_unreported(
             self, state: PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str

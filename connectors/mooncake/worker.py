@@ -30,7 +30,9 @@ What we change, and why:
 * A failed load's blocks go back only when P's writer is proven done: P's answer, or its
   writer mark (:mod:`connectors.writer_mark`) gone or replaced. A P worker on this
   connector keeps that mark open until its own writes are over, shutdown included;
-  upstream's P closes its side channel before its sender threads stop.
+  upstream's P closes its side channel before its sender threads stop. The fence and
+  the holds are :mod:`connectors.mooncake.fence`; the watch of P is
+  :mod:`connectors.mooncake.liveness`.
 
 The stage of a failure is known from where it is detected. Upstream funnels all of them
 through ``_handle_failed_recv(pull_metas, req_ids, reason)``; we tell them apart with a
@@ -45,7 +47,6 @@ import contextlib
 import itertools
 import sys
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Collection, Coroutine
 from typing import TYPE_CHECKING, Any, Final
@@ -63,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
 )
 from vllm.logger import init_logger
 
+from connectors.mooncake.fence import MAX_HOLD_KEY, WriteFence
 from connectors.mooncake.liveness import PeerLiveness
 from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import (
@@ -79,7 +81,6 @@ from connectors.mooncake.pull_state import (
 )
 from connectors.mooncake.stats import KvfailMooncakeStats
 from kvfail import FailureReporterMixin, Stage, compat
-from kvfail.blocks import normalise_block_ids
 from kvfail.compat import KVConnectorTransferResults
 from kvfail.cpu import cpu_accelerator_index_shim
 from kvfail.deadline import DEADLINE_KEY, PROBE_INTERVAL_KEY, seconds_from
@@ -97,14 +98,6 @@ logger = init_logger(__name__)
 #: the DEALER's receive timeout, VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 = 540 s.
 DEFAULT_DEADLINE_S: Final = 30.0
 
-#: ``kv_connector_extra_config`` key: the longest a failed load's blocks are held, counted
-#: from its deadline, without proof that P's push is over. Default: no bound. No time
-#: measured on D bounds P's push: P's own expiry only bounds how long P waits for its
-#: prefill once the pull reached it, and a slow or stopped P may receive the pull, and
-#: then push, at any later time. Setting it trades that wrong-KV risk for capacity.
-MAX_HOLD_KEY: Final = "kvfail_max_hold_s"
-
-
 #: How long ``get_transfer_results`` waits for the sender loop to hand over finished sends
 #: before trying again at the next step (upstream waits without a bound).
 SENDER_POLL_TIMEOUT_S: Final = 1.0
@@ -116,7 +109,9 @@ SHUTDOWN_TIMEOUT_S: Final = 2.0
 _AWAITING_PEERS: Final = "awaiting-p-workers"
 
 
-class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, MooncakeConnectorWorker):
+class KvfailMooncakeWorker(
+    WriteFence, PeerLiveness, NamedHolds, FailureReporterMixin, MooncakeConnectorWorker
+):
     """Upstream's ``MooncakeConnectorWorker`` reporting through kvfail's mixin.
 
     Extra config (``kv_connector_extra_config``):
@@ -127,7 +122,7 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
       this much longer before reporting (see :meth:`kvfail_fence`).
     * ``kvfail_probe_interval_s`` (default 0.2): liveness probe period for P workers with
       pulls in flight (see :meth:`_mc_probe_peer`); ``None`` or ``0`` disables it.
-    * ``kvfail_max_hold_s`` (default: none): see :data:`MAX_HOLD_KEY`.
+    * ``kvfail_max_hold_s`` (default: none): see :data:`connectors.mooncake.fence.MAX_HOLD_KEY`.
     """
 
     def __init__(
@@ -426,96 +421,10 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
         # P worker already reported done; those stay done.
         self._mc_fail_unreported(state, {r: pull_metas[r] for r in known}, stage, reason)
 
-    def _mc_fail_unreported(
-        self, state: PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str
-    ) -> None:
-        """Fail what this pull has not settled yet. A request P may still push into (the
-        exchange ended without P's answer for it: a socket error or timeout) is failed
-        unfenced where quarantine exists: reported now, its blocks held until P's death
-        proves the push over (:meth:`_mc_release_proven`) or the max hold passes."""
-        may_write = state.may_still_write(pulls) if self.failure_reporter.quarantine else set()
-        for req_id in pulls.keys() - state.reported:
-            state.reported.add(req_id)
-            # A load with no blocks (notify-only) has nothing to hold: the tracker never
-            # quarantines it, so a hold entry would never end.
-            if req_id in may_write and normalise_block_ids(pulls[req_id].local_block_ids).flat:
-                with self._mc_lock:
-                    self._mc_held.setdefault(req_id, time.monotonic())
-                if self.load_failed(req_id, stage, reason, peer=state.peer, fenced=False):
-                    continue
-                with self._mc_lock:
-                    self._mc_held.pop(req_id, None)
-            else:
-                self.load_failed(req_id, stage, reason, peer=state.peer)
-
     def _mc_live(self, req_id: str) -> bool:
         """Tracked and not failed: still worth pulling."""
         tracker = self.failure_reporter
         return tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None
-
-    # ------------------------------------------------------------------ watchdog
-
-    def kvfail_fence(self, req_id: str) -> bool:
-        """Whether nothing can still write into an overdue (or quarantined) load's blocks.
-
-        Mooncake is P-push: once P holds D's pull request, it writes into D's registered
-        KV memory with its own TransferEngine whenever it gets to it, and D holds no handle
-        to cancel. No clock on D bounds that write: a stopped P may receive the pull late
-        and push after any wait. What proves it over is P itself: its reply naming the
-        request or ending the exchange (it replies only after pushing), or its process
-        found gone by the probe. So:
-
-        * no pull task started (bootstrap phase), or every task ended with that proof:
-          fenced;
-        * with quarantine (the tracker's, see :mod:`kvfail.quarantine`): the load was
-          already reported at its deadline; the pull keeps running, and its blocks stay
-          held until the proof comes. ``kvfail_max_hold_s``, if set, is an outer bound
-          chosen by the operator, at which the tasks are cancelled;
-        * without quarantine (an older vLLM cannot hold blocks of a reported load): the
-          tasks are cancelled (a late reply is never read), and ``kvfail_fence_grace_s``
-          holds the request that much longer first; choose the deadline plus the grace
-          above how long P may take to push.
-        """
-        now = time.monotonic()
-        with self._mc_lock:
-            tasks = tuple(self._mc_tasks.get(req_id, ()))
-            writing = bool(tasks) or bool(self._mc_unproven.get(req_id))
-            first = self._mc_fenced_at.setdefault(req_id, now)
-        quarantine = self.failure_reporter.quarantine
-        bound = self._mc_max_hold_s
-        if writing and quarantine and (bound is None or now - first < bound):
-            return False
-        for task in tasks:
-            with contextlib.suppress(RuntimeError):  # loop already closed
-                self.receiver_loop.call_soon_threadsafe(task.cancel)
-        if writing and not quarantine and now - first < self._mc_grace_s:
-            return False
-        with self._mc_lock:
-            self._mc_fenced_at.pop(req_id, None)
-            self._mc_unproven.pop(req_id, None)
-            self._mc_held.pop(req_id, None)
-        if writing:
-            logger.warning(
-                "kvfail: %s's blocks released %.1f s after its deadline without proof that "
-                "P's push is over (kvfail_max_hold_s or kvfail_fence_grace_s)",
-                req_id,
-                now - first,
-            )
-        return True
-
-    def _mc_expire_holds(self) -> None:
-        """Past ``kvfail_max_hold_s``, release loads held by :meth:`_mc_fail_unreported`."""
-        bound = self._mc_max_hold_s
-        assert bound is not None
-        now = time.monotonic()
-        with self._mc_lock:
-            due = [r for r, since in self._mc_held.items() if now - since >= bound]
-            for req_id in due:
-                del self._mc_held[req_id]
-                self._mc_unproven.pop(req_id, None)
-        for req_id in due:
-            logger.warning("kvfail: %s's blocks released at kvfail_max_hold_s, unproven", req_id)
-            self.load_fenced(req_id)
 
     # ------------------------------------------------------------------ per step
 
@@ -527,24 +436,6 @@ class KvfailMooncakeWorker(PeerLiveness, NamedHolds, FailureReporterMixin, Moonc
         if self._mc_fenced_at or self._mc_held:
             self._mc_forget_ended()
         return results
-
-    def _mc_forget_ended(self) -> None:
-        """Drop bookkeeping of loads that ended another way than the one that pops it (a
-        hold released by P's death, a fence that never said True, a notify-only load):
-        a load neither tracked nor held keeps nothing here."""
-        tracker = self.failure_reporter
-        with self._mc_lock:
-            for table in (self._mc_fenced_at, self._mc_held):
-                for req_id in [
-                    r for r in table if not tracker.is_tracked(r) and not tracker.is_quarantined(r)
-                ]:
-                    del table[req_id]
-
-    def kvfail_peer_of(self, req_id: str) -> str | None:
-        """The P worker(s) a held load may still be pushed from."""
-        with self._mc_lock:
-            addrs = sorted(self._mc_unproven.get(req_id, ()))
-        return ",".join(addrs) or None
 
     def _mc_take_finished_sending(self) -> set[str]:
         """Upstream's producer bookkeeping, fetched with a bounded wait.

@@ -1,9 +1,10 @@
-"""KvfailMooncakeWorker's hold bookkeeping, in process: no map outlives its load.
+"""KvfailMooncakeWorker's hold bookkeeping (:mod:`connectors.mooncake.fence`), in
+process: no map outlives its load.
 
 Why: a hold entry that outlives its load keeps a P "maybe writing" forever (and grows
 with traffic). Built without a TransferEngine (``object.__new__`` plus the state the
-methods read); the real-P paths run in ``test_mooncake_unit.py`` and the conformance
-suite's quarantine scenarios.
+methods read); the real-P paths run in ``test_mooncake_replies.py``,
+``test_mooncake_no_answer.py`` and the conformance suite's quarantine scenarios.
 """
 
 from __future__ import annotations

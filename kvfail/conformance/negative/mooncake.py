@@ -151,7 +151,7 @@ if _KvfailMooncake is not None:
         trusts its clock, or a closed side channel, instead of P's writer)."""
 
         def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-            from connectors.mooncake.worker import MAX_HOLD_KEY
+            from connectors.mooncake.fence import MAX_HOLD_KEY
 
             transfer = vllm_config.kv_transfer_config
             transfer.kv_connector_extra_config = {
