@@ -145,19 +145,33 @@ def proc_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def _other_threads(pid: int) -> bool:
+    """Whether a thread other than ``pid``'s leader is still in its thread group."""
+    try:
+        return any(int(tid) != pid for tid in os.listdir(f"/proc/{pid}/task"))
+    except OSError:  # gone meanwhile
+        return False
+
+
 def signal_landed(pid: int, sig: int, timeout_s: float = 10.0) -> None:
-    """Return once the kernel shows ``sig``'s effect on ``pid``: gone or a zombie after
-    SIGKILL (its sockets are closed then), stopped after SIGSTOP, running after SIGCONT.
+    """Return once the kernel shows ``sig``'s effect on ``pid``: gone, or a zombie with
+    no thread left, after SIGKILL (its sockets are closed then), stopped after SIGSTOP,
+    running after SIGCONT.
 
     Why wait: a signal is only queued when ``kill`` returns. A large process killed is
     still tearing down its memory, its listening sockets still completing handshakes,
     when the caller goes on; a fault "P died before D's pull" must have landed first.
+    Why the threads: a leader shows ``Z`` as soon as it has exited itself, while the
+    thread that drops the process's last reference to its memory and its files (and so
+    closes its sockets) may still be tearing the memory down.
     Other signals return at once. Raises TimeoutError past ``timeout_s``."""
     import signal
 
     def done(state: str | None) -> bool:
-        if state is None or state in "ZXx":
+        if state is None:
             return True
+        if state in "ZXx":
+            return sig != signal.SIGKILL or not _other_threads(pid)
         if sig == signal.SIGSTOP:
             return state in "Tt"
         if sig == signal.SIGCONT:
