@@ -44,8 +44,8 @@ pytestmark = pytest.mark.vllm
 def test_bootstrap_refused_is_reported(mooncake_d: KvfailMooncakeConnector) -> None:
     before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-gone")
-    start(mooncake_d, pull)
-    obs = poll(mooncake_d, {pull.req_id}, timeout_s=DEADLINE_S + 5.0)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
+    obs = poll(mooncake_d, {pull.req_id})
     assert_failed_once(obs, pull)
     # Refused three times 0.1 s apart: the bootstrap path, well before the watchdog.
     assert stage_counts(mooncake_d)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
@@ -56,7 +56,7 @@ def test_unknown_engine_id_is_a_bootstrap_failure(
 ) -> None:
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine="P-nobody-registered")
-    start(mooncake_d, pull)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
     assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     assert stage_counts(mooncake_d)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
 
@@ -76,8 +76,8 @@ def test_a_bootstrap_that_only_logs_its_failure_is_still_reported(
     monkeypatch.setattr(MooncakeConnectorWorker, "handle_new_engine_id", finds_nothing)
     before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-logged-only")
-    start(mooncake_d, pull)
-    assert_failed_once(poll(mooncake_d, {pull.req_id}, timeout_s=DEADLINE_S + 5.0), pull)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
+    assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     counts = stage_counts(mooncake_d)  # the bootstrap's failure, not the deadline's
     assert counts[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
     assert counts[Stage.WATCHDOG] == before[Stage.WATCHDOG]

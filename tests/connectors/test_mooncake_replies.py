@@ -22,6 +22,7 @@ from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeWorker
 from kvfail import FailureReporterMixin, Stage
 from tests.connectors.fake_mooncake_p import BOGUS, HOLEY, TWO, FakePrefill
 from tests.connectors.mooncake_d_side import (
+    BOUND_S,
     DEADLINE_S,
     assert_failed_once,
     assert_succeeded_once,
@@ -64,7 +65,7 @@ def test_error_reply_fails_the_whole_exchange(
 ) -> None:
     before = stage_counts(mooncake_d)
     pulls = [make_pull(fake_mooncake_p.url, "error"), make_pull(fake_mooncake_p.url, "error")]
-    start(mooncake_d, *pulls)
+    start(mooncake_d, *pulls, deadline_s=BOUND_S)
     obs = poll(mooncake_d, {p.req_id for p in pulls})
     for pull in pulls:
         assert_failed_once(obs, pull)
@@ -87,7 +88,7 @@ def test_peer_finishing_without_naming_a_request(
 ) -> None:
     before = stage_counts(mooncake_d)
     omitted, good = make_pull(fake_mooncake_p.url, "omit"), make_pull(fake_mooncake_p.url, "ok")
-    start(mooncake_d, omitted, good)
+    start(mooncake_d, omitted, good, deadline_s=BOUND_S)
     obs = poll(mooncake_d, {omitted.req_id, good.req_id})
     assert_failed_once(obs, omitted)
     assert_succeeded_once(obs, good)
@@ -102,7 +103,7 @@ def test_undecodable_reply_is_a_peer_failure_whose_blocks_stay_held(
     and its blocks stay held (C11): P is alive, so nothing proves its push over."""
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "garbage")
-    start(mooncake_d, pull)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
     obs = poll(mooncake_d, {pull.req_id})
     assert obs.finished[pull.req_id] == 1 and obs.failed[pull.req_id] == 1
     assert obs.failed_pass[pull.req_id] == obs.finished_pass[pull.req_id]  # C3
@@ -116,7 +117,7 @@ def test_a_pull_that_never_left_d_frees_its_blocks(
     """The DEALER could not even be built (a bad endpoint): the pull never reached P,
     so nothing can write and the failure is block-level, its blocks free at once."""
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
     obs = poll(mooncake_d, {pull.req_id})
     assert_failed_once(obs, pull)
     assert not obs.held
@@ -139,7 +140,7 @@ def test_side_channel_error_is_a_transfer_failure(
     """D's DEALER cannot connect (ZMQError): upstream's exception path, Stage.TRANSFER."""
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull)
+    start(mooncake_d, pull, deadline_s=BOUND_S)
     assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     assert stage_counts(mooncake_d)[Stage.TRANSFER] - before[Stage.TRANSFER] == 1
 
