@@ -51,6 +51,7 @@ __all__ = [
     "EngineHandle",
     "Fault",
     "Injector",
+    "LateWriteGate",
     "LateWrites",
     "MalformedParams",
     "Provocation",
@@ -180,6 +181,22 @@ class ByteOracle(Protocol):
 #: so the write comes when it does the most harm. Steps, not seconds, so the verdict is
 #: the same on a loaded machine.
 LATE_WRITE_STEPS = 5
+
+
+@dataclass
+class LateWriteGate:
+    """When a held late write may land: :data:`LATE_WRITE_STEPS` D steps after the step
+    at which the driver first saw its load stop waiting (one gate per late write)."""
+
+    #: D's step count at that first sight; None until then.
+    since: int | None = None
+
+    def due(self, steps: int) -> bool:
+        """Whether the write may land at D's step count ``steps`` (the first call starts
+        the count)."""
+        if self.since is None:
+            self.since = steps
+        return steps - self.since >= LATE_WRITE_STEPS
 
 
 @runtime_checkable

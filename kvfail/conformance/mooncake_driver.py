@@ -9,12 +9,18 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
 from kvfail.conformance.claims import probe as probe_of
-from kvfail.conformance.driver import LATE_WRITE_STEPS, Claim, Declared, abort_request
+from kvfail.conformance.driver import (
+    LATE_WRITE_STEPS,
+    Claim,
+    Declared,
+    LateWriteGate,
+    abort_request,
+)
 from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 
@@ -43,8 +49,8 @@ class _LatePush:
     says it happened."""
 
     producer: Any
-    #: D's step count when the scenario first asked (the load had stopped waiting).
-    asked_at: int | None = None
+    #: Counted from the scenario's first ask (the load had stopped waiting).
+    gate: LateWriteGate = field(default_factory=LateWriteGate)
     released: bool = False
     done: str | None = None
 
@@ -397,9 +403,7 @@ class MooncakeDriver(PairDriver):
             return None
         if late.done is not None:
             return late.done
-        if late.asked_at is None:
-            late.asked_at = engine.record.steps
-        if engine.record.steps - late.asked_at < LATE_WRITE_STEPS:
+        if not late.gate.due(engine.record.steps):
             return None
         producer = late.producer
         now = time.monotonic()

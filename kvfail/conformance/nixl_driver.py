@@ -394,11 +394,8 @@ class NixlDriver(PairDriver):
         late = None if fault is None else fault.state
         if not isinstance(late, LateRead):
             return None
-        if late.done is None:
-            if late.asked_at is None:
-                late.asked_at = engine.record.steps
-            if engine.record.steps - late.asked_at >= LATE_WRITE_STEPS:
-                self._thaw(late.producer, settle=True)
+        if late.done is None and late.gate.due(engine.record.steps):
+            self._thaw(late.producer, settle=True)
         return late.done
 
     def _end_delays(self, *, now: bool = False) -> None:
@@ -412,8 +409,11 @@ class NixlDriver(PairDriver):
         """Let a stopped P go on; with ``settle``, digest its late writes' blocks before
         and :attr:`LATE_SETTLE_S` after, D not stepping, so only P's answers wrote."""
         self._thaw_at.pop(id(producer), None)
-        late = [v for v in self._late_reads() if v.producer is producer and v.done is None]
-        late = late if settle else []
+        late = (
+            [v for v in self._late_reads() if v.producer is producer and v.done is None]
+            if settle
+            else []
+        )
         before = [v.digests() for v in late]
         proc = producer.process
         if proc.alive and proc.frozen:

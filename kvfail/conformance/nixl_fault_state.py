@@ -8,8 +8,10 @@ both file them (:mod:`kvfail.conformance.nixl_push_driver` words its late write 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvfail.conformance.driver import LateWriteGate
 
 __all__ = ["KillOnProvoke", "LateRead"]
 
@@ -22,9 +24,9 @@ class LateRead:
     engine: Any
     #: The request's blocks (one tuple per KV-cache group), read while its load waited.
     blocks: tuple[tuple[int, ...], ...] | None = None
-    #: D's step count when the scenario first asked for the late write (the load had
-    #: stopped waiting); P goes on a fixed number of D steps later.
-    asked_at: int | None = None
+    #: Counted from the scenario's first ask for the late write (the load had stopped
+    #: waiting); P goes on when it is due.
+    gate: LateWriteGate = field(default_factory=LateWriteGate)
     done: str | None = None
 
     def digests(self) -> list[str]:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
 from kvfail.conformance.driver import (
-    LATE_WRITE_STEPS,
     Claim,
     Declared,
     Driver,
     EngineHandle,
     Injector,
+    LateWriteGate,
     Provocation,
     abort_request,
 )
@@ -56,20 +56,17 @@ class ToyDriver(Driver["_ToyHandle"]):
     ``slow_peer_past_deadline``: the in-memory P never answers the load, so only the
     connector's deadline ends it; the toy transport holds a write for it
     (``ToyConnector.hold_write``), so the toy's fence quarantines its blocks. Then,
-    :attr:`LATE_WRITE_STEPS` D steps after the load stopped waiting (its report reached
-    the scheduler), the write lands (``ToyConnector.land_write``): P's bytes go into the
-    blocks the load was given, in D's real KV tensors on every rank, wherever the
-    scheduler has them by then: a slow P whose write lands after D gave up. Steps, not
-    seconds, as for ``net_delay``.
+    :data:`~kvfail.conformance.driver.LATE_WRITE_STEPS` D steps after the load stopped
+    waiting (its report reached the scheduler), the write lands
+    (``ToyConnector.land_write``): P's bytes go into the blocks the load was given, in
+    D's real KV tensors on every rank, wherever the scheduler has them by then: a slow P
+    whose write lands after D gave up. Steps, not seconds, as for ``net_delay``.
     """
 
     #: The toy reporter's watchdog deadline used by the silent-peer scenario.
     DEADLINE_S = 0.5
     #: D steps a ``net_delay`` load waits before the in-memory P answers.
     DELAY_STEPS = 3
-    #: D steps after a ``slow_peer_past_deadline`` load stopped waiting before the
-    #: in-memory P's late write lands (requests added right after it got its blocks).
-    LATE_WRITE_STEPS = LATE_WRITE_STEPS
     REMOTE_ENGINE = "P-toy"
 
     def __init__(self, name: str = "toy", connector_cls: type | None = None) -> None:
@@ -335,8 +332,9 @@ class ToyDriver(Driver["_ToyHandle"]):
         self, engine: Engine, rid: str, late: _ToyLateWrite, waiting: frozenset[str]
     ) -> None:
         """``slow_peer_past_deadline``: note the load each worker started while it waits;
-        :attr:`LATE_WRITE_STEPS` steps after it stopped waiting, write P's bytes into
-        those blocks, on every rank (see the class docstring)."""
+        once its :class:`~kvfail.conformance.driver.LateWriteGate` is due after it stopped
+        waiting, write P's bytes into those blocks, on every rank (see the class
+        docstring)."""
         if late.done is not None:
             return
         if rid in waiting:
@@ -348,9 +346,7 @@ class ToyDriver(Driver["_ToyHandle"]):
             return
         if not late.loads:
             return  # never in flight on a worker: nothing to write, so never "done"
-        if late.left_at is None:
-            late.left_at = engine.record.steps
-        if engine.record.steps - late.left_at < self.LATE_WRITE_STEPS:
+        if not late.gate.due(engine.record.steps):
             return
         for worker in engine.workers:
             load = late.loads.get(worker.rank)
@@ -359,7 +355,7 @@ class ToyDriver(Driver["_ToyHandle"]):
         blocks = sorted({b for load in late.loads.values() for g in load.block_ids for b in g})
         late.done = (
             f"the toy's P wrote {rid}'s blocks {blocks} on ranks {sorted(late.loads)}, "
-            f"{engine.record.steps - late.left_at} steps after the load stopped waiting"
+            f"{engine.record.steps - (late.gate.since or 0)} steps after the load stopped waiting"
         )
 
     def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
@@ -428,8 +424,8 @@ class _ToyLateWrite:
 
     #: rank -> the load as that rank's worker started it (its blocks, P's key).
     loads: dict[int, Any] = field(default_factory=dict)
-    #: D's step count when the load was first seen no longer waiting.
-    left_at: int | None = None
+    #: Counted from the step the load was first seen no longer waiting.
+    gate: LateWriteGate = field(default_factory=LateWriteGate)
     #: What the late write did, once done.
     done: str | None = None
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from connectors.mooncake.probe import MarkBook, watch_side_channel
+from connectors.mooncake.probe import MarkBook, refused_before_send, watch_side_channel
 from connectors.writer_mark import WriterMark, ask_writer_mark, start_writer_mark
 
 #: Bound on every wait here; far above a loopback round trip.
@@ -231,8 +231,6 @@ def test_a_killed_writer_is_gone_without_a_lost_first() -> None:
 def test_a_worker_refusing_before_the_pull_is_sent_never_got_it() -> None:
     """Checked before the pull leaves D: a side channel that refuses proves, for any P,
     that nothing reached the worker; one that accepts lets the pull go ahead."""
-    from connectors.mooncake.probe import refused_before_send
-
     host = "127.0.0.1"
     port = _free_port(host)
     marks = MarkBook()
@@ -249,8 +247,6 @@ def test_a_writer_dead_before_the_watch_first_asks_is_proven_gone() -> None:
     the watch's first round is still proven gone. Without the nonce seen first, its
     refusal would prove nothing (a P with no mark refuses the same way) and the load's
     blocks would stay held for good."""
-    from connectors.mooncake.probe import refused_before_send
-
     host = "127.0.0.1"
     port = _free_port(host)
     seen, marks = _Verdicts(), MarkBook()
@@ -271,8 +267,6 @@ def test_a_restart_while_nothing_was_watched_is_not_taken_for_the_next_writers_e
     """P restarts on the same address while D watches nothing there. The mark asked
     before the next pull records the new writer, so the watch does not read its nonce
     as proof that this pull's writer is gone (the blocks would be freed while it writes)."""
-    from connectors.mooncake.probe import refused_before_send
-
     host = "127.0.0.1"
     port = _free_port(host)
     seen, marks = _Verdicts(), MarkBook()
@@ -301,8 +295,6 @@ def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
     """Before the pull, the mark D saw earlier does not answer (a stopped P, or one
     restarted unseen and busy). A new nonce later may be the pull's own writer: no proof.
     A refusal still is: no mark is bound there, so whichever wrote is gone."""
-    from connectors.mooncake.probe import refused_before_send
-
     host = "127.0.0.1"
     port = _free_port(host)
     seen, marks = _Verdicts(), MarkBook()
