@@ -15,18 +15,19 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not importable")
+from tests.transports import require_transport
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+require_transport("mooncake")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E402
     MooncakeXferResponse,
     MooncakeXferResponseStatus,
     PullReqMeta,
 )
 
-from connectors.mooncake.pull_state import PULL, PeerPull
-from connectors.mooncake.worker import KvfailMooncakeWorker
-from kvfail import Stage
+from connectors.mooncake.pull_state import PULL, PeerPull  # noqa: E402
+from connectors.mooncake.worker import KvfailMooncakeWorker  # noqa: E402
+from kvfail import Stage  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -13,20 +13,18 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip(
-    "mooncake.engine",
-    reason="mooncake-transfer-engine(-non-cuda) is not importable (needs libibverbs1)",
-)
+from tests.transports import require_transport
 
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+require_transport("mooncake")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E402
     MooncakeConnectorWorker,
 )
 
-from connectors.mooncake import KvfailMooncakeConnector
-from kvfail import Stage
-from tests.connectors.fake_mooncake_p import LATE_S, ONE, FakePrefill, SlowBootstrap
-from tests.connectors.mooncake_d_side import (
+from connectors.mooncake import KvfailMooncakeConnector  # noqa: E402
+from kvfail import Stage  # noqa: E402
+from tests.connectors.fake_mooncake_p import LATE_S, ONE, FakePrefill, SlowBootstrap  # noqa: E402
+from tests.connectors.mooncake_d_side import (  # noqa: E402
     BOUND_S,
     DEADLINE_S,
     assert_failed_once,

@@ -12,21 +12,19 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip(
-    "mooncake.engine",
-    reason="mooncake-transfer-engine(-non-cuda) is not importable (needs libibverbs1)",
-)
+from tests.transports import require_transport
 
-from vllm.v1.request import FinishReason
+require_transport("mooncake")
 
-from connectors.mooncake import KvfailMooncakeConnector
-from connectors.mooncake.params import UNUSABLE_ENGINE
-from kvfail import Stage
-from kvfail.harness.config import EngineSpec
-from kvfail.harness.engine import Engine
-from tests.connectors.fake_mooncake_p import ONE, FakePrefill
-from tests.connectors.mooncake_d_side import (
+from vllm.v1.request import FinishReason  # noqa: E402
+
+from connectors.mooncake import KvfailMooncakeConnector  # noqa: E402
+from connectors.mooncake.params import UNUSABLE_ENGINE  # noqa: E402
+from kvfail import Stage  # noqa: E402
+from kvfail.harness.config import EngineSpec  # noqa: E402
+from kvfail.harness.engine import Engine  # noqa: E402
+from tests.connectors.fake_mooncake_p import ONE, FakePrefill  # noqa: E402
+from tests.connectors.mooncake_d_side import (  # noqa: E402
     BOUND_S,
     EXTRA,
     assert_failed_once,

@@ -12,16 +12,14 @@ from collections import Counter
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip(
-    "mooncake.engine",
-    reason="mooncake-transfer-engine(-non-cuda) is not importable (needs libibverbs1)",
-)
+from tests.transports import require_transport
 
-from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeWorker
-from kvfail import FailureReporterMixin, Stage
-from tests.connectors.fake_mooncake_p import BOGUS, HOLEY, TWO, FakePrefill
-from tests.connectors.mooncake_d_side import (
+require_transport("mooncake")
+
+from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeWorker  # noqa: E402
+from kvfail import FailureReporterMixin, Stage  # noqa: E402
+from tests.connectors.fake_mooncake_p import BOGUS, HOLEY, TWO, FakePrefill  # noqa: E402
+from tests.connectors.mooncake_d_side import (  # noqa: E402
     BOUND_S,
     DEADLINE_S,
     assert_failed_once,

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip(
-    "mooncake.engine",
-    reason="mooncake-transfer-engine(-non-cuda) is not importable (needs libibverbs1)",
-)
+from tests.transports import require_transport
 
-from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeStats
-from tests.connectors.fake_mooncake_p import FakePrefill
-from tests.connectors.mooncake_d_side import (
+require_transport("mooncake")
+
+from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeStats  # noqa: E402
+from tests.connectors.fake_mooncake_p import FakePrefill  # noqa: E402
+from tests.connectors.mooncake_d_side import (  # noqa: E402
     make_pull,
     poll,
     start,

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import socket
 
-import pytest
+from tests.transports import require_transport
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip("nixl", reason="nixl is not importable in this environment")
+require_transport("nixl")
 
 
 def test_a_refused_side_channel_is_told_from_a_listening_one() -> None:

@@ -17,10 +17,9 @@ import sys
 
 import pytest
 
-from tests.transports import nixl_child_env
+from tests.transports import nixl_child_env, require_transport
 
-pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
-pytest.importorskip("nixl", reason="nixl is not installed")
+require_transport("nixl")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
