@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from junit_verdicts import verdicts
 
 #: The rows docs/guard.md has a generated table for: ``--connector`` value -> the suite's
 #: files its runs take (the store drivers' faults are in test_store_faults.py).
@@ -34,31 +35,18 @@ ROWS = {
         "test_store_faults.py",
     ),
 }
-#: A violation's prefix in a scenario's failure message ("C9 leak: ...").
-FINDING = re.compile(r"\b(C\d+(?:/C\d+)*) ([A-Za-z][A-Za-z /-]*?):")
 CASE = re.compile(r"^(?P<scenario>\w+)\[.*?-(?P<policy>fail|recompute)(?:-(?P<case>.+))?\]$")
 
 
 def outcomes(path: Path) -> dict[tuple[str, str], tuple[str, list[str]]]:
     """(scenario, policy) -> (outcome, finding kinds) for one run."""
     out: dict[tuple[str, str], tuple[str, list[str]]] = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        match = CASE.match(case.get("name", ""))
+    for name, verdict in verdicts(path).items():
+        match = CASE.match(name)
         if match is None:
             continue
         scenario = match["scenario"] + (f"[{match['case']}]" if match["case"] else "")
-        key = (scenario, match["policy"])
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        if failure is not None:
-            text = failure.get("message", "") + (failure.text or "")
-            kinds = sorted({f"{c} {k}" for c, k in FINDING.findall(text)})
-            out[key] = ("failed" if failure.tag == "failure" else "error", kinds)
-        elif case.find("skipped") is not None:
-            out[key] = ("skipped", [])
-        else:
-            out[key] = ("passed", [])
+        out[(scenario, match["policy"])] = (verdict.outcome, list(verdict.kinds))
     return out
 
 
