@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(deadline_s=args.deadline)
     if args.command == "audit":
+        from kvfail.audit.cli import command_started_at
         from kvfail.audit.cli import run as run_audit
 
-        return run_audit(args)
+        return run_audit(args, started_at=command_started_at())
     if args.command == "matrix":
         from kvfail.audit.matrix import run as run_matrix
 

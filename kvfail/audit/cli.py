@@ -272,9 +272,27 @@ def _process_age_s() -> float:
         return 0.0
 
 
-def run(args: argparse.Namespace, dynamic_runner: DynamicRunner | None = None) -> int:
-    """Run the audit for parsed ``args``; returns the process exit status."""
-    start = time.monotonic() - _process_age_s()  # the budget covers the whole command
+def command_started_at() -> float:
+    """When this command started, on ``time.monotonic()``'s clock: its interpreter
+    start-up and imports count against ``--budget-s`` too. Only a command's entry point
+    may use it (a process that runs :func:`run` later, such as a test worker, is older
+    than the audit)."""
+    return time.monotonic() - _process_age_s()
+
+
+def run(
+    args: argparse.Namespace,
+    dynamic_runner: DynamicRunner | None = None,
+    *,
+    started_at: float | None = None,
+) -> int:
+    """Run the audit for parsed ``args``; returns the process exit status.
+
+    ``started_at`` (``time.monotonic()``): when the audit began, from which ``--budget-s``
+    counts; the command's entry points pass :func:`command_started_at`, a caller in a
+    process of its own leaves it (now).
+    """
+    start = time.monotonic() if started_at is None else started_at
     runner = dynamic_runner if dynamic_runner is not None else DYNAMIC_RUNNER
     if runner is None and not args.quick:
         from kvfail.audit.dynamic import ConformanceRunner
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     """Standalone entry (``python -m kvfail.audit.cli``), same options as ``kvfail audit``."""
     parser = argparse.ArgumentParser(prog="kvfail audit", description=__doc__)
     configure_parser(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), started_at=command_started_at())
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,46 @@ def test_a_driven_row_gets_a_guard_row_after_every_row(
     cli.run(_parser().parse_args(["--quick", *argv]))
     rows = {r["name"] for r in json.loads(capsys.readouterr().out)["connectors"]}
     assert rows == {"MooncakeConnector"}
+
+
+class _Made(Exception):
+    """Raised by a stand-in runner class once it has seen its arguments."""
+
+
+def _capture_runner(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    import kvfail.audit.dynamic as dynamic
+
+    seen: dict[str, object] = {}
+
+    class Capture:
+        def __init__(self, **kwargs: object) -> None:
+            seen.update(kwargs)
+            raise _Made
+
+    monkeypatch.setattr(dynamic, "ConformanceRunner", Capture)
+    return seen
+
+
+def test_budget_counts_from_the_call_in_a_long_lived_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``run`` called in a process older than the budget (a test worker, a service) still
+    gives the dynamic tier its whole budget. The budget once counted from the process's
+    own start, so a worker that had run for eight minutes cut every scenario at once
+    ("not run: no result"), depending only on when the test was scheduled."""
+    monkeypatch.setattr(cli, "_process_age_s", lambda: 10_000.0)
+    seen = _capture_runner(monkeypatch)
+    before = time.monotonic()
+    with pytest.raises(_Made):
+        cli.run(_parser().parse_args(["--connector", "nosuch.mod:Foo"]))
+    assert isinstance(seen["start"], float) and seen["start"] >= before
+
+
+def test_the_command_counts_its_own_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvfail audit`` as a command: interpreter start-up and imports are part of the
+    budget, so the budget is the command's wall time."""
+    monkeypatch.setattr(cli, "_process_age_s", lambda: 7.0)
+    seen = _capture_runner(monkeypatch)
+    with pytest.raises(_Made):
+        cli.main(["--connector", "nosuch.mod:Foo"])
+    assert isinstance(seen["start"], float) and seen["start"] <= time.monotonic() - 7.0
