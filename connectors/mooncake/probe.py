@@ -174,7 +174,10 @@ class _MarkWatch:
                 return None  # unknown, or never seen: proves nothing
             if refusals < PROBE_REFUSALS:
                 await asyncio.sleep(PROBE_CONFIRM_S)
-        self.marks.forget(self.worker_addr)
+        # The dead writer's nonce stays in the book: a pull whose pre-send check saw it,
+        # and that registers only after this proof (its check was still waiting), gets a
+        # watch of its own, and only the nonce lets that watch prove the same death. A P
+        # restarted at the address replaces it at the next pull's pre-send check.
         return (
             f"P worker {self.worker_addr}'s writes are over: its writer mark refused "
             f"{PROBE_REFUSALS} times in a row"
@@ -212,6 +215,11 @@ async def refused_before_send(worker_addr: str, marks: MarkBook) -> str | None:
             if answer == "alive" and nonce is not None:
                 marks.saw(worker_addr, nonce)
             elif answer == "refused":
+                # No mark: a P without one (upstream's), or one that died after the
+                # connect. Only the side channel tells them apart; a dead one's refusal
+                # counts, so the pull is not sent to a P no watch could prove gone.
+                if await connect_probe(*endpoint, PREFLIGHT_TIMEOUT_S) == "refused":
+                    continue
                 marks.forget(worker_addr)
             elif worker_addr in marks:
                 marks.unconfirmed.add(worker_addr)

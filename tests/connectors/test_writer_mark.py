@@ -164,7 +164,6 @@ def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> No
     asyncio.run(scenario())
     assert len(seen.lost) == 1 and "side channel refused" in seen.lost[0]
     assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
-    assert _addr(host, port) not in marks
 
 
 def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
@@ -321,3 +320,60 @@ def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
 
     asyncio.run(scenario())
     assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
+
+
+def test_a_writer_proven_gone_is_gone_for_a_pull_that_registers_after_the_proof() -> None:
+    """A pull's pre-send check sees the writer's nonce; while it waits, P dies and the
+    watch of the other pulls proves it and ends. The pull then registers and starts a
+    watch of its own: the same death must prove its writes over too. Seen in the e2e
+    tier (P killed mid-run): the first watch dropped the nonce, the second could only
+    report the side channel refusing, and the pull's blocks stayed held for good."""
+    host = "127.0.0.1"
+    port = _free_port(host)
+    first, late, marks = _Verdicts(), _Verdicts(), MarkBook()
+
+    async def scenario() -> None:
+        mark = WriterMark(host, port)
+        with _listener(host, port):
+            assert await refused_before_send(_addr(host, port), marks) is None
+        mark.close()  # SIGKILL: the side channel and the mark close together
+        await asyncio.wait_for(_watch(host, port, first, marks), WAIT_S)
+        await asyncio.wait_for(_watch(host, port, late, marks), WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(first.gone) == 1 and "writer mark refused" in first.gone[0]
+    assert late.lost == [] and len(late.gone) == 1 and "writer mark refused" in late.gone[0]
+
+
+def test_a_p_that_dies_between_connect_and_mark_ask_is_not_sent_the_pull(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pre-send connect is accepted, then P dies before its mark is asked: the mark
+    refuses as an upstream P's would. The side channel, asked again, refuses too, so the
+    pull is not sent (nothing reached P) instead of going to a P that no watch could
+    prove gone (its nonce was never seen)."""
+    import connectors.mooncake.probe as probe
+
+    host = "127.0.0.1"
+    port = _free_port(host)
+    marks = MarkBook()
+    mark = WriterMark(host, port)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(8)
+    real_ask = probe.ask_writer_mark
+
+    async def dies_first(*args: object, **kwargs: object) -> tuple[str, bytes | None]:
+        listener.close()  # SIGKILL between the connect and the ask
+        mark.close()
+        return await real_ask(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(probe, "ask_writer_mark", dies_first)
+    try:
+        reason = asyncio.run(refused_before_send(_addr(host, port), marks))
+    finally:
+        listener.close()
+        mark.close()
+    assert reason is not None and "before the pull was sent" in reason
+    assert marks == {}
