@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from junit_verdicts import verdicts
+from junit_verdicts import verdicts, write_marked
 
 #: The rows docs/guard.md has a generated table for: ``--connector`` value -> the suite's
 #: files its runs take (the store drivers' faults are in test_store_faults.py).
@@ -79,14 +79,8 @@ def table(alone_path: str, guarded_path: str) -> tuple[list[str], int]:
 
 def write_section(doc: Path, row: str, lines: list[str]) -> None:
     """Replace ``row``'s marked section of ``doc`` with its heading and ``lines``."""
-    begin, end = f"<!-- guard-verdicts: {row} -->", f"<!-- /guard-verdicts: {row} -->"
-    text = doc.read_text(encoding="utf-8")
-    if begin not in text or end not in text:
-        raise SystemExit(f"{doc} has no section marked {begin} ... {end}")
     files = ", ".join(f"`conformance/{f}`" for f in ROWS[row])
-    body = [begin, "", f"### `{row}` (tp1; {files})", "", *lines, "", end]
-    head, rest = text.split(begin, 1)
-    doc.write_text(head + "\n".join(body) + rest.split(end, 1)[1], encoding="utf-8")
+    write_marked(doc, f"guard-verdicts: {row}", [f"### `{row}` (tp1; {files})", "", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 Usage::
 
-    python scripts/verdict_diff.py BEFORE.xml AFTER.xml [--labels A B] [--output DOC.md]
+    python scripts/verdict_diff.py BEFORE.xml AFTER.xml [--labels A B]
+        [--output FILE | --write DOC.md --section NAME]
 
 Each file is written by the same ``pytest ... --connector X [--connector Y ...]
 --junitxml=FILE`` at two commits. A test is matched by its name (scenario and
@@ -10,6 +11,8 @@ parameters: connector, layout, policy), so a scenario that moved module is still
 Prints (or writes) a markdown report: how many tests agree, every test whose outcome or
 named finding kinds differ, and the tests only one run has (new, removed or renamed
 scenarios, which a reader must account for). Exits 1 when an outcome differs.
+``--write DOC --section NAME`` puts the report between ``<!-- NAME -->`` and
+``<!-- /NAME -->`` in DOC (``docs/verdicts-before-after.md``'s tables are written so).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from junit_verdicts import Verdict, verdicts
+from junit_verdicts import Verdict, verdicts, write_marked
 
 
 def _cell(v: Verdict) -> str:
@@ -67,10 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("after", type=Path)
     ap.add_argument("--labels", nargs=2, default=("before", "after"), metavar=("A", "B"))
     ap.add_argument("--output", type=Path, help="write the report here instead of stdout")
+    ap.add_argument("--write", type=Path, help="write into this document's marked section")
+    ap.add_argument("--section", help="the section's marker name (with --write)")
     args = ap.parse_args(argv)
     lines, changed = report(args.before, args.after, tuple(args.labels))
     text = "\n".join(lines) + "\n"
-    if args.output is None:
+    if args.write is not None:
+        if not args.section:
+            ap.error("--write needs --section")
+        write_marked(args.write, args.section, lines)
+    elif args.output is None:
         sys.stdout.write(text)
     else:
         args.output.write_text(text, encoding="utf-8")
