@@ -25,6 +25,12 @@ from tests.transports import require_netns
 
 require_netns()
 
+#: One xdist worker runs every simulated-host module (with ``tests/peers/test_hosts.py``):
+#: namespaces and routes made and removed from two workers at once contend for the kernel's
+#: network configuration lock, and one fresh-clone run saw a plain ``ip route del`` wait
+#: past its bound while the other worker built its own namespaced pairs.
+pytestmark = pytest.mark.xdist_group("simulated-hosts")
+
 READY_S = 30.0  # a bound for a cold interpreter on a loaded machine, never a measurement
 PORT = 7411  # a fresh namespace has every port free
 #: The server inside the host echoes every connection's bytes back; on "probe PORT" it reports

@@ -36,7 +36,12 @@ from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.rig.processes import PeerExitedError  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+#: One xdist worker for the whole module and ``tests/faults/test_netns.py``: split test by
+#: test, each worker built its own namespaced pair (the module's fixture) while the other
+#: ran the IPv6 child's, and the namespace and route changes of both contended for the
+#: kernel's network configuration lock (a fresh-clone run saw ``ip route del`` pass its
+#: 20 s bound, another a cold NIXL load pass D's deadline).
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("simulated-hosts")]
 
 DEADLINE_S = 3.0
 #: Bound on every wait below (a failure names what was still missing).
