@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from vllm.logger import init_logger
 
+from connectors.mooncake.probe import PullWriter
 from connectors.mooncake.pull_state import PeerPull
 from kvfail import Stage
 from kvfail.blocks import normalise_block_ids
@@ -53,7 +54,7 @@ class WriteFence:
     _mc_lock: threading.Lock
     _mc_tasks: defaultdict[str, set[asyncio.Task[Any]]]
     _mc_fenced_at: dict[str, float]
-    _mc_unproven: defaultdict[str, set[str]]
+    _mc_unproven: defaultdict[str, dict[str, PullWriter]]
     _mc_held: dict[str, float]
     _mc_max_hold_s: float | None
     _mc_grace_s: float

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from connectors.mooncake.probe import MarkBook, watch_side_channel
+from connectors.mooncake.probe import MarkBook, PullWriter, watch_side_channel
 from connectors.mooncake.pull_state import PeerPull
 from connectors.writer_mark import WriterMark, start_writer_mark
 from kvfail import Stage
@@ -46,7 +46,7 @@ class PeerLiveness:
     _mc_marks: MarkBook
     _mc_lock: threading.Lock
     _mc_inflight: defaultdict[str, dict[asyncio.Task[Any], tuple[PeerPull, dict[str, PullReqMeta]]]]
-    _mc_unproven: defaultdict[str, set[str]]
+    _mc_unproven: defaultdict[str, dict[str, PullWriter]]
     _mc_tasks: defaultdict[str, set[asyncio.Task[Any]]]
     _mc_held: dict[str, float]
     _mc_mark: WriterMark | None
@@ -71,11 +71,12 @@ class PeerLiveness:
                 self._mc_probe_peer(worker_addr, self._mc_probe_s)
             )
 
-    def _mc_watched(self, worker_addr: str) -> bool:
-        if self._mc_inflight.get(worker_addr):
-            return True
+    def _mc_writers_at(self, worker_addr: str) -> list[PullWriter]:
+        """The writers of the pulls to this P worker in flight or left unproven."""
+        writers = [state.writer for state, _ in self._mc_inflight.get(worker_addr, {}).values()]
         with self._mc_lock:
-            return any(worker_addr in addrs for addrs in self._mc_unproven.values())
+            writers += [w[worker_addr] for w in self._mc_unproven.values() if worker_addr in w]
+        return writers
 
     async def _mc_probe_peer(self, worker_addr: str, interval_s: float) -> None:
         """Watch one P worker's side channel while D has pulls in flight to it, or a pull
@@ -87,27 +88,36 @@ class PeerLiveness:
             await watch_side_channel(
                 worker_addr,
                 interval_s,
-                watched=lambda: self._mc_watched(worker_addr),
-                lost=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=False),
-                gone=lambda reason: self._mc_peer_lost(worker_addr, reason, writes_over=True),
+                writers=lambda: self._mc_writers_at(worker_addr),
+                lost=lambda reason: self._mc_peer_lost(worker_addr, reason),
+                gone=lambda reason, ended: self._mc_peer_lost(worker_addr, reason, ended),
                 marks=self._mc_marks,
             )
         finally:
             if self._mc_probes.get(worker_addr) is me:
                 del self._mc_probes[worker_addr]
 
-    def _mc_peer_lost(self, worker_addr: str, reason: str, *, writes_over: bool) -> None:
-        """Fail what every pull task to this P worker still owes, then stop the tasks;
-        with ``writes_over`` (its writer is proven gone), also end the holds it kept.
+    def _mc_peer_lost(
+        self, worker_addr: str, reason: str, ended: Collection[PullWriter] = ()
+    ) -> None:
+        """Fail what the pull tasks to this P worker still owe, then stop the tasks; the
+        holds of the pulls whose writer is in ``ended`` (proven gone) end too.
 
+        Without ``ended`` (the side channel refuses) every task there is failed, and the
+        requests P may still push into are marked unproven here, before the tasks end,
+        so the watch goes on for them. With it (a writer proven gone), only the pulls
+        that writer had: a P restarted at the address may be writing those sent since.
         Runs on the receiver loop, like the tasks, so no reply can be processed between
         the report and the cancel; each request gets its one mixin call here, and the
-        cancelled task sees it already reported. Without ``writes_over`` the requests P
-        may still push into are marked unproven here, before the tasks end, so the watch
-        goes on for them.
+        cancelled task sees it already reported.
         """
+        writes_over = bool(ended)
         self._mc_forget_engines_at(worker_addr)
-        for task, (state, pulls) in self._mc_inflight.pop(worker_addr, {}).items():
+        inflight = self._mc_inflight.get(worker_addr, {})
+        for task, (state, pulls) in list(inflight.items()):
+            if writes_over and state.writer not in ended:
+                continue  # another writer's pull: its own end is yet to be proven
+            del inflight[task]
             if writes_over:
                 state.over = True  # a writer that is gone writes nothing more
             tracked = self.failure_reporter.is_tracked
@@ -117,16 +127,20 @@ class PeerLiveness:
                 unproven = state.may_still_write(pulls)
                 with self._mc_lock:
                     for req_id in unproven:
-                        self._mc_unproven[req_id].add(worker_addr)
+                        self._mc_unproven[req_id][worker_addr] = state.writer
             task.cancel()
+        if not inflight:
+            self._mc_inflight.pop(worker_addr, None)
         if not writes_over:
             return
         with self._mc_lock:
-            cleared = [r for r, addrs in self._mc_unproven.items() if worker_addr in addrs]
+            cleared = [
+                r for r, writers in self._mc_unproven.items() if writers.get(worker_addr) in ended
+            ]
             for req_id in cleared:
-                addrs = self._mc_unproven[req_id]
-                addrs.discard(worker_addr)
-                if not addrs:
+                writers = self._mc_unproven[req_id]
+                del writers[worker_addr]
+                if not writers:
                     del self._mc_unproven[req_id]
         self._mc_release_proven(cleared)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -31,6 +32,8 @@ __all__ = [
     "PROBE_CONFIRM_S",
     "PROBE_CONNECT_TIMEOUT_S",
     "MarkBook",
+    "MarkSeen",
+    "PullWriter",
     "connect_probe",
     "refused_before_send",
     "tcp_endpoint",
@@ -52,12 +55,12 @@ async def watch_side_channel(
     worker_addr: str,
     interval_s: float,
     *,
-    watched: Callable[[], bool],
+    writers: Callable[[], Collection[PullWriter]],
     lost: Callable[[str], None],
-    gone: Callable[[str], None],
+    gone: Callable[[str, list[PullWriter]], None],
     marks: MarkBook,
 ) -> None:
-    """Watch the P worker at ``worker_addr`` while ``watched()``.
+    """Watch the P worker at ``worker_addr`` while ``writers()`` names any pull there.
 
     Two verdicts, because a closed side channel is not a stopped writer:
 
@@ -65,21 +68,21 @@ async def watch_side_channel(
       row). What the pulls to this worker still owe is failed now, but the blocks stay
       held: a P shutting down gracefully closes its side channel first while a push may
       still land. Called again only after the side channel answered in between.
-    * ``gone(reason)``, then return: the worker's writer mark
-      (:mod:`connectors.writer_mark`), seen before, refuses, or a new one answers at the
-      address. Only this ends the holds.
+    * ``gone(reason, ended)``: the writers of the pulls in ``ended`` are proven gone by
+      the address's writer mark (:mod:`connectors.writer_mark`): it refuses, or another
+      nonce answers there than the one a pull's writer was seen with
+      (:meth:`PullWriter.ended_by`). Only this ends holds, and only those pulls': a P
+      restarted at the address may be the writer of pulls sent since.
 
-    ``marks`` keeps each address's nonce across watches (the caller owns it), so a watch
-    started after the worker died still knows it had a mark. :func:`refused_before_send`
-    refreshes it before a pull leaves D while no watch runs, so a worker that dies before
-    this watch first asks is still proven gone, and one restarted unseen meanwhile is
-    not taken for the pull's writer's end.
+    Each pull carries its own :class:`PullWriter`, taken from ``marks`` when it left D:
+    a watch started after the worker died still knows it had a mark, and a pull sent
+    while the watch runs (no mark asked on its path) is judged only by rounds that
+    began after it left.
 
     Event-driven: the probe holds a TCP connection to the side channel, so P's death or
-    shutdown reaches D as it happens (EOF or reset); the mark is asked then, and at every
-    refused connect. An end of the connection alone is only a question (P's ZMQ also
-    drops a peer that never greets it). Without a held connection it connects every
-    ``interval_s``.
+    shutdown reaches D as it happens (EOF or reset); the mark is asked every round. An
+    end of the connection alone is only a question (P's ZMQ also drops a peer that never
+    greets it). Without a held connection it connects every ``interval_s``.
 
     Why no false verdicts: only ``ECONNREFUSED`` counts, and the kernel refuses only
     when nothing listens (TCP) or nothing is bound (UDP). A P that is slow, busy or
@@ -93,21 +96,23 @@ async def watch_side_channel(
         endpoint = tcp_endpoint(worker_addr)
         if endpoint is None:
             return  # not a TCP address we can probe (ipc://, malformed): deadline only
-        mark = _MarkWatch(worker_addr, *endpoint, marks)
+        host, port = endpoint
         refusals, reported = 0, False
-        while watched():
+        while writers():
             # Every round, side channel open or not: a P whose teardown wedged keeps its
             # side channel open, and only its mark says its writes are over.
-            reason = await mark.check()
-            if reason is not None:
-                gone(reason)
-                return
+            seen = await _ask_mark(worker_addr, host, port, marks)
+            if seen is not None:
+                ended = [w for w in writers() if w.ended_by(seen)]
+                if ended:
+                    gone(seen.reason(worker_addr), ended)
+                    continue
             if held is not None:
                 if await _closed_by_peer(held, interval_s):
                     close_rst(held)
                     held = None  # ended: P gone, shut down, restarted, or ZMQ dropped us
                 continue
-            verdict, sock = await _connect(*endpoint, PROBE_CONNECT_TIMEOUT_S)
+            verdict, sock = await _connect(host, port, PROBE_CONNECT_TIMEOUT_S)
             if sock is not None:
                 held, refusals, reported = sock, 0, False
                 continue
@@ -126,62 +131,97 @@ async def watch_side_channel(
 
 
 class MarkBook(dict[str, bytes]):
-    """Each P worker address's writer-mark nonce, as D last saw it, and the addresses
-    whose nonce may not be the writer of D's latest pull there.
+    """Each P worker address's writer-mark nonce, as D last saw it, and how many rounds
+    of asking its mark have begun there.
 
-    Unconfirmed: the mark did not answer before that pull left D (a stopped or busy P).
-    The writer is then the nonce's holder, or a P restarted unseen since. A refusal still
-    proves both gone (no mark is bound there), but a new nonce proves nothing: it may be
-    the pull's own writer. Seen answering, it becomes the one watched.
+    The nonce is where a new pull's :class:`PullWriter` starts from. A dead writer's
+    nonce stays: a pull whose pre-send check saw it, registering only after a watch
+    proved that writer gone, is proven by the same death. A P restarted at the address
+    replaces it at the next answer.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.unconfirmed: set[str] = set()
+        self.rounds: dict[str, int] = {}
 
     def saw(self, worker_addr: str, nonce: bytes) -> None:
         self[worker_addr] = nonce
-        self.unconfirmed.discard(worker_addr)
 
     def forget(self, worker_addr: str) -> None:
         self.pop(worker_addr, None)
-        self.unconfirmed.discard(worker_addr)
+
+    def begin_round(self, worker_addr: str) -> int:
+        """Number a new round of asking the mark at ``worker_addr``."""
+        self.rounds[worker_addr] = self.rounds.get(worker_addr, 0) + 1
+        return self.rounds[worker_addr]
+
+    def writer_for(self, worker_addr: str) -> PullWriter:
+        """The writer of a pull leaving D for ``worker_addr`` now, as far as D knows."""
+        return PullWriter(self.get(worker_addr), self.rounds.get(worker_addr, 0))
 
 
-class _MarkWatch:
-    """What one watch has learnt of an address's writer mark."""
+@dataclass(frozen=True)
+class MarkSeen:
+    """What one round of asking an address's writer mark proved: ``nonce`` answers
+    there, or (None) nothing is bound there (refused, confirmed)."""
 
-    def __init__(self, worker_addr: str, host: str, port: int, marks: MarkBook) -> None:
-        self.worker_addr, self.host, self.port = worker_addr, host, port
-        self.marks = marks
+    nonce: bytes | None
+    round: int
 
-    async def check(self) -> str | None:
-        """Ask the mark (a refusal is confirmed at once); the reason the writer is proven
-        gone, or None."""
-        for refusals in range(1, PROBE_REFUSALS + 1):
-            answer, nonce = await ask_writer_mark(self.host, self.port, PROBE_CONNECT_TIMEOUT_S)
-            seen = self.marks.get(self.worker_addr)
-            if answer == "alive" and nonce is not None:
-                unsure = self.worker_addr in self.marks.unconfirmed
-                self.marks.saw(self.worker_addr, nonce)
-                if seen is not None and nonce != seen and not unsure:
-                    return (
-                        f"P worker {self.worker_addr} was restarted: a new writer answers at "
-                        "its address, so the one D pulled from is gone"
-                    )
-                return None
-            if answer != "refused" or seen is None:
-                return None  # unknown, or never seen: proves nothing
-            if refusals < PROBE_REFUSALS:
-                await asyncio.sleep(PROBE_CONFIRM_S)
-        # The dead writer's nonce stays in the book: a pull whose pre-send check saw it,
-        # and that registers only after this proof (its check was still waiting), gets a
-        # watch of its own, and only the nonce lets that watch prove the same death. A P
-        # restarted at the address replaces it at the next pull's pre-send check.
+    def reason(self, worker_addr: str) -> str:
+        if self.nonce is None:
+            return (
+                f"P worker {worker_addr}'s writes are over: its writer mark refused "
+                f"{PROBE_REFUSALS} times in a row"
+            )
         return (
-            f"P worker {self.worker_addr}'s writes are over: its writer mark refused "
-            f"{PROBE_REFUSALS} times in a row"
+            f"P worker {worker_addr} was restarted: a new writer answers at its address, "
+            "so the one D pulled from is gone"
         )
+
+
+@dataclass(eq=False)
+class PullWriter:
+    """Who may still write one pull's blocks: a writer mark's nonce at the pull's address.
+
+    ``nonce`` starts as the one D knew when the pull left (None: no mark seen there, an
+    upstream P or one that never answered), and ``after`` is the address's round count
+    then. Only a round that began after the pull left can judge it: an earlier one may
+    have asked before its writer was bound. The first such round that hears a nonce
+    makes it the pull's writer (``confirmed``): whichever P took the pull was bound when
+    it left, and one bound then but no longer is gone (its port was bound anew).
+    """
+
+    nonce: bytes | None = None
+    after: int = 0
+    confirmed: bool = False
+
+    def ended_by(self, seen: MarkSeen) -> bool:
+        """Whether ``seen`` proves this writer gone (and confirms it, if it answers)."""
+        if seen.round <= self.after:
+            return False
+        if seen.nonce is None:
+            return self.nonce is not None  # a mark seen, now nothing bound: gone
+        if not self.confirmed:
+            self.nonce, self.confirmed = seen.nonce, True
+            return False
+        return seen.nonce != self.nonce
+
+
+async def _ask_mark(worker_addr: str, host: str, port: int, marks: MarkBook) -> MarkSeen | None:
+    """One round of asking the mark (a refusal is confirmed at once): what it proves, or
+    None (no answer: a stopped or busy P proves nothing)."""
+    round_ = marks.begin_round(worker_addr)
+    for refusals in range(1, PROBE_REFUSALS + 1):
+        answer, nonce = await ask_writer_mark(host, port, PROBE_CONNECT_TIMEOUT_S)
+        if answer == "alive" and nonce is not None:
+            marks.saw(worker_addr, nonce)
+            return MarkSeen(nonce, round_)
+        if answer != "refused":
+            return None
+        if refusals < PROBE_REFUSALS:
+            await asyncio.sleep(PROBE_CONFIRM_S)
+    return MarkSeen(None, round_)
 
 
 #: Bound on the connect before a pull is sent: short, since the pull waits for it, and a
@@ -198,13 +238,12 @@ async def refused_before_send(worker_addr: str, marks: MarkBook) -> str | None:
     writer mark or without, which the watch, started once the pull is out, cannot give
     for a worker whose mark it never saw.
 
-    A worker that accepts is asked for its writer mark too: seen before the pull is
-    sent, its nonce belongs to the writer the pull reaches, so that writer's death is
-    proof for the watch even if it dies before the watch first asks, and a P restarted
-    since D last looked is recorded as the new writer, not read later as proof that the
-    pull's writer is gone. A mark that refuses (an upstream P) leaves nothing recorded;
-    one that does not answer within :data:`PREFLIGHT_TIMEOUT_S` (a stopped or busy P)
-    leaves the nonce D had, unconfirmed (:class:`MarkBook`). The pull goes ahead.
+    A worker that accepts is asked for its writer mark too, and its nonce becomes where
+    the pull's :class:`PullWriter` starts: the writer's death is then proof for the
+    watch even if it dies before the watch first asks. A mark that refuses (an upstream
+    P) leaves nothing recorded; one that does not answer within
+    :data:`PREFLIGHT_TIMEOUT_S` (a stopped or busy P) leaves the nonce D had. Either
+    way the first watch round after the send settles which writer the pull has.
     """
     endpoint = tcp_endpoint(worker_addr)
     if endpoint is None:
@@ -221,8 +260,6 @@ async def refused_before_send(worker_addr: str, marks: MarkBook) -> str | None:
                 if await connect_probe(*endpoint, PREFLIGHT_TIMEOUT_S) == "refused":
                     continue
                 marks.forget(worker_addr)
-            elif worker_addr in marks:
-                marks.unconfirmed.add(worker_addr)
             return None
         if refusals < PROBE_REFUSALS:
             await asyncio.sleep(PROBE_CONFIRM_S)

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     MooncakeXferResponseStatus,
 )
 
+from connectors.mooncake.probe import PullWriter
 from kvfail import Stage
 
 __all__ = ["PULL", "STAGE_HINT", "PeerPull", "ReplyDecoder", "never_left_d"]
@@ -39,6 +40,9 @@ class PeerPull:
     over: bool = False
     last_status: int | None = None
     bad_reply: bool = False
+    #: Which writer mark may still push into this pull's blocks (set when it leaves D,
+    #: if P workers are watched); only that writer's end ends the holds it leaves.
+    writer: PullWriter = field(default_factory=PullWriter)
 
     def may_still_write(self, req_ids: Collection[str]) -> set[str]:
         """The requests of this pull whose blocks P may still push into."""

@@ -70,6 +70,7 @@ from connectors.mooncake.params import UNUSABLE_ENGINE, pull_problem
 from connectors.mooncake.probe import (
     DEFAULT_PROBE_INTERVAL_S,
     MarkBook,
+    PullWriter,
     refused_before_send,
 )
 from connectors.mooncake.pull_state import (
@@ -152,8 +153,9 @@ class KvfailMooncakeWorker(
         self._mc_fenced_at: dict[str, float] = {}
         #: req_id -> P worker addresses whose pull task ended while that P may still push
         #: into the load's blocks (no answer for it, no end of the exchange, P not found
-        #: gone): a socket error or timeout. Only P's death clears them (or the max hold).
-        self._mc_unproven: defaultdict[str, set[str]] = defaultdict(set)
+        #: gone): a socket error or timeout, each with the pull's writer. Only that
+        #: writer's end clears them (or the max hold).
+        self._mc_unproven: defaultdict[str, dict[str, PullWriter]] = defaultdict(dict)
         #: Loads this worker failed unfenced (see :meth:`_mc_fail_unreported`), with when:
         #: their blocks stay held until :meth:`_mc_release_proven` or the max hold.
         self._mc_held: dict[str, float] = {}
@@ -315,6 +317,7 @@ class KvfailMooncakeWorker(
                     self._mc_forget_engines_at(worker_addr)
                     self._mc_fail_unreported(state, live, Stage.PEER_LOST, unreachable)
                     return
+                state.writer = self._mc_marks.writer_for(worker_addr)
                 self._mc_inflight[worker_addr][task] = (state, live)
                 self._mc_watch(worker_addr)
             await super().receive_kv_from_single_worker(worker_addr, live)
@@ -355,7 +358,7 @@ class KvfailMooncakeWorker(
                         if not tasks:
                             del self._mc_tasks[req_id]
                 for req_id in unproven:
-                    self._mc_unproven[req_id].add(worker_addr)
+                    self._mc_unproven[req_id][worker_addr] = state.writer
             if unproven:
                 # Only the probe can still prove these writes over (by P's death).
                 self._mc_watch(worker_addr)

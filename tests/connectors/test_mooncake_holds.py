@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     PullReqMeta,
 )
 
+from connectors.mooncake.probe import PullWriter  # noqa: E402
 from connectors.mooncake.pull_state import PULL, PeerPull  # noqa: E402
 from connectors.mooncake.worker import KvfailMooncakeWorker  # noqa: E402
 from kvfail import Stage  # noqa: E402
@@ -39,7 +40,7 @@ def _worker() -> Any:
     w._mc_held = {}
     w._mc_fenced_at = {}
     w._mc_tasks = defaultdict(set)
-    w._mc_unproven = defaultdict(set)
+    w._mc_unproven = defaultdict(dict)
     w._mc_max_hold_s = None
     w._mc_grace_s = 0.0
     return w
@@ -92,7 +93,7 @@ def test_fence_bookkeeping_ends_with_the_load() -> None:
     ended (``load_fenced``) kept its entry for ever."""
     w = _worker()
     w.track_load("r", [[6]], peers=[(0, "p")])
-    w._mc_unproven["r"].add("tcp://127.0.0.1:1")
+    w._mc_unproven["r"]["tcp://127.0.0.1:1"] = PullWriter()
     w.load_failed("r", Stage.TRANSFER, "socket error", fenced=False)
     w._mc_held["r"] = 0.0
     assert w.kvfail_fence("r") is False  # P may still push: held
@@ -104,3 +105,26 @@ def test_fence_bookkeeping_ends_with_the_load() -> None:
     w.drain_step()
     w._mc_forget_ended()
     assert w._mc_fenced_at == {} and w._mc_held == {}
+
+
+def test_a_writer_proven_gone_ends_only_its_own_pulls_holds() -> None:
+    """Two loads held at one P worker address, pulled from two writers (P restarted at
+    the address between the pulls). The first writer proven gone ends its load's hold;
+    the other stays held, since the P now at the address may still push into it."""
+    w = _worker()
+    w._mc_inflight = defaultdict(dict)
+    w._remote_agents, w._tp_size = {}, {}
+    addr = "tcp://127.0.0.1:1"
+    old, new = PullWriter(b"old", confirmed=True), PullWriter(b"new", confirmed=True)
+    for req_id, writer in (("a", old), ("b", new)):
+        w.track_load(req_id, [[7 if req_id == "a" else 8]], peers=[(0, "p")])
+        w.load_failed(req_id, Stage.TRANSFER, "socket error", fenced=False)
+        w._mc_held[req_id] = 0.0
+        w._mc_unproven[req_id][addr] = writer
+    w.drain_step()
+    assert w.failure_reporter.is_quarantined("a") and w.failure_reporter.is_quarantined("b")
+    w._mc_peer_lost(addr, "P worker restarted", [old])
+    w.drain_step()
+    assert not w.failure_reporter.is_quarantined("a")
+    assert w.failure_reporter.is_quarantined("b")
+    assert set(w._mc_held) == {"b"} and w._mc_unproven == {"b": {addr: new}}

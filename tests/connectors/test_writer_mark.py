@@ -17,7 +17,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from connectors.mooncake.probe import MarkBook, refused_before_send, watch_side_channel
+from connectors.mooncake.probe import (
+    MarkBook,
+    MarkSeen,
+    PullWriter,
+    refused_before_send,
+    watch_side_channel,
+)
 from connectors.writer_mark import WriterMark, ask_writer_mark, start_writer_mark
 
 #: Bound on every wait here; far above a loopback round trip.
@@ -59,10 +65,26 @@ def _addr(host: str, port: int) -> str:
 
 
 class _Verdicts:
+    """What a watch reported, and the writers of the pulls it watches, kept as D's worker
+    keeps them: a pull whose writer is proven gone leaves the list."""
+
     def __init__(self) -> None:
         self.lost: list[str] = []
         self.gone: list[str] = []
-        self.watching = True
+        self.writers: list[PullWriter] = []
+
+    def send(self, marks: MarkBook, addr: str) -> PullWriter:
+        """A pull leaves D for ``addr``."""
+        writer = marks.writer_for(addr)
+        self.writers.append(writer)
+        return writer
+
+    def ended(self, reason: str, ended: list[PullWriter]) -> None:
+        self.gone.append(reason)
+        self.writers = [w for w in self.writers if w not in ended]
+
+    def stop(self) -> None:
+        self.writers = []
 
 
 async def _until(predicate: Callable[[], bool]) -> None:
@@ -128,13 +150,16 @@ def test_a_port_taken_gives_no_mark() -> None:
 
 
 async def _watch(host: str, port: int, seen: _Verdicts, marks: MarkBook) -> None:
+    """Send a pull to the worker (unless the test sent its own), then watch it."""
     addr = _addr(host, port)
+    if not seen.writers:
+        seen.send(marks, addr)
     await watch_side_channel(
         addr,
         INTERVAL_S,
-        watched=lambda: seen.watching,
+        writers=lambda: seen.writers,
         lost=seen.lost.append,
-        gone=seen.gone.append,
+        gone=seen.ended,
         marks=marks,
     )
 
@@ -202,7 +227,7 @@ def test_a_p_with_no_mark_is_lost_but_never_proven_gone() -> None:
         await _until(lambda: bool(seen.lost))
         for _ in range(20):
             await asyncio.sleep(INTERVAL_S)
-        seen.watching = False
+        seen.stop()
         await asyncio.wait_for(task, WAIT_S)
 
     asyncio.run(scenario())
@@ -281,7 +306,7 @@ def test_a_restart_while_nothing_was_watched_is_not_taken_for_the_next_writers_e
                 assert marks == {_addr(host, port): new.nonce}
                 task = asyncio.create_task(_watch(host, port, seen, marks))
                 await asyncio.sleep(10 * INTERVAL_S)
-                seen.watching = False
+                seen.stop()
                 await asyncio.wait_for(task, WAIT_S)
             finally:
                 new.close()
@@ -307,7 +332,6 @@ def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
                 silent.bind((host, port))  # bound, never answers: a stopped P's mark
                 assert await refused_before_send(_addr(host, port), marks) is None
             assert marks == {_addr(host, port): old.nonce}
-            assert _addr(host, port) in marks.unconfirmed
             new = WriterMark(host, port)  # the writer that answers after the pull
             task = asyncio.create_task(_watch(host, port, seen, marks))
             try:
@@ -377,3 +401,63 @@ def test_a_p_that_dies_between_connect_and_mark_ask_is_not_sent_the_pull(
         mark.close()
     assert reason is not None and "before the pull was sent" in reason
     assert marks == {}
+
+
+def test_a_round_begun_before_the_pull_left_does_not_judge_it() -> None:
+    """A mark asked before the pull left may have been asked before its writer bound the
+    address: neither its refusal nor its nonce says anything of that writer. The first
+    later round that hears a nonce makes it the pull's writer; after that, another nonce
+    or a refusal proves it gone."""
+    marks = MarkBook()
+    addr = "tcp://127.0.0.1:1"
+    marks.saw(addr, b"old")
+    early = marks.begin_round(addr)
+    writer = marks.writer_for(addr)
+    assert not writer.ended_by(MarkSeen(None, early))
+    assert not writer.ended_by(MarkSeen(b"new", early))
+    assert not writer.ended_by(MarkSeen(b"new", marks.begin_round(addr)))  # confirms "new"
+    assert (writer.nonce, writer.confirmed) == (b"new", True)
+    assert not writer.ended_by(MarkSeen(b"new", marks.begin_round(addr)))
+    assert writer.ended_by(MarkSeen(b"newer", marks.begin_round(addr)))
+    assert writer.ended_by(MarkSeen(None, marks.begin_round(addr)))
+    # No mark ever seen (an upstream P): a refusal proves nothing.
+    assert not PullWriter().ended_by(MarkSeen(None, 1))
+
+
+def test_a_pull_sent_while_watched_to_a_restarted_p_keeps_its_hold() -> None:
+    """P restarts at the same address between two rounds of a running watch, and a pull
+    leaves D for the new P meanwhile (no mark is asked on the pull's path while a watch
+    runs). The new nonce proves the old writer gone, and only the old writer's pulls
+    end: the new pull's hold stays until its own writer is gone. An address-wide verdict
+    freed the new pull's blocks while the new P could write them."""
+    host = "127.0.0.1"
+    port = _free_port(host)
+    seen, marks = _Verdicts(), MarkBook()
+    addr = _addr(host, port)
+
+    async def scenario() -> None:
+        old = WriterMark(host, port)
+        with _listener(host, port):
+            assert await refused_before_send(addr, marks) is None
+            first = seen.send(marks, addr)
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            await _until(lambda: first.confirmed)
+            # No await from here to the send: the watch cannot run in between.
+            old.close()
+            new = WriterMark(host, port)
+            second = seen.send(marks, addr)
+            try:
+                await _until(lambda: bool(seen.gone))
+                assert seen.writers == [second] and "restarted" in seen.gone[0]
+                await _until(lambda: second.confirmed)
+                for _ in range(10):  # many rounds: the new writer answers, no proof
+                    await asyncio.sleep(INTERVAL_S)
+                assert len(seen.gone) == 1 and not task.done()
+                assert second.nonce == new.nonce
+            finally:
+                new.close()
+            await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(scenario())
+    assert len(seen.gone) == 2 and "writer mark refused" in seen.gone[1]
+    assert seen.writers == [] and seen.lost == []
