@@ -1,6 +1,7 @@
 """kvfail's connectors between separate hosts: P on a simulated host of its own (a network
 namespace), D in the test's namespace, a real transport over the link: Mooncake TCP, and
-NIXL's UCX TCP (pull).
+NIXL's UCX TCP, pull (D READs from P) and push (P WRITEs into D's blocks, so P also
+reaches D's side channel across the link).
 
 Why: on loopback a peer can die or stop, but the network never drops a packet, refuses
 a route or runs out of bandwidth. Here the link is cut while many loads are in flight:
@@ -18,6 +19,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from typing import Literal
 
 import pytest
 
@@ -34,6 +36,7 @@ from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
+from kvfail.peers.nixl_push import NixlPushPair  # noqa: E402
 from kvfail.rig.processes import PeerExitedError  # noqa: E402
 
 #: One xdist worker for the whole module and ``tests/faults/test_netns.py``: split test by
@@ -50,14 +53,18 @@ MANY = 4
 KVFAIL = "kvfail"
 
 
-#: Set in the fresh process that runs NIXL over an IPv6-only link
-#: (:func:`test_nixl_over_an_ipv6_only_link_in_a_fresh_process`).
+#: Set, to the transport it runs, in the fresh process that runs NIXL over an IPv6-only
+#: link (:func:`test_nixl_over_an_ipv6_only_link_in_a_fresh_process`).
 IPV6_CHILD_ENV = "KVFAIL_TEST_HOSTS_IPV6"
-#: The links the pairs run over: each transport on IPv4 here, and NIXL on an IPv6-only
-#: link (the shape of a P/D pair on an IPv6 network) in a process of its own. Mooncake has
-#: no IPv6 case: upstream's Mooncake P cannot serve on an IPv6 address
-#: (:func:`test_upstream_mooncake_p_cannot_serve_on_ipv6` pins the evidence).
-LINKS = [("nixl", 6)] if os.environ.get(IPV6_CHILD_ENV) == "1" else [("mooncake", 4), ("nixl", 4)]
+#: The NIXL transports that run over an IPv6-only link, each in a process of its own.
+IPV6_TRANSPORTS = ("nixl", "nixl-push")
+#: The transports whose pairs run over the link: each on IPv4 here, and NIXL (pull and
+#: push) on an IPv6-only link (the shape of a P/D pair on an IPv6 network) in a process of
+#: its own. Mooncake has no IPv6 case: upstream's Mooncake P cannot serve on an IPv6
+#: address (:func:`test_upstream_mooncake_p_cannot_serve_on_ipv6` pins the evidence).
+_IPV6_CHILD = os.environ.get(IPV6_CHILD_ENV)
+IP_VERSION: Literal[4, 6] = 6 if _IPV6_CHILD in IPV6_TRANSPORTS else 4
+TRANSPORTS = [_IPV6_CHILD] if IP_VERSION == 6 else ["mooncake", "nixl", "nixl-push"]
 
 
 def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
@@ -72,6 +79,8 @@ def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
             host=host,
             extra_config=extra,
         )
+    if transport == "nixl-push":
+        return NixlPushPair(host=host, extra_config=extra, build_default_consumer=False)
     return NixlPair(
         connector="KvfailNixlConnector",
         connector_module="connectors.nixl",
@@ -81,19 +90,27 @@ def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
     )
 
 
-@pytest.fixture(scope="module", params=LINKS, ids=[f"{t}-ipv{v}" for t, v in LINKS])
-def pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
-    transport, ip_version = request.param
-    if transport == "nixl":
+@pytest.fixture(scope="module")
+def link() -> Iterator[NamespaceHost]:
+    """One simulated host for every pair of the module. Why shared: UCX caches the routes
+    it saw, so in a process whose NIXL agents used one link, an agent built on a link made
+    after that one was removed cannot reach even itself ("no route", and no backend)."""
+    with NamespaceHost(ip_version=IP_VERSION) as host:
+        yield host
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS, ids=[f"{t}-ipv{IP_VERSION}" for t in TRANSPORTS])
+def pair(request: pytest.FixtureRequest, link: NamespaceHost) -> Iterator[PeerPair]:
+    transport = request.param
+    if transport.startswith("nixl"):
         install_exit_guard(request.config)
-    with NamespaceHost(ip_version=ip_version) as host:
-        p = _new_pair(transport, host)
-        try:
-            p.consumer("fail", name=KVFAIL)
-            _warm(p)
-            yield p
-        finally:
-            p.close()
+    p = _new_pair(transport, link)
+    try:
+        p.consumer("fail", name=KVFAIL)
+        _warm(p)
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture
@@ -277,10 +294,10 @@ def test_a_bandwidth_limited_link_still_delivers_exact_bytes(
 
 
 def test_upstream_mooncake_p_cannot_serve_on_ipv6() -> None:
-    """Why :data:`LINKS` has no Mooncake IPv6 case, as evidence rather than a note:
+    """Why :data:`TRANSPORTS` has no Mooncake IPv6 case, as evidence rather than a note:
     upstream's Mooncake P binds its side channel at ``tcp://{host}:*``, with neither
     brackets nor ZMQ's IPv6 option, so on an IPv6 address P stops at start. When this
-    fails, upstream's P serves on IPv6 and ``("mooncake", 6)`` belongs in :data:`LINKS`."""
+    fails, upstream's P serves on IPv6 and Mooncake belongs among the IPv6 transports."""
     with NamespaceHost(ip_version=6) as host:
         pair: PeerPair | None = None
         with pytest.raises(PeerExitedError) as stopped:
@@ -292,21 +309,28 @@ def test_upstream_mooncake_p_cannot_serve_on_ipv6() -> None:
     assert host.inner_addr in str(stopped.value)
 
 
-def test_nixl_over_an_ipv6_only_link_in_a_fresh_process() -> None:
-    """NIXL between hosts that share only an IPv6 link: exact bytes, a silent cut during
-    many loads held until the heal, a refused route and a throttled link, as above.
+@pytest.mark.parametrize("transport", IPV6_TRANSPORTS)
+def test_nixl_over_an_ipv6_only_link_in_a_fresh_process(transport: str) -> None:
+    """NIXL, pull and push, between hosts that share only an IPv6 link: exact bytes, a silent
+    cut during many loads held until the heal, a refused route and a throttled link, as
+    above.
 
-    Why a fresh process: UCX reads the routing table once per process and keeps it, and
-    its TCP transport cannot tell an IPv6 peer in its own subnet without it, so a link made
-    after this process's first NIXL transfer is "no route" to its agent (a D in production
-    meets the same when an interface appears after it started). The deadline-free control
-    stays with the IPv4 links: what it shows does not depend on the address family."""
-    if os.environ.get(IPV6_CHILD_ENV) == "1":
-        return  # the child itself: its cases are the pair's ``nixl-ipv6`` ones
+    Why a fresh process each: UCX reads the routing table once per process and keeps it,
+    and its TCP transport cannot tell an IPv6 peer in its own subnet without it, so a link
+    made after a process's first NIXL agent is "no route" to its agent, or no backend at
+    all (a D in production meets the same when an interface appears after it started).
+    The deadline-free control stays with the IPv4 links: what it shows does not depend on
+    the address family."""
+    if _IPV6_CHILD is not None:
+        return  # the child itself: its cases are the pair's ``-ipv6`` ones
     rc, out = run_child_pytest(
-        [__file__, "-o", "addopts=", "-p", "no:randomly", "-k", "nixl-ipv6 and not control"],
+        [
+            __file__,
+            *("-o", "addopts=", "-p", "no:randomly"),
+            *("-k", f"{transport}-ipv6 and not control"),
+        ],
         cwd=ROOT,
         timeout_s=600,
-        env={IPV6_CHILD_ENV: "1"},
+        env={IPV6_CHILD_ENV: transport},
     )
     assert rc == 0 and re.search(r"\b4 passed", out), out[-6000:]
