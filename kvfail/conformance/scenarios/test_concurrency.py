@@ -76,6 +76,19 @@ def _rids(scenario: ScenarioContext, stem: str, n: int = MANY) -> list[str]:
     return [scenario.rid(stem) for _ in range(n)]
 
 
+def _fault_all(
+    scenario: ScenarioContext, engine: Any, point: FaultPoint, stem: str
+) -> tuple[list[str], dict[str, list[int]]]:
+    """``MANY`` loads from one P started together, ``point`` armed and provoked for each;
+    returns the ids and each load's blocks (as :func:`_fault_one_rank` for one rank)."""
+    rids = _rids(scenario, stem)
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = start_loads(scenario, engine, rids)
+    for rid in rids:
+        scenario.driver.provoke(engine, rid, point)
+    return rids, blocks
+
+
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
 @pytest.mark.guards("#50719", "#55870")
 def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
@@ -87,11 +100,7 @@ def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(*ALL_FAIL)
     engine = scenario.engine()
-    rids = _rids(scenario, "fail-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "fail-many")
     scenario.run(engine)
     note_failure_steps(scenario, engine, rids)
     extra = [*wrong_bytes(scenario, engine, rids), *not_late(engine, blocks)]
@@ -185,11 +194,7 @@ def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(FaultPoint.KILL_BEFORE_PULL)
     engine = scenario.engine()
-    rids = _rids(scenario, "killed-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "killed-many")
     scenario.run(engine)
     note_failure_steps(scenario, engine, rids)
     scenario.check(engine, rids, failed=True, extra=not_late(engine, blocks))
@@ -354,11 +359,7 @@ def test_many_loads_peer_frozen(scenario: ScenarioContext) -> None:
     point = scenario.require_fault(FaultPoint.FREEZE_PEER)
     engine = scenario.engine(deadline=True)
     deadline = scenario.declared_deadline_s(engine)
-    rids = _rids(scenario, "frozen-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "frozen-many")
     _judge_by_deadline(scenario, engine, rids, blocks, deadline)
 
 
