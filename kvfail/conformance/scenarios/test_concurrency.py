@@ -89,6 +89,27 @@ def _fault_all(
     return rids, blocks
 
 
+def _run_mixed(
+    scenario: ScenarioContext,
+    engine: Any,
+    point: FaultPoint,
+    rids: list[str],
+    bad: list[str],
+    good: list[str],
+) -> dict[str, list[int]]:
+    """Start the added loads of ``rids`` together, provoke ``point`` for each of ``bad``
+    and let P serve each of ``good``, then run D to the end; returns each load's blocks.
+    For the scenarios where failures and successes share a batch."""
+    blocks = start_loads(scenario, engine, rids)
+    for rid in bad:
+        scenario.driver.provoke(engine, rid, point)
+    for rid in good:
+        scenario.driver.settle(engine, rid)
+    scenario.run(engine)
+    note_failure_steps(scenario, engine, bad)
+    return blocks
+
+
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
 @pytest.mark.guards("#50719", "#55870")
 def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
@@ -124,13 +145,7 @@ def test_failures_and_successes_same_step(scenario: ScenarioContext) -> None:
     for rid in rids:  # interleaved, all added before D steps: one batch
         fault = point if rid in bad else None
         scenario.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in bad:
-        scenario.driver.provoke(engine, rid, point)
-    for rid in good:
-        scenario.driver.settle(engine, rid)
-    scenario.run(engine)
-    note_failure_steps(scenario, engine, bad)
+    blocks = _run_mixed(scenario, engine, point, rids, bad, good)
     extra = [*wrong_bytes(scenario, engine, bad), *not_late(engine, blocks)]
     falsely = failed_at(engine, good)
     extra += [
@@ -318,13 +333,7 @@ def test_two_peers_one_killed(scenario: ScenarioContext) -> None:
     # pulls. Both shares are then in flight in D together.
     scenario.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
     scenario.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in dead:
-        scenario.driver.provoke(engine, rid, point)
-    for rid in live:
-        scenario.driver.settle(engine, rid)
-    scenario.run(engine)
-    note_failure_steps(scenario, engine, dead)
+    blocks = _run_mixed(scenario, engine, point, rids, dead, live)
     # The live P's false failures first: its loads' policy outcomes follow from them.
     found = [
         f"C8 false failure: {rid} loaded from the live P, but a failure reached the "
