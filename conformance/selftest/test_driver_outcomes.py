@@ -35,14 +35,18 @@ def _fake_resolve(monkeypatch: pytest.MonkeyPatch, *, start_error: bool, absent:
     monkeypatch.setattr(resolve_module, "resolve", lambda spec: Broken(spec))
 
 
-def _outcome(pytester: pytest.Pytester, *args: str) -> tuple[str, str]:
+def _inline_run(pytester: pytest.Pytester, *args: str) -> pytest.HookRecorder:
+    """The suite's conftest, run on the toy driver for one policy and layout."""
     pytester.makeconftest(CONFTEST.read_text())
-    pytester.makepyfile(test_one=_SCENARIO)
-    rec = pytester.inline_run(
+    return pytester.inline_run(
         "--connector", "toy", "--policy", "fail", "--layout", "tp1", "-p", "no:cacheprovider",
         *args,
     )  # fmt: skip
-    reports = rec.getreports("pytest_runtest_logreport")
+
+
+def _outcome(pytester: pytest.Pytester, *args: str) -> tuple[str, str]:
+    pytester.makepyfile(test_one=_SCENARIO)
+    reports = _inline_run(pytester, *args).getreports("pytest_runtest_logreport")
     report = next(r for r in reports if r.when == "call" or not r.passed)
     return report.outcome, str(report.longrepr)
 
@@ -53,43 +57,49 @@ def pytester(vllm_loaded: None, pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def test_a_driver_whose_start_raises_fails_its_scenarios(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("start_error", "absent", "args", "expected", "says"),
+    [
+        pytest.param(
+            True, False, (), "failed",
+            "driver failed to start (RuntimeError: P exited with status 1",
+            id="start-raises-fails",
+        ),
+        pytest.param(
+            False, True, (), "skipped",
+            "driver unavailable: its transport library is not installed here",
+            id="absent-transport-is-a-named-skip",
+        ),
+        pytest.param(
+            False, True, ("--kvfail-require-drivers",), "failed",
+            "its transport library is not installed here (--kvfail-require-drivers)",
+            id="absent-transport-fails-where-drivers-are-required",
+        ),
+    ],
+)  # fmt: skip
+def test_a_driver_that_cannot_run(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    start_error: bool,
+    absent: bool,
+    args: tuple[str, ...],
+    expected: str,
+    says: str,
 ) -> None:
-    _fake_resolve(monkeypatch, start_error=True, absent=False)
-    outcome, text = _outcome(pytester)
-    assert outcome == "failed", text
-    assert "driver failed to start (RuntimeError: P exited with status 1" in text
-
-
-def test_an_absent_transport_is_a_named_skip(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _fake_resolve(monkeypatch, start_error=False, absent=True)
-    outcome, text = _outcome(pytester)
-    assert outcome == "skipped", text
-    assert "driver unavailable: its transport library is not installed here" in text
-
-
-def test_an_absent_transport_fails_where_drivers_are_required(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _fake_resolve(monkeypatch, start_error=False, absent=True)
-    outcome, text = _outcome(pytester, "--kvfail-require-drivers")
-    assert outcome == "failed", text
-    assert "its transport library is not installed here (--kvfail-require-drivers)" in text
+    """A driver whose start raises fails its scenarios; one whose transport is absent is
+    a named skip, and a failure where every driver is required."""
+    _fake_resolve(monkeypatch, start_error=start_error, absent=absent)
+    outcome, text = _outcome(pytester, *args)
+    assert outcome == expected, text
+    assert says in text
 
 
 def test_the_old_fixture_name_is_the_same_scenario(pytester: pytest.Pytester) -> None:
     """``kvfail``, the fixture's old name, still runs a scenario written against it: it is
     the very context ``scenario`` gives, and the run records it as a scenario."""
-    pytester.makeconftest(CONFTEST.read_text())
     pytester.makepyfile(test_old="def test_old(kvfail, scenario):\n    assert kvfail is scenario\n")
     out = pytester.path / "report"
-    rec = pytester.inline_run(
-        "--connector", "toy", "--policy", "fail", "--layout", "tp1", "-p", "no:cacheprovider",
-        "--kvfail-report", str(out),
-    )  # fmt: skip
+    rec = _inline_run(pytester, "--kvfail-report", str(out))
     rec.assertoutcome(passed=1)
     records = json.loads((out / "report.json").read_text())
     assert [(r["scenario"], r["outcome"]) for r in records] == [("test_old", "passed")]

@@ -217,6 +217,39 @@ class TrackerDecides:
         upstream = super().get_kv_connector_stats()  # type: ignore[misc]
         return KvfailNixlStats.merged(upstream, self.take_failure_stats())  # type: ignore[attr-defined]
 
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """Track every load that has blocks to receive before upstream starts it.
+
+        A load without local blocks (a full local prefix hit, an aborted request's
+        cleanup) is left to upstream: it only notifies P (pull) or sends nothing (push),
+        and its KV is already local, so it must never be reported failed.
+        """
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if any(meta.local_block_ids):
+                self.track_load(req_id, meta.local_block_ids)  # type: ignore[attr-defined]
+        super().start_load_kv(metadata)  # type: ignore[misc]
+
+    def _handle_failed_transfer(
+        self,
+        req_id: str,
+        handle: Any,
+        failed_req_ids: set[str] | None = None,
+        record_failed_transfer: bool = True,
+    ) -> bool:
+        """Upstream's side effects, plus a stage for the paths that log no failure (see
+        :meth:`_kvfail_unlogged_failure`)."""
+        tracker = self.failure_reporter  # type: ignore[attr-defined]
+        if tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None:
+            stage, reason = self._kvfail_unlogged_failure(req_id)
+            self.load_failed(req_id, stage, reason, settle=False)  # type: ignore[attr-defined]
+        return super()._handle_failed_transfer(  # type: ignore[misc,no-any-return]
+            req_id, handle, failed_req_ids, **failed_transfer_kwargs(record_failed_transfer)
+        )
+
+    def _kvfail_unlogged_failure(self, req_id: str) -> tuple[Stage, str]:
+        """Hook: the stage and reason of a failed transfer upstream logged nothing for."""
+        raise NotImplementedError
+
 
 class KvfailNixlWorker(
     TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
@@ -255,18 +288,6 @@ class KvfailNixlWorker(
         self._kvfail_unfenced: set[str] = set()
 
     # ------------------------------------------------------------------ loads start
-
-    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        """Track every load that writes blocks before upstream starts it.
-
-        A load without local blocks (full local prefix hit, aborted cleanup) is left to
-        upstream: it only notifies P, and its KV is already local, so it must never be
-        reported failed.
-        """
-        for req_id, meta in metadata.reqs_to_recv.items():
-            if any(meta.local_block_ids):
-                self.track_load(req_id, meta.local_block_ids)
-        super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         """Refuse to post a READ for a load the watchdog already fenced and delivered.
@@ -339,29 +360,18 @@ class KvfailNixlWorker(
 
     # ------------------------------------------------------------------ failures
 
-    def _handle_failed_transfer(
-        self,
-        req_id: str,
-        handle: Any,
-        failed_req_ids: set[str] | None = None,
-        record_failed_transfer: bool = True,
-    ) -> bool:
-        """Upstream's side effects, plus a stage for the paths that log no failure."""
-        tracker = self.failure_reporter
-        if tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None:
-            meta = self._recving_metadata.get(req_id)
-            lost = (
-                meta is not None
-                and meta.remote is not None
-                # Upstream's invalid-engine backoff is newer than vLLM 0.31.
-                and meta.remote.engine_id in getattr(self, "_invalid_remote_engines", ())
-            )
-            stage = Stage.PEER_LOST if lost else Stage.TRANSFER_SETUP
-            reason = "remote engine invalidated" if lost else "read not started"
-            self.load_failed(req_id, stage, reason, settle=False)
-        return super()._handle_failed_transfer(
-            req_id, handle, failed_req_ids, **failed_transfer_kwargs(record_failed_transfer)
+    def _kvfail_unlogged_failure(self, req_id: str) -> tuple[Stage, str]:
+        """A READ that was never started, or a P upstream gave up on."""
+        meta = self._recving_metadata.get(req_id)
+        lost = (
+            meta is not None
+            and meta.remote is not None
+            # Upstream's invalid-engine backoff is newer than vLLM 0.31.
+            and meta.remote.engine_id in getattr(self, "_invalid_remote_engines", ())
         )
+        if lost:
+            return Stage.PEER_LOST, "remote engine invalidated"
+        return Stage.TRANSFER_SETUP, "read not started"
 
     def kvfail_fence(self, req_id: str) -> bool:
         """True once no handle of this load can still write into its blocks.

@@ -75,7 +75,6 @@ from connectors.nixl.connector import (
     TrackerDecides,
     _deadline_from,
     _extra,
-    failed_transfer_kwargs,
 )
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
@@ -89,9 +88,6 @@ from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        NixlConnectorMetadata,
-    )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = [
@@ -199,17 +195,6 @@ class KvfailNixlPushWorker(
 
     # ------------------------------------------------------------------ loads start
 
-    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        """Track every load that has blocks to receive before upstream queues it.
-
-        A load without local blocks (a request aborted before it was scheduled) sends no
-        registration and receives nothing; it is left to upstream.
-        """
-        for req_id, meta in metadata.reqs_to_recv.items():
-            if any(meta.local_block_ids):
-                self.track_load(req_id, meta.local_block_ids)
-        super().start_load_kv(metadata)
-
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> None:
         """Send a registration only for a load still waiting, and remember it was sent.
 
@@ -228,23 +213,9 @@ class KvfailNixlPushWorker(
 
     # ------------------------------------------------------------------ failures
 
-    def _handle_failed_transfer(
-        self,
-        req_id: str,
-        handle: Any,
-        failed_req_ids: set[str] | None = None,
-        record_failed_transfer: bool = True,
-    ) -> bool:
-        """Back the stage up for the D path that logs no failure (no P agent to send
-        the registration to)."""
-        tracker = self.failure_reporter
-        if tracker.is_tracked(req_id) and tracker.failure_of(req_id) is None:
-            self.load_failed(
-                req_id, Stage.HANDSHAKE, "no P agent for the registration", settle=False
-            )
-        return super()._handle_failed_transfer(
-            req_id, handle, failed_req_ids, **failed_transfer_kwargs(record_failed_transfer)
-        )
+    def _kvfail_unlogged_failure(self, req_id: str) -> tuple[Stage, str]:
+        """The D path that logs no failure: no P agent to send the registration to."""
+        return Stage.HANDSHAKE, "no P agent for the registration"
 
     def kvfail_fence(self, req_id: str) -> bool:
         """True once P can no longer write into this load's blocks.

@@ -52,17 +52,14 @@ class GenericDriver(Driver[EngineHandle]):
     ) -> EngineSpec:
         from kvfail.harness.config import EngineSpec
 
+        # A registry name is vLLM's to resolve; otherwise the class is loaded by module path.
         if self._registry_name is not None:
-            return EngineSpec(
-                connector=self._registry_name,
-                connector_module=None,
-                policy=policy,
-                num_kv_cache_groups=num_kv_cache_groups,
-                tp_size=tp_size,
-            )
+            connector, module = self._registry_name, None
+        else:
+            connector, module = self.connector_cls.__name__, self.connector_cls.__module__
         return EngineSpec(
-            connector=self.connector_cls.__name__,
-            connector_module=self.connector_cls.__module__,
+            connector=connector,
+            connector_module=module,
             policy=policy,
             num_kv_cache_groups=num_kv_cache_groups,
             tp_size=tp_size,

@@ -58,12 +58,12 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvfail.peers.producer_engine import ProducerEngine, pattern_forward, producer_spec
 from kvfail.peers.protocol import dispatch, serve
 from kvfail.rig import nixl_progress
 
 if TYPE_CHECKING:
-    from kvfail.harness import Engine
-    from kvfail.harness.hooks import RankView, SplitForward
+    from kvfail.harness.hooks import RankView
 
 __all__ = [
     "BAD_METADATA",
@@ -199,39 +199,21 @@ def _expire(view: RankView, req_ids: list[str]) -> tuple[list[str], list[str]]:
     return pending, told
 
 
-def _pattern_forward() -> SplitForward:
-    """P's "model": write the byte pattern (per rank, per KV-cache group) for every
-    prompt token computed this step."""
-    from kvfail.harness.hooks import SplitForward
-    from kvfail.peers.forwards import apply_writes, plan_writes
-
-    return SplitForward(plan=lambda engine, so: plan_writes(engine, so, _seeds), apply=apply_writes)
-
-
-_seeds: dict[str, str] = {}
-
-
-class _Producer:
+class _Producer(ProducerEngine):
     def __init__(self, config: dict[str, Any]) -> None:
-        from kvfail.harness import Engine, EngineSpec
+        from kvfail.harness import Engine
 
-        self.engine_id: str = config.get("engine_id") or f"P-nixl-{os.getpid()}"
+        self.engine_id = config.get("engine_id") or f"P-nixl-{os.getpid()}"
         self.port = int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        self.seeds = _seeds
-        tp_size = int(config.get("tp_size", 1))
-        spec = EngineSpec(
-            role="producer",
-            connector=config.get("connector", "NixlConnector"),
-            connector_module=config.get("connector_module"),
+        self.seeds: dict[str, str] = {}
+        spec = producer_spec(
+            config,
+            connector="NixlConnector",
             engine_id=self.engine_id,
             extra_config=dict(config.get("extra_config") or {}),
-            num_blocks=int(config.get("num_blocks", 64)),
-            num_kv_cache_groups=int(config.get("num_kv_cache_groups", 1)),
-            tp_size=tp_size,
-            tp_mode="processes" if tp_size > 1 else "simulated",
         )
         mask = os.sched_getaffinity(0)
-        self.engine: Engine = Engine(spec, forward=_pattern_forward())
+        self.engine = Engine(spec, forward=pattern_forward(self.seeds))
         restore_affinity(mask)
         for worker in self.engine.workers:
             if worker.remote:
@@ -248,10 +230,7 @@ class _Producer:
         sched_conn.set_xfer_handshake_metadata_pp_aware(dict(self.handshake_payloads))
         for worker in self.engine.workers:
             worker.call(_record_notifications)
-        self.prefills = 0
-        self.failed_prefills = 0
-        self.finished_sending: list[str] = []
-        self._seen_reports = 0
+        self._init_counters()
         self._last_step = 0.0
 
     def _serve_through(self, scheduler: Any) -> None:
@@ -268,13 +247,8 @@ class _Producer:
     def step(self) -> None:
         if self.engine.crashed is not None:
             return
-        self.engine.step(force=True)
+        self._step(force=True)
         self._last_step = time.monotonic()
-        reports = self.engine.record.kv_reports
-        for report in reports[self._seen_reports :]:
-            if report.rank is None:
-                self.finished_sending.extend(sorted(report.finished_sending))
-        self._seen_reports = len(reports)
 
     def idle(self) -> None:
         """Step when busy; otherwise a forced step every ``_IDLE_STEP_S``."""
@@ -353,20 +327,7 @@ class _Producer:
         return [w for w in self.engine.workers if w.process is None or w.process.alive()]
 
     def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        return {
-            "ok": True,
-            "engine_id": self.engine_id,
-            "steps": self.engine.record.steps,
-            "prefills": self.prefills,
-            "failed_prefills": self.failed_prefills,
-            "finished_sending": list(self.finished_sending),
-            "notified": self.notified(),
-            "bad_metadata_served": self.served.served,
-            "pending_requests": sorted(sched.requests),
-            "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-            "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
-        }
+        return self._stats(notified=self.notified(), bad_metadata_served=self.served.served)
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
         return dispatch(

@@ -63,11 +63,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfail.peers.producer_engine import ProducerEngine, pattern_forward, producer_spec
 from kvfail.peers.protocol import Channel, dispatch, serve
 
 if TYPE_CHECKING:
-    from kvfail.harness import Engine
-    from kvfail.harness.hooks import RankView, SplitForward
+    from kvfail.harness.hooks import RankView
 
 __all__ = [
     "DEFAULT_EXTRA_CONFIG",
@@ -330,17 +330,6 @@ def _late_pushes(view: RankView) -> dict[str, bool]:
     return dict(getattr(sender, "kvfail_late_pushes", None) or {})
 
 
-def _pattern_forward() -> SplitForward:
-    """P's "model": write the byte pattern for every prompt token computed this step."""
-    from kvfail.harness.hooks import SplitForward
-    from kvfail.peers.forwards import apply_writes, plan_writes
-
-    return SplitForward(plan=lambda engine, so: plan_writes(engine, so, _seeds), apply=apply_writes)
-
-
-_seeds: dict[str, str] = {}
-
-
 #: Mooncake settings of the rig's P processes only (rig patch ``mooncake_p_peer_caches``,
 #: :mod:`kvfail.rig.patches`): P looks each D's metadata up again for every write, and
 #: keeps Mooncake's pooled connections. A value already in the environment wins, so a
@@ -374,38 +363,27 @@ def _record_peer_cache_settings() -> None:
         rig_patches.record("mooncake_p_peer_caches", ", ".join(applied))
 
 
-class _Producer:
+class _Producer(ProducerEngine):
     def __init__(self, config: dict[str, Any], channel: Channel) -> None:
-        from kvfail.harness import Engine, EngineSpec
+        from kvfail.harness import Engine
         from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 
         self.channel = channel
         extra = dict(DEFAULT_EXTRA_CONFIG)
         extra.update(config.get("extra_config") or {})
-        self.engine_id: str = config.get("engine_id") or f"P-mooncake-{os.getpid()}"
+        self.engine_id = config.get("engine_id") or f"P-mooncake-{os.getpid()}"
         self.bootstrap_port = int(os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
-        tp_size = int(config.get("tp_size", 1))
-        spec = EngineSpec(
-            role="producer",
-            connector=config.get("connector", "MooncakeConnector"),
-            connector_module=config.get("connector_module"),
-            engine_id=self.engine_id,
-            extra_config=extra,
-            num_blocks=int(config.get("num_blocks", 64)),
-            num_kv_cache_groups=int(config.get("num_kv_cache_groups", 1)),
-            tp_size=tp_size,
-            tp_mode="processes" if tp_size > 1 else "simulated",
+        spec = producer_spec(
+            config, connector="MooncakeConnector", engine_id=self.engine_id, extra_config=extra
         )
+        self._seeds: dict[str, str] = {}
         with cpu_accelerator_index_shim():
-            self.engine: Engine = Engine(spec, forward=_pattern_forward())
+            self.engine = Engine(spec, forward=pattern_forward(self._seeds))
         for worker in self.engine.workers:
             worker.call(_prepare_sender)
         _record_peer_cache_settings()
         self.injected = 0
-        self.prefills = 0
-        self.failed_prefills = 0
-        self.finished_sending: list[str] = []
-        self._seen_reports = 0
+        self._init_counters()
 
     def bootstrap_addr(self) -> str:
         # VLLM_HOST_IP is the address P serves on: loopback, or a simulated host's own.
@@ -414,12 +392,7 @@ class _Producer:
     def step_if_busy(self) -> bool:
         if self.engine.crashed is not None or self.engine.is_idle():
             return False
-        self.engine.step()
-        reports = self.engine.record.kv_reports
-        for report in reports[self._seen_reports :]:
-            if report.rank is None:
-                self.finished_sending.extend(sorted(report.finished_sending))
-        self._seen_reports = len(reports)
+        self._step()
         return True
 
     def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -428,7 +401,7 @@ class _Producer:
         req_id = str(cmd["req_id"])
         seed = str(cmd.get("prompt_seed") or req_id)
         transfer_id = str(cmd.get("transfer_id") or f"xfer-{req_id}")
-        _seeds[req_id] = seed
+        self._seeds[req_id] = seed
         self.engine.add_request(
             req_id,
             prompt_len=int(cmd.get("prompt_len", 100)),
@@ -501,23 +474,13 @@ class _Producer:
         return {"ok": True, "pushed": pushed, "written": written}
 
     def stats(self) -> dict[str, Any]:
-        sched = self.engine.scheduler
-        return {
-            "ok": True,
-            "engine_id": self.engine_id,
-            "steps": self.engine.record.steps,
-            "prefills": self.prefills,
-            "injected": self.injected,
-            "failed_prefills": self.failed_prefills,
-            "finished_sending": list(self.finished_sending),
-            "pending_requests": sorted(sched.requests),
-            "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
-            "write_retries": sum(w.call(_write_retries) for w in self.engine.workers),
-            "oldest_write_s": round(
+        return self._stats(
+            injected=self.injected,
+            write_retries=sum(w.call(_write_retries) for w in self.engine.workers),
+            oldest_write_s=round(
                 max((w.call(_oldest_write_s) or 0.0) for w in self.engine.workers), 3
             ),
-            "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
-        }
+        )
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
         return dispatch(

@@ -31,7 +31,7 @@ require_transport("nixl")
 require_netns()
 
 from kvfail.faults.netns import NamespaceHost  # noqa: E402
-from kvfail.harness import Engine, oracles  # noqa: E402
+from kvfail.harness import Engine, RunResult, oracles  # noqa: E402
 from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
@@ -165,9 +165,7 @@ def _warm(pair: PeerPair) -> None:
     while True:
         attempt += 1
         rid = f"hosts-warm-{attempt}"
-        pair.prefill_and_add(rid, prompt_len=80, consumer=engine)
-        run = pair.run([rid], consumer=engine, timeout_s=WAIT_S)
-        assert run.ok, (run, pair.records[rid])
+        _load(pair, rid, engine)
         if not pair.records[rid].failed:
             assert pair.verify(rid), pair.records[rid]
             return
@@ -175,11 +173,18 @@ def _warm(pair: PeerPair) -> None:
         _step_until(pair, lambda: _all_blocks_free(pair), f"{rid}'s blocks back")
 
 
-def _load_ok(pair: PeerPair, rid: str, engine: Engine | None = None) -> None:
-    engine = engine or _engine(pair)
+def _load(pair: PeerPair, rid: str, engine: Engine) -> RunResult:
+    """P prefills ``rid`` and D loads it to its report, within ``WAIT_S``."""
     pair.prefill_and_add(rid, prompt_len=80, consumer=engine)
     run = pair.run([rid], consumer=engine, timeout_s=WAIT_S)
-    assert run.ok and pair.verify(rid), (run, pair.records[rid])
+    assert run.ok, (run, pair.records[rid])
+    return run
+
+
+def _load_ok(pair: PeerPair, rid: str, engine: Engine | None = None) -> None:
+    engine = engine or _engine(pair)
+    run = _load(pair, rid, engine)
+    assert pair.verify(rid), (run, pair.records[rid])
     assert oracles.check_all(engine, [rid], failed=False) == []
 
 

@@ -72,7 +72,6 @@ by both scenarios whose peer never answers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -113,16 +112,7 @@ log = logging.getLogger("kvfail.conformance.negative")
 class SwallowsFailure(ToyConnector):
     """Logs a failed load and drops it: no ``finished_recving``, so the request stalls."""
 
-    def load_failed(
-        self,
-        req_id: str,
-        stage: Stage | str,
-        reason: str,
-        *,
-        peer: Hashable | None = None,
-        settle: bool = True,
-        block_ids: object = None,
-    ) -> bool:
+    def load_failed(self, req_id: str, stage: Stage | str, reason: str, **kwargs: Any) -> bool:
         log.warning("load %s failed (%s): %s", req_id, stage, reason)  # and nothing else
         return True
 
@@ -162,16 +152,7 @@ class ReportsUnknownId(ToyConnector):
 class ReportsSuccessOnFailure(ToyConnector):
     """A failed transfer is reported as success; D's blocks keep whatever was there."""
 
-    def load_failed(
-        self,
-        req_id: str,
-        stage: Stage | str,
-        reason: str,
-        *,
-        peer: Hashable | None = None,
-        settle: bool = True,
-        block_ids: object = None,
-    ) -> bool:
+    def load_failed(self, req_id: str, stage: Stage | str, reason: str, **kwargs: Any) -> bool:
         self._inflight.pop(req_id, None)  # no bytes are copied
         return self.load_succeeded(req_id)
 
@@ -250,18 +231,11 @@ class WritesAfterRelease(ToyConnector):
         super().__init__(*args, **kwargs)
         self._late: list[list[Any]] = []
 
-    def fail(
-        self,
-        req_id: str,
-        *,
-        stage: Stage = Stage.TRANSFER,
-        reason: str = "toy: commanded failure",
-        block_index: int | None = None,
-    ) -> bool:
+    def fail(self, req_id: str, **kwargs: Any) -> bool:
         load = self._inflight.get(req_id)
         if load is not None:
             self._late.append([self.LATE_DRAINS, load])
-        return super().fail(req_id, stage=stage, reason=reason, block_index=block_index)
+        return super().fail(req_id, **kwargs)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         for entry in self._late:

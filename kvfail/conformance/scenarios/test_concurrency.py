@@ -76,6 +76,40 @@ def _rids(scenario: ScenarioContext, stem: str, n: int = MANY) -> list[str]:
     return [scenario.rid(stem) for _ in range(n)]
 
 
+def _fault_all(
+    scenario: ScenarioContext, engine: Any, point: FaultPoint, stem: str
+) -> tuple[list[str], dict[str, list[int]]]:
+    """``MANY`` loads from one P started together, ``point`` armed and provoked for each;
+    returns the ids and each load's blocks (as :func:`_fault_one_rank` for one rank)."""
+    rids = _rids(scenario, stem)
+    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
+    blocks = start_loads(scenario, engine, rids)
+    for rid in rids:
+        scenario.driver.provoke(engine, rid, point)
+    return rids, blocks
+
+
+def _run_mixed(
+    scenario: ScenarioContext,
+    engine: Any,
+    point: FaultPoint,
+    rids: list[str],
+    bad: list[str],
+    good: list[str],
+) -> dict[str, list[int]]:
+    """Start the added loads of ``rids`` together, provoke ``point`` for each of ``bad``
+    and let P serve each of ``good``, then run D to the end; returns each load's blocks.
+    For the scenarios where failures and successes share a batch."""
+    blocks = start_loads(scenario, engine, rids)
+    for rid in bad:
+        scenario.driver.provoke(engine, rid, point)
+    for rid in good:
+        scenario.driver.settle(engine, rid)
+    scenario.run(engine)
+    note_failure_steps(scenario, engine, bad)
+    return blocks
+
+
 @pytest.mark.clauses("C1", "C2", "C3", "C8", "C9")
 @pytest.mark.guards("#50719", "#55870")
 def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
@@ -87,11 +121,7 @@ def test_many_loads_fail_in_one_step(scenario: ScenarioContext) -> None:
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(*ALL_FAIL)
     engine = scenario.engine()
-    rids = _rids(scenario, "fail-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "fail-many")
     scenario.run(engine)
     note_failure_steps(scenario, engine, rids)
     extra = [*wrong_bytes(scenario, engine, rids), *not_late(engine, blocks)]
@@ -115,13 +145,7 @@ def test_failures_and_successes_same_step(scenario: ScenarioContext) -> None:
     for rid in rids:  # interleaved, all added before D steps: one batch
         fault = point if rid in bad else None
         scenario.driver.add_remote_requests(engine, [rid], fault=fault, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in bad:
-        scenario.driver.provoke(engine, rid, point)
-    for rid in good:
-        scenario.driver.settle(engine, rid)
-    scenario.run(engine)
-    note_failure_steps(scenario, engine, bad)
+    blocks = _run_mixed(scenario, engine, point, rids, bad, good)
     extra = [*wrong_bytes(scenario, engine, bad), *not_late(engine, blocks)]
     falsely = failed_at(engine, good)
     extra += [
@@ -185,11 +209,7 @@ def test_many_loads_peer_killed(scenario: ScenarioContext) -> None:
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(FaultPoint.KILL_BEFORE_PULL)
     engine = scenario.engine()
-    rids = _rids(scenario, "killed-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "killed-many")
     scenario.run(engine)
     note_failure_steps(scenario, engine, rids)
     scenario.check(engine, rids, failed=True, extra=not_late(engine, blocks))
@@ -313,13 +333,7 @@ def test_two_peers_one_killed(scenario: ScenarioContext) -> None:
     # pulls. Both shares are then in flight in D together.
     scenario.driver.add_remote_requests(engine, dead, fault=point, prompt_len=PROMPT_LEN, peer=1)
     scenario.driver.add_remote_requests(engine, live, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in dead:
-        scenario.driver.provoke(engine, rid, point)
-    for rid in live:
-        scenario.driver.settle(engine, rid)
-    scenario.run(engine)
-    note_failure_steps(scenario, engine, dead)
+    blocks = _run_mixed(scenario, engine, point, rids, dead, live)
     # The live P's false failures first: its loads' policy outcomes follow from them.
     found = [
         f"C8 false failure: {rid} loaded from the live P, but a failure reached the "
@@ -354,11 +368,7 @@ def test_many_loads_peer_frozen(scenario: ScenarioContext) -> None:
     point = scenario.require_fault(FaultPoint.FREEZE_PEER)
     engine = scenario.engine(deadline=True)
     deadline = scenario.declared_deadline_s(engine)
-    rids = _rids(scenario, "frozen-many")
-    scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=PROMPT_LEN)
-    blocks = start_loads(scenario, engine, rids)
-    for rid in rids:
-        scenario.driver.provoke(engine, rid, point)
+    rids, blocks = _fault_all(scenario, engine, point, "frozen-many")
     _judge_by_deadline(scenario, engine, rids, blocks, deadline)
 
 
