@@ -20,12 +20,17 @@ def child_env() -> dict[str, str]:
 
 
 def run_child_pytest(
-    args: list[str], cwd: Path, timeout_s: float, env: dict[str, str] | None = None
+    args: list[str],
+    cwd: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    prefix: list[str] | None = None,
 ) -> tuple[int, str]:
     """Run ``pytest args`` in ``cwd`` (bounded), with ``env`` added to the environment;
-    returns its exit status and its output."""
+    returns its exit status and its output. ``prefix``: a command that execs the rest
+    (e.g. one that gives the child a namespace of its own)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        [*(prefix or []), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=cwd,
         env={**child_env(), **(env or {})},
         capture_output=True,

@@ -467,7 +467,7 @@ class KvfailNixlWorker(
                 self._kvfail_p_gone(
                     req_id, f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
                 )
-            elif (unresolved := probes.unresolved(addr)) is not None:
+            elif (unresolved := probes.unresolved(addr, since=since)) is not None:
                 # Not proof that P is gone, but no READ can reach it any more: the load
                 # fails, and its blocks wait for its READs to end, as for a gone P.
                 self._kvfail_p_gone(req_id, f"P's side channel host {unresolved}")

@@ -106,9 +106,10 @@ class _Probe:
     #: A host name's lookup in flight for this round (None for a literal address).
     lookup: _Lookup | None = None
     #: Why the last lookup of the host name failed (None: it resolved, or a literal),
-    #: and how many lookups in a row failed.
+    #: how many lookups in a row failed, and when the first of them was started.
     unresolved: str | None = None
     unresolved_rounds: int = 0
+    unresolved_since: float | None = None
 
 
 class SideChannelProbes:
@@ -149,17 +150,28 @@ class SideChannelProbes:
         if probe.lookup is not None and probe.lookup.done():
             lookup, probe.lookup = probe.lookup, None
             probe.unresolved = lookup.error
-            probe.unresolved_rounds = 0 if lookup.error is None else probe.unresolved_rounds + 1
+            if lookup.error is None:
+                probe.unresolved_rounds, probe.unresolved_since = 0, None
+            else:
+                if probe.unresolved_rounds == 0:
+                    probe.unresolved_since = probe.started  # when this lookup began
+                probe.unresolved_rounds += 1
             if lookup.target is not None:
                 self._connect(probe, lookup.target, now)
         return self._proven(probe, since)
 
-    def unresolved(self, addr: Address) -> str | None:
+    def unresolved(self, addr: Address, *, since: float) -> str | None:
         """Why ``addr``'s host name failed to resolve at :attr:`refusals` lookups in a
-        row (one odd answer is not enough), else None. Not proof that P is gone: a
-        resolver can fail while P keeps running."""
+        row (one odd answer is not enough), the first begun at or after ``since``, else
+        None. Not proof that P is gone: a resolver can fail while P keeps running.
+
+        ``since``, as for :meth:`gone`: lookups that failed before a load began say
+        nothing of the name now (it may resolve again), and a load that began after them
+        would be failed at once, on another load's stale answer."""
         probe = self._probes.get(addr)
         if probe is None or probe.unresolved_rounds < self.refusals:
+            return None
+        if probe.unresolved_since is None or probe.unresolved_since < since:
             return None
         return probe.unresolved
 

@@ -300,7 +300,9 @@ class KvfailNixlPushWorker(
                     req_id,
                     held.pp_size,
                 )
-        elif (why := probes.unresolved(addr)) is not None and not held.said_unresolved:
+        elif (why := probes.unresolved(addr, since=held.since)) is not None and not (
+            held.said_unresolved
+        ):
             held.said_unresolved = True
             logger.warning("kvfail: held load %r: P's side channel host %s", req_id, why)
         return False

@@ -159,7 +159,7 @@ def _wait_for_lookup(probes: SideChannelProbes, clock: Clock, addr: tuple[str, i
     import time
 
     end = time.monotonic() + 10.0
-    while probes.unresolved(addr) is None:
+    while probes.unresolved(addr, since=-1e18) is None:
         assert time.monotonic() < end, "the name's lookups never answered"
         assert not probes.gone(addr, since=clock.now - 1, waiter="r")
         clock.now += INTERVAL_S
@@ -177,7 +177,7 @@ def test_an_ipv6_side_channel_is_probed(host: str) -> None:
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     try:
         assert _steps_until_gone(probes, clock, (host, port), clock.now, limit=6) is None
-        assert probes.unresolved((host, port)) is None  # a literal is never looked up
+        assert probes.unresolved((host, port), since=-1e18) is None  # a literal is never looked up
         listener.close()
         since = clock.now
         assert _steps_until_gone(probes, clock, (host, port), since, limit=10) is not None
@@ -200,7 +200,7 @@ def test_a_host_name_is_resolved_off_the_drain() -> None:
         assert time.monotonic() < end, "a closed port named by a host name was never gone"
         clock.now += INTERVAL_S
         time.sleep(0.01)
-    assert probes.unresolved(addr) is None
+    assert probes.unresolved(addr, since=-1e18) is None
     probes.close()
 
 
@@ -211,7 +211,22 @@ def test_a_name_that_stops_resolving_is_reported_never_gone() -> None:
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = (UNRESOLVABLE, closed_port())
     _wait_for_lookup(probes, clock, addr)
-    reason = probes.unresolved(addr)
+    reason = probes.unresolved(addr, since=-1e18)
     assert reason is not None and UNRESOLVABLE in reason
     assert not probes.gone(addr, since=clock.now - 100, waiter="r")
+    probes.close()
+
+
+def test_failed_lookups_before_since_do_not_count() -> None:
+    """A load that begins after another load's lookups failed is not failed on their
+    stale answer: the name may resolve again, and only lookups begun after the load
+    began speak for it (seen: once a name had failed for one load, the next load to
+    the same P failed at once, though the name resolved again)."""
+    clock = Clock()
+    probes = SideChannelProbes(INTERVAL_S, clock=clock)
+    addr = (UNRESOLVABLE, closed_port())
+    _wait_for_lookup(probes, clock, addr)
+    assert probes.unresolved(addr, since=-1e18) is not None
+    clock.now += 1.0
+    assert probes.unresolved(addr, since=clock.now) is None
     probes.close()
