@@ -4,7 +4,7 @@ Why: operators point D at P by name (a service name, a pod's DNS entry). A name 
 stops resolving (the entry removed, the resolver gone) must be a reported failure of the
 loads that need it, never a crash of D's engine step, a load left waiting, or proof that
 P's writes are over. D reaches P by name where ``kv_transfer_params`` names it: NIXL's
-``remote_host`` (D's handshake, and kvfail's probe), Mooncake's
+``remote_host`` (D's handshake, pull and push, and kvfail's probe), Mooncake's
 ``remote_bootstrap_addr`` (D's bootstrap lookup).
 
 The resolver is the run's own: the checks run in a child process with a private mount
@@ -35,6 +35,7 @@ from kvfail.peers.base import PeerPair, with_param  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
+from kvfail.peers.nixl_push import NixlPushPair  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -46,7 +47,7 @@ NAME = "kvfail-p.test"
 DEADLINE_S = 3.0
 #: Bound on every wait below.
 WAIT_S = 60.0
-TRANSPORTS = ["mooncake", "nixl"]
+TRANSPORTS = ["mooncake", "nixl", "nixl-push"]
 
 
 def _resolves(yes: bool) -> None:
@@ -59,7 +60,7 @@ def _resolves(yes: bool) -> None:
 
 def _by_name(transport: str, params: dict[str, object]) -> dict[str, object]:
     """P's params with P's address replaced by :data:`NAME`."""
-    if transport == "nixl":
+    if transport.startswith("nixl"):
         return with_param(params, "remote_host", NAME)
     addr = str(params["remote_bootstrap_addr"])
     return with_param(params, "remote_bootstrap_addr", re.sub(r"127\.0\.0\.1", NAME, addr))
@@ -71,7 +72,10 @@ def pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
         pytest.skip("runs in the child with its own resolver (see the module's last test)")
     extra = {"kvfail_deadline_s": DEADLINE_S}
     p: PeerPair
-    if request.param == "nixl":
+    if request.param == "nixl-push":
+        install_exit_guard(request.config)
+        p = NixlPushPair(extra_config=extra, build_default_consumer=False)
+    elif request.param == "nixl":
         install_exit_guard(request.config)
         p = NixlPair(
             connector="KvfailNixlConnector",
@@ -172,4 +176,4 @@ def test_a_p_name_that_stops_resolving_in_a_process_with_its_own_resolver(
             *("sh", "-c", mount, "sh", str(hosts), str(nsswitch)),
         ],
     )
-    assert rc == 0 and re.search(r"\b6 passed", out), out[-6000:]
+    assert rc == 0 and re.search(r"\b9 passed", out), out[-6000:]
