@@ -44,3 +44,26 @@ def quiet_kvfail_logs() -> Iterator[None]:
 def pytest_configure(config: pytest.Config) -> None:
     """Record whether this run requires its transports (``tests/transports.py``)."""
     transports.REQUIRED = drivers_required(config)
+
+
+#: A host name the fixture below makes fail, as a name that stopped resolving does.
+UNRESOLVABLE = "kvfail-p-gone.invalid"
+
+
+@pytest.fixture
+def unresolvable_name(monkeypatch: pytest.MonkeyPatch) -> str:
+    """:data:`UNRESOLVABLE`, which ``socket.getaddrinfo`` fails with ``EAI_NONAME`` (every
+    other name resolves as usual). Why not the real resolver: it would ask this machine's
+    DNS server, and tests talk to loopback only. The real path, a name removed from a
+    resolver the run owns, is ``tests/peers/test_name_resolution.py``."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+        if host == UNRESOLVABLE:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return UNRESOLVABLE

@@ -140,9 +140,6 @@ def test_a_probe_whose_socket_is_numbered_past_fd_setsize_still_answers(
 
 # ---------------------------------------------------------------- IPv6 and host names
 
-#: A name that never resolves (RFC 6761 reserves ``.invalid``).
-UNRESOLVABLE = "kvfail-p-gone.invalid"
-
 
 def _v6_or_skip() -> socket.socket:
     try:
@@ -204,27 +201,27 @@ def test_a_host_name_is_resolved_off_the_drain() -> None:
     probes.close()
 
 
-def test_a_name_that_stops_resolving_is_reported_never_gone() -> None:
+def test_a_name_that_stops_resolving_is_reported_never_gone(unresolvable_name: str) -> None:
     """A name that does not resolve raises nothing into the drain, never proves P gone
     (a resolver can fail while P runs), and is reported once lookups fail in a row."""
     clock = Clock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
-    addr = (UNRESOLVABLE, closed_port())
+    addr = (unresolvable_name, closed_port())
     _wait_for_lookup(probes, clock, addr)
     reason = probes.unresolved(addr, since=-1e18)
-    assert reason is not None and UNRESOLVABLE in reason
+    assert reason is not None and unresolvable_name in reason
     assert not probes.gone(addr, since=clock.now - 100, waiter="r")
     probes.close()
 
 
-def test_failed_lookups_before_since_do_not_count() -> None:
+def test_failed_lookups_before_since_do_not_count(unresolvable_name: str) -> None:
     """A load that begins after another load's lookups failed is not failed on their
     stale answer: the name may resolve again, and only lookups begun after the load
     began speak for it (seen: once a name had failed for one load, the next load to
     the same P failed at once, though the name resolved again)."""
     clock = Clock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
-    addr = (UNRESOLVABLE, closed_port())
+    addr = (unresolvable_name, closed_port())
     _wait_for_lookup(probes, clock, addr)
     assert probes.unresolved(addr, since=-1e18) is not None
     clock.now += 1.0

@@ -239,14 +239,14 @@ def test_a_refused_side_channel_does_not_end_a_hold_whose_writers_are_elsewhere(
 
 
 def test_a_p_whose_name_stops_resolving_keeps_its_hold_and_the_drain_runs(
-    sent: list[str], caplog: pytest.LogCaptureFixture
+    sent: list[str], caplog: pytest.LogCaptureFixture, unresolvable_name: str
 ) -> None:
     """The fence once raised ``gaierror`` (a blocking lookup on an IPv4 socket) at every
     retry; now the lookup runs off the drain, the hold stays (no proof that P's writers
     are gone), and it is said once."""
     clock = _Clock()
     w = _worker(clock)
-    _load_from(w, "r", 5555, host="kvfail-p-gone.invalid")
+    _load_from(w, "r", 5555, host=unresolvable_name)
     _held_after_deadline(w, clock, "r")
     end = time.monotonic() + 10.0
     with caplog.at_level("WARNING", logger="kvfail.nixl.push"):
