@@ -13,14 +13,17 @@ from collections.abc import Callable
 import pytest
 
 from kvfail import Stage
-from kvfail.tracker import RECENT_IDS_KEPT
+from kvfail.tracker import RECENT_IDS_KEPT, LoadTracker
 from tests.core.trackers import make_tracker
 
 
-def _bytes_retained(round_trip: Callable[[int], None], *, rounds: int) -> int:
-    """Bytes still allocated after ``rounds`` calls of ``round_trip`` (numbered 2 on), over
-    what two warm-up calls (0 and 1) left: those bring dict tables and the recent-id
-    memory to their steady size, so only what a round keeps is counted."""
+def _assert_nothing_retained(
+    t: LoadTracker, round_trip: Callable[[int], None], *, rounds: int, what: str
+) -> None:
+    """After ``rounds`` calls of ``round_trip`` (numbered 2 on) ``t`` holds no load, and
+    less than 64 KiB is still allocated over what two warm-up calls (0 and 1) left: those
+    bring dict tables and the recent-id memory to their steady size, so only what a round
+    keeps is counted."""
     tracemalloc.start()
     try:
         round_trip(0)
@@ -30,9 +33,11 @@ def _bytes_retained(round_trip: Callable[[int], None], *, rounds: int) -> int:
         for rnd in range(2, 2 + rounds):
             round_trip(rnd)
         gc.collect()
-        return tracemalloc.get_traced_memory()[0] - base
+        grown = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
+    assert len(t) == 0
+    assert grown < 64 * 1024, f"retained {grown} bytes {what}"
 
 
 @pytest.mark.usefixtures("quiet_kvfail_logs")
@@ -49,9 +54,7 @@ def test_memory_is_released_at_drain_and_repeated_reports_grow_nothing() -> None
             t.succeeded(f"r{i}")
         t.drain()
 
-    grown = _bytes_retained(round_trip, rounds=5)
-    assert len(t) == 0
-    assert grown < 64 * 1024, f"retained {grown} bytes after delivery"
+    _assert_nothing_retained(t, round_trip, rounds=5, what="after delivery")
 
 
 def test_recent_id_memory_is_bounded() -> None:
@@ -86,9 +89,7 @@ def test_notify_only_loads_retain_no_memory_after_they_settle() -> None:
             t.succeeded(f"n{rnd}-{i}")
         t.drain()
 
-    grown = _bytes_retained(round_trip, rounds=3)
-    assert len(t) == 0
-    assert grown < 64 * 1024, f"retained {grown} bytes for 60,000 settled notify-only loads"
+    _assert_nothing_retained(t, round_trip, rounds=3, what="for 60,000 settled notify-only loads")
 
 
 def test_deadline_heap_shrinks_when_loads_leave_without_new_tracks() -> None:
