@@ -327,6 +327,13 @@ class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
 
     # ------------------------------------------------------------------ internals
 
+    def _note_load(
+        self, log: PendingLog, level: int, msg: str, load: Load, **fields: object
+    ) -> None:
+        """Add a log line about ``load``: every such line names the connector and the
+        request first, so that one grep finds a request's whole story."""
+        log.add(level, msg, connector=self.name, req_id=load.req_id, **fields)
+
     def _fail_locked(
         self, load: Load, stage: Stage, reason: str, peer: Hashable | None, log: PendingLog
     ) -> None:
@@ -335,28 +342,29 @@ class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
             return
         now = self._clock()
         load.failure = Failure(stage, str(reason), peer, now)
+        failure = {
+            "stage": stage.value,
+            "reason": str(reason),
+            "peer": repr(peer) if peer is not None else "-",
+        }
         if load.notify_only:
             # Kept (the connector reads it through failure_of) but never reported, so it
             # is neither counted nor logged as a failed load: stats match the reports.
-            log.add(
+            self._note_load(
+                log,
                 logging.WARNING,
                 "kvfail: notify-only load ended in error; not reported (no blocks)",
-                connector=self.name,
-                req_id=load.req_id,
-                stage=stage.value,
-                reason=str(reason),
-                peer=repr(peer) if peer is not None else "-",
+                load,
+                **failure,
             )
             return
         self._stats.failed(stage)
-        log.add(
+        self._note_load(
+            log,
             logging.ERROR,
             "kvfail: load failed",
-            connector=self.name,
-            req_id=load.req_id,
-            stage=stage.value,
-            reason=str(reason),
-            peer=repr(peer) if peer is not None else "-",
+            load,
+            **failure,
             blocks=len(load.flat),
             peers_pending=len(load.pending),
             age_ms=round((now - load.started) * 1e3, 1),
@@ -369,11 +377,11 @@ class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
         if load.failure is None:
             self._fail_locked(load, Stage.INTERNAL, f"invalid load: {problem}", None, log)
         else:
-            log.add(
+            self._note_load(
+                log,
                 logging.WARNING,
                 "kvfail: invalid input for an already failed load",
-                connector=self.name,
-                req_id=load.req_id,
+                load,
                 problem=problem,
             )
 
@@ -392,11 +400,11 @@ class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
             pending.discard(peer)
         else:
             self._stats.event("duplicate_reports")
-            log.add(
+            self._note_load(
+                log,
                 logging.DEBUG,
                 "kvfail: peer already settled",
-                connector=self.name,
-                req_id=load.req_id,
+                load,
                 peer=repr(peer),
             )
             return
@@ -420,11 +428,11 @@ class LoadTracker(TrackerDrain, TrackerQuarantine, TrackerWatchdog):
         foreign = named - own
         if blocks.problem or foreign:
             self._stats.event("invalid_inputs")
-            log.add(
+            self._note_load(
+                log,
                 logging.WARNING,
                 "kvfail: ignoring failed block ids outside the load",
-                connector=self.name,
-                req_id=load.req_id,
+                load,
                 problem=blocks.problem or f"not in this load: {sorted(foreign)[:5]}",
             )
         named &= own

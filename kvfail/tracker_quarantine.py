@@ -77,10 +77,10 @@ class TrackerQuarantine:
         del self._quarantined[load.req_id]
         self._notice_released.add(load.req_id)
         self._stats.event("quarantine_released")
-        log.add(
+        self._note_load(
+            log,
             logging.INFO,
             "kvfail: quarantined load fenced; its blocks go back",
-            connector=self.name,
-            req_id=load.req_id,
+            load,
             blocks=len(load.flat),
         )

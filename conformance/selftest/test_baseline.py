@@ -217,25 +217,31 @@ def test_an_entry_absorbs_only_its_fingerprints_never_an_error(
     assert "does not cover: C1 wrong KV" in wrong
 
 
-def test_an_entry_whose_scenario_skips_fails_the_run_as_stale(pytester: pytest.Pytester) -> None:
+def _lone_entry_fails(
+    pytester: pytest.Pytester, scenario: str
+) -> tuple[Path, pytest.HookRecorder, str]:
+    """Run only ``scenario`` with a baseline naming it alone: the scenario must fail (an
+    entry that no longer matches fails its run); returns the baseline, the run and the
+    one failure's text."""
     baseline = pytester.path / "known.toml"
-    baseline.write_text(_entry("test_skips", "C1 unreported"))
-    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "test_skips")
-    assert _outcomes(result) == {"test_skips": "failed"}
+    baseline.write_text(_entry(scenario, "C1 unreported"))
+    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", scenario)
+    assert _outcomes(result) == {scenario: "failed"}
     (report,) = [r for r in result.getreports("pytest_runtest_logreport") if r.failed]
-    assert "baseline entry stale" in str(report.longrepr)
-    assert "requires tp2 layout" in str(report.longrepr)
+    return baseline, result, str(report.longrepr)
+
+
+def test_an_entry_whose_scenario_skips_fails_the_run_as_stale(pytester: pytest.Pytester) -> None:
+    _baseline, result, failure = _lone_entry_fails(pytester, "test_skips")
+    assert "baseline entry stale" in failure
+    assert "requires tp2 layout" in failure
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
 def test_an_entry_that_passes_fails_the_run_as_fixed(pytester: pytest.Pytester) -> None:
-    baseline = pytester.path / "known.toml"
-    baseline.write_text(_entry("test_pass", "C1 unreported"))
-    result = _run(pytester, "--kvfail-baseline", str(baseline), "-k", "test_pass")
-    assert _outcomes(result) == {"test_pass": "failed"}
-    (report,) = [r for r in result.getreports("pytest_runtest_logreport") if r.failed]
-    assert "baseline entry fixed" in str(report.longrepr)
-    assert str(baseline) in str(report.longrepr)
+    baseline, _result, failure = _lone_entry_fails(pytester, "test_pass")
+    assert "baseline entry fixed" in failure
+    assert str(baseline) in failure
 
 
 def test_a_missing_baseline_file_is_a_usage_error(pytester: pytest.Pytester) -> None:

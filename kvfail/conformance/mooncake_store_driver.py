@@ -134,18 +134,10 @@ class MooncakeStoreDriver(ExampleDriver):
             lambda name: cls(name, connector_cls=probe.cls),
         )
 
-    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    D_CONNECTOR = "MooncakeStoreConnector"
 
-        super().__init__(name)
-        self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
-            "MooncakeStoreConnector"
-        )
-        self._d = (
-            ("MooncakeStoreConnector", None)
-            if connector_cls is None
-            else (connector_cls.__name__, connector_cls.__module__)
-        )
+    def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
+        super().__init__(name, connector_cls=connector_cls)
         self.poll_s = 0.01
         self._master: PeerProcess | None = None
         self._owner: PeerProcess | None = None

@@ -66,6 +66,8 @@ class MultiDriver(ExampleDriver):
         "children": "both children's connector (vllm:<Name> or module:Class)"
     }
 
+    D_CONNECTOR = "MultiConnector"
+
     def __init__(
         self,
         name: str,
@@ -74,18 +76,8 @@ class MultiDriver(ExampleDriver):
         child: tuple[str, str | None] = ("ExampleConnector", None),
     ) -> None:
         """``child``: both children's (connector, module path), on P and on D."""
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        super().__init__(name)
+        super().__init__(name, connector_cls=connector_cls)
         self.child = child
-        self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
-            "MultiConnector"
-        )
-        self._d = (
-            ("MultiConnector", None)
-            if connector_cls is None
-            else (connector_cls.__name__, connector_cls.__module__)
-        )
         self._bystander_root: Path | None = None
         #: request id -> the bystander child's files for its prompt.
         self._bystander_files: dict[str, list[Path]] = {}

@@ -195,16 +195,20 @@ class ExampleDriver(Driver["_StoreHandle"]):
     ``connector_cls``: the class to run on D instead (kvfail's connector, a negative
     control, any class this driver claims); P is :func:`store_producer` for every D."""
 
+    #: The registered connector D runs without a ``connector_cls`` (subclasses drive
+    #: another store through the same P-in-this-process and oracle).
+    D_CONNECTOR = "ExampleConnector"
+
     def __init__(self, name: str, *, connector_cls: type | None = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         self.name = name
         self.connector_cls = connector_cls or KVConnectorFactory.get_connector_class_by_name(
-            "ExampleConnector"
+            self.D_CONNECTOR
         )
         #: D's (connector, module): a registry name has no module.
         self._d = (
-            ("ExampleConnector", None)
+            (self.D_CONNECTOR, None)
             if connector_cls is None
             else (connector_cls.__name__, connector_cls.__module__)
         )

@@ -60,6 +60,7 @@ __all__ = [
     "PeerPair",
     "closed_port",
     "producer_engine_id",
+    "unknown_engine",
     "with_param",
 ]
 
@@ -87,6 +88,13 @@ def with_param(params: Mapping[str, Any], key: str, value: Any) -> dict[str, Any
     out = dict(params)
     out[key] = value
     return out
+
+
+def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
+    """``params`` naming an engine id P does not answer for (Mooncake's bootstrap server
+    does not know it; NIXL's side channel answers for its own): both transports name
+    P's engine in the same key."""
+    return with_param(params, "remote_engine_id", engine_id)
 
 
 # --------------------------------------------------------------------------- the pair

@@ -50,6 +50,7 @@ from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
     closed_port,
+    unknown_engine,
     with_param,
 )
 from kvfail.peers.producer import DEFAULT_EXTRA_CONFIG, P_PEER_CACHE_ENV, PREFIX
@@ -98,11 +99,6 @@ def mooncake_available() -> str | None:
 def refused_bootstrap(params: Mapping[str, Any], port: int | None = None) -> dict[str, Any]:
     """``params`` with a bootstrap address where nothing listens (connection refused)."""
     return with_param(params, "remote_bootstrap_addr", f"http://127.0.0.1:{port or closed_port()}")
-
-
-def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
-    """``params`` naming an engine id P's bootstrap server does not know."""
-    return with_param(params, "remote_engine_id", engine_id)
 
 
 # --------------------------------------------------------------------------- P handle

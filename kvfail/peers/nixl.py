@@ -63,6 +63,7 @@ from kvfail.peers.base import (
     DecodeRecord,
     PeerPair,
     closed_port,
+    unknown_engine,
     with_param,
 )
 from kvfail.peers.nixl_exit_guard import install_exit_guard
@@ -125,11 +126,6 @@ def nixl_available() -> str | None:
 def wrong_port(params: Mapping[str, Any], port: int | None = None) -> dict[str, Any]:
     """``params`` with a side-channel port nobody listens on (handshake times out, 5 s)."""
     return with_param(params, "remote_port", port or closed_port())
-
-
-def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine") -> dict[str, Any]:
-    """``params`` naming an engine id other than the one P's side channel answers for."""
-    return with_param(params, "remote_engine_id", engine_id)
 
 
 # --------------------------------------------------------------------------- P handle

@@ -14,18 +14,11 @@ import pytest
 
 from connectors.nixl.probe import PROBE_CONFIRM_S, PROBE_REFUSALS, SideChannelProbes
 from kvfail.peers.base import closed_port
+from tests.core.fakes import ManualClock
 
 INTERVAL_S = 0.5
 #: Descriptors the FD_SETSIZE test opens first.
 HIGH_FDS = 1100
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -38,7 +31,7 @@ def listener() -> Iterator[socket.socket]:
 
 
 def _steps_until_gone(
-    probes: SideChannelProbes, clock: Clock, addr: tuple[str, int], since: float, limit: int
+    probes: SideChannelProbes, clock: ManualClock, addr: tuple[str, int], since: float, limit: int
 ) -> int | None:
     """Poll as drains would, stepping past each pause; the step that proved P gone."""
     for step in range(1, limit + 1):
@@ -49,7 +42,7 @@ def _steps_until_gone(
 
 
 def test_a_port_nobody_listens_on_is_gone_after_the_refusals_in_a_row() -> None:
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = ("127.0.0.1", closed_port())
     assert not probes.gone(addr, since=clock.now, waiter="r")  # one refusal proves nothing
@@ -59,7 +52,7 @@ def test_a_port_nobody_listens_on_is_gone_after_the_refusals_in_a_row() -> None:
 
 
 def test_a_listening_side_channel_is_never_gone(listener: socket.socket) -> None:
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = listener.getsockname()
     assert _steps_until_gone(probes, clock, addr, clock.now, limit=20) is None
@@ -69,7 +62,7 @@ def test_a_listening_side_channel_is_never_gone(listener: socket.socket) -> None
 def test_an_accepted_connect_breaks_the_streak(listener: socket.socket) -> None:
     """Refused, then accepted (a P back on its port), then refused: the streak restarts,
     so one refusal after the accept is not enough."""
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, refusals=2, clock=clock)
     host, port = listener.getsockname()
     listener.close()
@@ -91,7 +84,7 @@ def test_an_accepted_connect_breaks_the_streak(listener: socket.socket) -> None:
 
 def test_refusals_before_since_do_not_count() -> None:
     """A load that began after P's port started refusing needs refusals of its own."""
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = ("127.0.0.1", closed_port())
     assert _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10) is not None
@@ -100,7 +93,7 @@ def test_refusals_before_since_do_not_count() -> None:
 
 
 def test_a_probe_nobody_waits_on_is_closed() -> None:
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = ("127.0.0.1", closed_port())
     probes.gone(addr, since=clock.now, waiter="a")
@@ -126,7 +119,7 @@ def test_a_probe_whose_socket_is_numbered_past_fd_setsize_still_answers(
     held = [socket.socket() for _ in range(HIGH_FDS)]
     try:
         assert min(s.fileno() for s in held[-8:]) > 1024
-        clock = Clock()
+        clock = ManualClock()
         probes = SideChannelProbes(INTERVAL_S, clock=clock)
         addr = ("127.0.0.1", closed_port())
         assert _steps_until_gone(probes, clock, addr, clock.now - 1, limit=10) is not None
@@ -150,7 +143,7 @@ def _v6_or_skip() -> socket.socket:
     return sock
 
 
-def _wait_for_lookup(probes: SideChannelProbes, clock: Clock, addr: tuple[str, int]) -> None:
+def _wait_for_lookup(probes: SideChannelProbes, clock: ManualClock, addr: tuple[str, int]) -> None:
     """Poll as drains would until the lookups in flight have answered (real threads,
     so a bounded real wait; the fake clock still paces the rounds)."""
     import time
@@ -170,7 +163,7 @@ def test_an_ipv6_side_channel_is_probed(host: str) -> None:
     listener = _v6_or_skip()
     listener.listen(8)
     port = int(listener.getsockname()[1])
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     try:
         assert _steps_until_gone(probes, clock, (host, port), clock.now, limit=6) is None
@@ -188,7 +181,7 @@ def test_a_host_name_is_resolved_off_the_drain() -> None:
     wait for it, and the answer is used at later drains: a closed port is found gone."""
     import time
 
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = ("localhost", closed_port())
     assert not probes.gone(addr, since=clock.now - 1, waiter="r")  # lookup started only
@@ -204,7 +197,7 @@ def test_a_host_name_is_resolved_off_the_drain() -> None:
 def test_a_name_that_stops_resolving_is_reported_never_gone(unresolvable_name: str) -> None:
     """A name that does not resolve raises nothing into the drain, never proves P gone
     (a resolver can fail while P runs), and is reported once lookups fail in a row."""
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = (unresolvable_name, closed_port())
     _wait_for_lookup(probes, clock, addr)

@@ -14,10 +14,12 @@ send replaced at its class (a recorder, no network):
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,24 +32,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 )
 
 from connectors.nixl.push import KvfailNixlPushWorker
+from kvfail.peers.base import closed_port
+from tests.core.fakes import ManualClock
 
 pytestmark = pytest.mark.vllm
 
 DEADLINE_S = 1.0
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@contextlib.contextmanager
+def _live_port() -> Iterator[int]:
+    """The port of a P side channel that is alive (it listens) while the block runs."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield int(listener.getsockname()[1])
 
 
 @pytest.fixture
@@ -62,7 +61,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _worker(clock: _Clock) -> Any:
+def _worker(clock: ManualClock) -> Any:
     w: Any = object.__new__(KvfailNixlPushWorker)
     w._init_push_state()
     w.tp_rank = 0
@@ -87,15 +86,15 @@ def _load(w: Any, req_id: str, port: int) -> None:
     w._recving_metadata[req_id] = SimpleNamespace(local_block_ids=[[3, 4, 5]], remote=remote)
 
 
-def _past_deadline(w: Any, clock: _Clock) -> Any:
+def _past_deadline(w: Any, clock: ManualClock) -> Any:
     clock.now += DEADLINE_S + 0.1
     return w.drain_step()
 
 
 def test_fenced_before_the_registration_went_out_never_sends_it(sent: list[str]) -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    _load(w, "r", _closed_port())
+    _load(w, "r", closed_port())
     report = _past_deadline(w, clock)
     # Fenced, one KV-cache group: reported by its blocks, which go back at once.
     assert "r" in report.finished_recving and report.invalid_block_ids == {3, 4, 5}
@@ -105,12 +104,10 @@ def test_fenced_before_the_registration_went_out_never_sends_it(sent: list[str])
 
 
 def test_sent_load_is_held_until_ps_late_notification(sent: list[str]) -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    with socket.socket() as listener:  # P's side channel, alive
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        _load(w, "r", int(listener.getsockname()[1]))
+    with _live_port() as port:  # P's side channel, alive
+        _load(w, "r", port)
         w._do_send_reg_notif("r", {})
         assert sent == ["r"]
         report = _past_deadline(w, clock)
@@ -135,9 +132,9 @@ def test_sent_load_is_held_until_ps_late_notification(sent: list[str]) -> None:
 
 
 def test_sent_load_is_released_once_ps_side_channel_refuses(sent: list[str]) -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    _load(w, "r", _closed_port())
+    _load(w, "r", closed_port())
     w._do_send_reg_notif("r", {})
     _past_deadline(w, clock)
     assert w.take_quarantine_notice().held == {("r", 0)}
@@ -166,7 +163,7 @@ def _load_from(w: Any, req_id: str, port: int, *, host: str = "127.0.0.1", **p: 
     )
 
 
-def _held_after_deadline(w: Any, clock: _Clock, req_id: str) -> None:
+def _held_after_deadline(w: Any, clock: ManualClock, req_id: str) -> None:
     w._do_send_reg_notif(req_id, {})
     report = _past_deadline(w, clock)
     assert req_id in report.failed_recving
@@ -177,12 +174,10 @@ def test_a_hold_waits_for_every_pipeline_stage_of_p(sent: list[str]) -> None:
     """P at PP 2 WRITEs from two stages, each with its own notification: the first must
     not end the hold while the second stage may still write (released after one of
     two before, as ``max(1, tp // world)`` ignored P's stages)."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        _load_from(w, "r", int(listener.getsockname()[1]), pp_size=2)
+    with _live_port() as port:
+        _load_from(w, "r", port, pp_size=2)
         _held_after_deadline(w, clock, "r")
         w._pending_completion_notifs.put(b"r:1")  # stage 0's WRITE is over
         w._get_new_notifs()
@@ -200,12 +195,10 @@ def test_a_hold_waits_for_every_pipeline_stage_of_p(sent: list[str]) -> None:
 def test_notifications_before_the_fence_count_toward_the_hold(sent: list[str]) -> None:
     """Stage 0 notified while the load still waited (upstream counted it); the fence
     keeps that count, so stage 1's late notification alone ends the hold."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        _load_from(w, "r", int(listener.getsockname()[1]), pp_size=2)
+    with _live_port() as port:
+        _load_from(w, "r", port, pp_size=2)
         w.consumer_notification_counts_by_req["r"] = 1  # upstream's count, stage 0
         _held_after_deadline(w, clock, "r")
         w._pending_completion_notifs.put(b"r:1")
@@ -221,9 +214,9 @@ def test_a_refused_side_channel_does_not_end_a_hold_whose_writers_are_elsewhere(
     """P's side channel is its scheduler's; at TP or PP > 1 its WRITEs come from worker
     processes the refusal says nothing about. The hold stays until their notifications
     (it was released at the second refusal before)."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
-    _load_from(w, "r", _closed_port(), **sizes)
+    _load_from(w, "r", closed_port(), **sizes)
     _held_after_deadline(w, clock, "r")
     for _ in range(12):  # far more refusals than the probe needs to call P gone
         clock.now += 1.0
@@ -244,7 +237,7 @@ def test_a_p_whose_name_stops_resolving_keeps_its_hold_and_the_drain_runs(
     """The fence once raised ``gaierror`` (a blocking lookup on an IPv4 socket) at every
     retry; now the lookup runs off the drain, the hold stays (no proof that P's writers
     are gone), and it is said once."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
     _load_from(w, "r", 5555, host=unresolvable_name)
     _held_after_deadline(w, clock, "r")
@@ -268,13 +261,10 @@ def test_an_overdue_hold_stays_held_is_counted_and_named_once(
 ) -> None:
     """Past ``kvfail_max_hold_s`` a live P's hold is not freed (nothing proves its
     WRITE over): counted once, and logged once naming the P."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     w = _worker(clock)
     w._kvfail_max_hold_s = 0.05
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = int(listener.getsockname()[1])
+    with _live_port() as port:
         _load_from(w, "r", port)
         w._do_send_reg_notif("r", {})
         _past_deadline(w, clock)

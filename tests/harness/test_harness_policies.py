@@ -40,6 +40,17 @@ def _poll_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def _held_on_poll_clock(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch, engine_id: str, request_id: str
+) -> Any:
+    """D with one load the toy holds until told, on :func:`_poll_clock`: only the run's
+    own bounds can end its run, at a step count the test can name."""
+    engine = make_engine(engine_id=engine_id, extra_config={"toy_mode": "hold"})
+    engine.add_request(request_id, kv_transfer_params=PD)
+    _poll_clock(monkeypatch)
+    return engine
+
+
 def test_import_kvfail_does_not_import_harness_or_vllm() -> None:
     code = (
         "import sys, kvfail; "
@@ -132,9 +143,7 @@ def test_silent_connector_is_caught_by_liveness_oracle_within_budget(make_engine
 def test_wall_clock_bound_applies_even_when_steps_remain(
     make_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_engine(engine_id="D-wall", extra_config={"toy_mode": "hold"})
-    engine.add_request("slow", kv_transfer_params=PD)
-    _poll_clock(monkeypatch)
+    engine = _held_on_poll_clock(make_engine, monkeypatch, "D-wall", "slow")
     result = engine.run_until_idle(max_steps=10_000, timeout_s=0.25, poll_s=0.0625)
     # Four polls fill the timeout: the clock, not the step budget, ended the run.
     assert (result.reason, result.steps) == ("timeout", 4), result
@@ -145,9 +154,7 @@ def test_min_steps_outlasts_the_timeout_but_is_itself_bounded(
 ) -> None:
     # A starved process must still step D enough for a connector's drains to run; but a
     # step that never returns quickly cannot stretch the run past its timeout plus the cap.
-    engine = make_engine(engine_id="D-min", extra_config={"toy_mode": "hold"})
-    engine.add_request("held", kv_transfer_params=PD)
-    _poll_clock(monkeypatch)
+    engine = _held_on_poll_clock(make_engine, monkeypatch, "D-min", "held")
     result = engine.run_until(lambda e: False, timeout_s=0.0, min_steps=7)
     assert (result.reason, result.steps) == ("timeout", 7), result
     result = engine.run_until(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,17 @@ def _scribble(pair: MooncakePair, block: int, position_in_block: int) -> None:
         write_pattern(kv, layer, [block], position_in_block, position_in_block + 1, "late")
 
 
+def _first_scheduled(pair: MooncakePair, rid: str, *, max_tokens: int) -> tuple[Any, list[int]]:
+    """Pull ``rid`` and step D until its first schedule after the load (D's forward has
+    checked it): D and the request's block ids, before a late writer touches them."""
+    engine = pair.d
+    assert engine is not None
+    rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=max_tokens)
+    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
+    (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+    return engine, list(blocks)
+
+
 def test_a_clean_pull_has_no_findings(pair: MooncakePair) -> None:
     rid = "integrity-clean"
     pair.prefill_and_add(rid, prompt_len=100, max_tokens=6)
@@ -66,12 +78,8 @@ def test_a_clean_pull_has_no_findings(pair: MooncakePair) -> None:
 
 def test_a_write_into_a_loaded_position_after_it_ran_is_named(pair: MooncakePair) -> None:
     rid = "integrity-late"
-    engine = pair.d
-    assert engine is not None
-    rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=6)
-    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
-    assert pair.verify(rid), rec.mismatches
-    (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+    engine, blocks = _first_scheduled(pair, rid, max_tokens=6)
+    assert pair.verify(rid), pair.records[rid].mismatches
     _scribble(pair, blocks[0], 5)  # a loaded position: token 5 of the prompt
     assert pair.run([rid], timeout_s=30.0).ok
     findings = pair.integrity_findings(engine)
@@ -82,11 +90,7 @@ def test_a_write_into_a_loaded_position_after_it_ran_is_named(pair: MooncakePair
 
 def test_a_write_into_a_released_block_is_named(pair: MooncakePair) -> None:
     rid = "integrity-released"
-    engine = pair.d
-    assert engine is not None
-    rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=2)
-    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
-    (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
+    engine, blocks = _first_scheduled(pair, rid, max_tokens=2)
     assert pair.run([rid], timeout_s=30.0).ok
     pool = engine.scheduler.kv_cache_manager.block_pool
     free = [b for b in blocks if pool.blocks[b].block_hash is None]

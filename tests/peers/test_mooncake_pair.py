@@ -24,7 +24,8 @@ from tests.transports import require_transport
 
 require_transport("mooncake")
 
-from kvfail.harness import oracles  # noqa: E402
+from kvfail.faults import FaultProxy  # noqa: E402
+from kvfail.harness import Engine, oracles  # noqa: E402
 from kvfail.peers.mooncake import (  # noqa: E402
     MooncakePair,
     refused_bootstrap,
@@ -133,6 +134,20 @@ def test_wrong_bootstrap_address_is_reported_by_a_cold_d(
         assert rec.mismatches == {"rank0": []}, rec
 
 
+def _cold_pull_via(
+    pair: MooncakePair, proxy: FaultProxy, rid: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Engine, dict[str, list[str]], dict[str, Any], Any]:
+    """A cold D (``cold-<rid>``, under ``fail``) pulls ``rid`` with its bootstrap query sent
+    through ``proxy``: D, why its worker fails each load (:func:`_failure_reasons`), the
+    params D got and the request's record."""
+    name = f"cold-{rid}"
+    consumer = pair.consumer("fail", name=name)
+    reasons = _failure_reasons(pair, name, monkeypatch)
+    params = MooncakePair.via_proxy(pair.prefill(rid, 100), proxy)
+    rec = pair.add(rid, params, prompt_len=100, consumer=name)
+    return consumer, reasons, params, rec
+
+
 def test_bootstrap_through_a_pass_through_proxy_pulls_correct_bytes(pair: MooncakePair) -> None:
     proxy = pair.bootstrap_proxy()
     consumer = pair.consumer("fail", name="cold-proxy-pass")
@@ -149,10 +164,7 @@ def test_bootstrap_reset_by_proxy_is_reported(
 ) -> None:
     proxy = pair.bootstrap_proxy()
     proxy.reset()
-    consumer = pair.consumer("fail", name="cold-proxy-reset")
-    reasons = _failure_reasons(pair, "cold-proxy-reset", monkeypatch)
-    params = MooncakePair.via_proxy(pair.prefill("proxy-reset", 100), proxy)
-    rec = pair.add("proxy-reset", params, prompt_len=100, consumer="cold-proxy-reset")
+    consumer, reasons, params, rec = _cold_pull_via(pair, proxy, "proxy-reset", monkeypatch)
     _finish(pair, "cold-proxy-reset", "proxy-reset")
     assert rec.failed and rec.reported_s is not None, rec
     # The proxy RST D's query (every try), so the bootstrap never named P's engine.
@@ -201,10 +213,7 @@ def test_silent_bootstrap_is_reported_after_the_connector_timeout(
     monkeypatch.setenv("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", "1")
     proxy = pair.bootstrap_proxy()
     proxy.blackhole()
-    consumer = pair.consumer("fail", name="cold-proxy-blackhole")
-    reasons = _failure_reasons(pair, "cold-proxy-blackhole", monkeypatch)
-    params = MooncakePair.via_proxy(pair.prefill("proxy-blackhole", 100), proxy)
-    rec = pair.add("proxy-blackhole", params, prompt_len=100, consumer="cold-proxy-blackhole")
+    consumer, reasons, params, rec = _cold_pull_via(pair, proxy, "proxy-blackhole", monkeypatch)
     for _ in range(3):  # the load is scheduled; D's bootstrap query hangs at the proxy
         consumer.step()
     # What a stuck load looks like from D's worker (the suite's liveness evidence).

@@ -15,6 +15,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 from vllm.v1.core.block_pool import BlockPool
 
 from kvfail.quarantine import BlockQuarantine, QuarantineNotice
+from tests.core.fakes import ManualClock
 
 pytestmark = pytest.mark.vllm
 
@@ -175,18 +176,10 @@ def test_a_hold_covers_every_pipeline_stage_of_d(
 # ------------------------------------------------------------ holds visible and cheap
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_oldest_hold_and_held_loads_per_p_are_visible(
     sched: Scheduler, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock = _Clock()
+    clock = ManualClock(50.0)
     q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
     assert q.oldest_age_s() == 0.0 and q.loads_by_peer() == {}
     for req_id in ("a", "b", "c"):
@@ -257,7 +250,7 @@ def test_d_idles_while_only_holds_remain(sched: Scheduler, monkeypatch: pytest.M
 
 
 def test_stats_carry_the_oldest_hold_and_held_loads_per_p(sched: Scheduler) -> None:
-    clock = _Clock()
+    clock = ManualClock(50.0)
     q = BlockQuarantine(sched.pool, sched.blocks_of, clock=clock)
     half: Any = _scheduler_half(q)
     sched.allocate("r", 2)

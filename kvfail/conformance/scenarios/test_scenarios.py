@@ -90,18 +90,7 @@ def test_failed_load_one_group(scenario: ScenarioContext) -> None:
     # No requirement on a reporting channel: reporting a failed load is a MUST (C1), so a
     # connector without one runs this scenario and fails it, never skips it.
     point = scenario.require_fault(*ACTIVE)
-    engine = scenario.engine()
-    rid = scenario.rid("bad")
-    blocks = scenario.add_loading(engine, rid, fault=point)
-    scenario.driver.provoke(engine, rid, point, block_index=1)
-    scenario.run(engine)
-    _note_detection(scenario, engine, rid)
-    scenario.check(
-        engine,
-        [rid],
-        failed=True,
-        extra=[*_wrong_bytes(scenario, engine, rid), *check_not_late(engine, rid, blocks)],
-    )
+    _load_fails(scenario, point, "bad", provoke=True, block_index=1)
 
 
 @pytest.mark.clauses("C1", "C2", "C5", "C6")
@@ -127,6 +116,41 @@ def test_failed_load_request_level_two_groups(scenario: ScenarioContext) -> None
     scenario.check(
         engine, [rid], failed=True, extra=[*block_level, *check_not_late(engine, rid, blocks)]
     )
+
+
+def _load_fails(
+    scenario: ScenarioContext,
+    point: FaultPoint,
+    name: str,
+    *,
+    provoke: bool = False,
+    block_index: int | None = None,
+    wrong_bytes: bool = True,
+) -> None:
+    """One load under ``point`` (with ``provoke``, the driver provokes it, on the block
+    at ``block_index`` if given), then :func:`_check_failed`."""
+    engine = scenario.engine()
+    rid = scenario.rid(name)
+    blocks = scenario.add_loading(engine, rid, fault=point)
+    if provoke:
+        scenario.driver.provoke(engine, rid, point, block_index=block_index)
+    _check_failed(scenario, engine, rid, blocks, wrong_bytes=wrong_bytes)
+
+
+def _check_failed(
+    scenario: ScenarioContext,
+    engine: Any,
+    rid: str,
+    blocks: list[int],
+    *,
+    wrong_bytes: bool = True,
+) -> None:
+    """Run ``engine`` within the suite's bound and check ``rid`` failed, its failure not
+    late (C3) and, with ``wrong_bytes``, not run on as if loaded (C1)."""
+    scenario.run(engine)
+    _note_detection(scenario, engine, rid)
+    extra = _wrong_bytes(scenario, engine, rid) if wrong_bytes else []
+    scenario.check(engine, [rid], failed=True, extra=[*extra, *check_not_late(engine, rid, blocks)])
 
 
 def _wrong_bytes(scenario: ScenarioContext, engine: Any, rid: str) -> list[str]:
@@ -229,12 +253,8 @@ def test_peer_killed_before_pull(scenario: ScenarioContext) -> None:
     bootstrap query is refused. Reported promptly, paired with finished_recving."""
     scenario.require("remote_prefill", "async_load")
     point = scenario.require_fault(FaultPoint.KILL_BEFORE_PULL)
-    engine = scenario.engine()
-    rid = scenario.rid("killed")
-    blocks = scenario.add_loading(engine, rid, fault=point)
-    scenario.run(engine)
-    _note_detection(scenario, engine, rid)
-    scenario.check(engine, [rid], failed=True, extra=check_not_late(engine, rid, blocks))
+    # D never pulls (its bootstrap query is refused): there are no bytes to judge.
+    _load_fails(scenario, point, "killed", wrong_bytes=False)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C7", "C8")
@@ -243,14 +263,7 @@ def test_peer_names_failed_request(scenario: ScenarioContext) -> None:
     """The real P answers D's pull with FINISH and ``err_reqs`` naming the request: the
     failure is reported once, paired with finished_recving, and the policy decides."""
     scenario.require("remote_prefill", "async_load")
-    point = scenario.require_fault(FaultPoint.PEER_ERR_REQS)
-    engine = scenario.engine()
-    rid = scenario.rid("err-reqs")
-    blocks = scenario.add_loading(engine, rid, fault=point)
-    scenario.run(engine)
-    _note_detection(scenario, engine, rid)
-    extra = [*_wrong_bytes(scenario, engine, rid), *check_not_late(engine, rid, blocks)]
-    scenario.check(engine, [rid], failed=True, extra=extra)
+    _load_fails(scenario, scenario.require_fault(FaultPoint.PEER_ERR_REQS), "err-reqs")
 
 
 def _malformed(scenario: ScenarioContext, kind: str) -> None:
@@ -449,10 +462,7 @@ def _bad_handshake_metadata(scenario: ScenarioContext, point: FaultPoint) -> Non
     rid = scenario.rid(point.value)
     blocks = _add_handshake_fault(scenario, engine, rid, point)
     scenario.driver.provoke(engine, rid, point)
-    scenario.run(engine)
-    _note_detection(scenario, engine, rid)
-    extra = [*_wrong_bytes(scenario, engine, rid), *check_not_late(engine, rid, blocks)]
-    scenario.check(engine, [rid], failed=True, extra=extra)
+    _check_failed(scenario, engine, rid, blocks)
 
 
 @pytest.mark.clauses("C1", "C2", "C3", "C10", "C13")
