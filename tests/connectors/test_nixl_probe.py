@@ -212,7 +212,7 @@ def test_failed_lookups_before_since_do_not_count(unresolvable_name: str) -> Non
     stale answer: the name may resolve again, and only lookups begun after the load
     began speak for it (seen: once a name had failed for one load, the next load to
     the same P failed at once, though the name resolved again)."""
-    clock = Clock()
+    clock = ManualClock()
     probes = SideChannelProbes(INTERVAL_S, clock=clock)
     addr = (unresolvable_name, closed_port())
     _wait_for_lookup(probes, clock, addr)
