@@ -87,6 +87,31 @@ class _Verdicts:
         self.writers = []
 
 
+def _fresh(host: str = "127.0.0.1") -> tuple[str, int, _Verdicts, MarkBook]:
+    """A P worker's address to build on, and D's empty view of it."""
+    return host, _free_port(host), _Verdicts(), MarkBook()
+
+
+async def _reaches(host: str, port: int, marks: MarkBook) -> None:
+    """D's check before a pull leaves: the worker takes it (its mark, if any, recorded)."""
+    assert await refused_before_send(_addr(host, port), marks) is None
+
+
+async def _no_proof_until_closed(
+    task: asyncio.Task[None], seen: _Verdicts, mark: WriterMark, ready: Callable[[], bool]
+) -> None:
+    """Once ``ready()``, many watch rounds with ``mark``'s writer alive prove nothing;
+    then the mark closes, and the watch ends on that proof."""
+    try:
+        await _until(ready)
+        for _ in range(20):
+            await asyncio.sleep(INTERVAL_S)
+        assert seen.gone == [] and not task.done()
+    finally:
+        mark.close()
+    await asyncio.wait_for(task, WAIT_S)
+
+
 async def _until(predicate: Callable[[], bool]) -> None:
     async def poll() -> None:
         while not predicate():
@@ -169,22 +194,14 @@ def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> No
     """A graceful shutdown: the side channel closes while the writer still runs. The
     watch reports the worker lost (fail now) but not gone (blocks stay held) until the
     mark closes."""
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh(host)
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
-        try:
-            with _listener(host, port):
-                task = asyncio.create_task(_watch(host, port, seen, marks))
-                await _until(lambda: _addr(host, port) in marks)
-            await _until(lambda: bool(seen.lost))
-            for _ in range(20):  # many probe rounds: still no proof
-                await asyncio.sleep(INTERVAL_S)
-            assert seen.gone == [] and not task.done()
-        finally:
-            mark.close()
-        await asyncio.wait_for(task, WAIT_S)
+        with _listener(host, port):
+            task = asyncio.create_task(_watch(host, port, seen, marks))
+            await _until(lambda: _addr(host, port) in marks)
+        await _no_proof_until_closed(task, seen, mark, lambda: bool(seen.lost))
 
     asyncio.run(scenario())
     assert len(seen.lost) == 1 and "side channel refused" in seen.lost[0]
@@ -192,9 +209,7 @@ def test_side_channel_closed_before_the_writer_is_lost_not_gone(host: str) -> No
 
 
 def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         old = WriterMark(host, port)
@@ -216,9 +231,7 @@ def test_a_new_writer_at_the_same_address_proves_the_old_one_gone() -> None:
 def test_a_p_with_no_mark_is_lost_but_never_proven_gone() -> None:
     """Upstream's P has no mark: its side channel refusing fails the loads, and nothing
     ever proves its writes over (the holds wait for P's answer or the max hold)."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         with _listener(host, port):
@@ -236,9 +249,7 @@ def test_a_p_with_no_mark_is_lost_but_never_proven_gone() -> None:
 
 def test_a_killed_writer_is_gone_without_a_lost_first() -> None:
     """Side channel and mark close together (SIGKILL): one verdict, gone."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
@@ -271,14 +282,12 @@ def test_a_writer_dead_before_the_watch_first_asks_is_proven_gone() -> None:
     the watch's first round is still proven gone. Without the nonce seen first, its
     refusal would prove nothing (a P with no mark refuses the same way) and the load's
     blocks would stay held for good."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
         with _listener(host, port):
-            assert await refused_before_send(_addr(host, port), marks) is None
+            await _reaches(host, port, marks)
             assert marks == {_addr(host, port): mark.nonce}
             mark.close()  # SIGKILL between the send and the watch's first round
         await asyncio.wait_for(_watch(host, port, seen, marks), WAIT_S)
@@ -291,18 +300,16 @@ def test_a_restart_while_nothing_was_watched_is_not_taken_for_the_next_writers_e
     """P restarts on the same address while D watches nothing there. The mark asked
     before the next pull records the new writer, so the watch does not read its nonce
     as proof that this pull's writer is gone (the blocks would be freed while it writes)."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         old = WriterMark(host, port)
         with _listener(host, port):
-            assert await refused_before_send(_addr(host, port), marks) is None
+            await _reaches(host, port, marks)
             old.close()
             new = WriterMark(host, port)  # restarted on the same address, unseen
             try:
-                assert await refused_before_send(_addr(host, port), marks) is None
+                await _reaches(host, port, marks)
                 assert marks == {_addr(host, port): new.nonce}
                 task = asyncio.create_task(_watch(host, port, seen, marks))
                 await asyncio.sleep(10 * INTERVAL_S)
@@ -319,28 +326,22 @@ def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
     """Before the pull, the mark D saw earlier does not answer (a stopped P, or one
     restarted unseen and busy). A new nonce later may be the pull's own writer: no proof.
     A refusal still is: no mark is bound there, so whichever wrote is gone."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
         old = WriterMark(host, port)
         with _listener(host, port):
-            assert await refused_before_send(_addr(host, port), marks) is None
+            await _reaches(host, port, marks)
             old.close()
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
                 silent.bind((host, port))  # bound, never answers: a stopped P's mark
-                assert await refused_before_send(_addr(host, port), marks) is None
+                await _reaches(host, port, marks)
             assert marks == {_addr(host, port): old.nonce}
             new = WriterMark(host, port)  # the writer that answers after the pull
             task = asyncio.create_task(_watch(host, port, seen, marks))
-            try:
-                await _until(lambda: marks.get(_addr(host, port)) == new.nonce)
-                await asyncio.sleep(5 * INTERVAL_S)
-                assert seen.gone == [] and not task.done()
-            finally:
-                new.close()
-            await asyncio.wait_for(task, WAIT_S)
+            await _no_proof_until_closed(
+                task, seen, new, lambda: marks.get(_addr(host, port)) == new.nonce
+            )
 
     asyncio.run(scenario())
     assert len(seen.gone) == 1 and "writer mark refused" in seen.gone[0]
@@ -352,14 +353,13 @@ def test_a_writer_proven_gone_is_gone_for_a_pull_that_registers_after_the_proof(
     watch of its own: the same death must prove its writes over too. Seen in the e2e
     tier (P killed mid-run): the first watch dropped the nonce, the second could only
     report the side channel refusing, and the pull's blocks stayed held for good."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    first, late, marks = _Verdicts(), _Verdicts(), MarkBook()
+    host, port, first, marks = _fresh()
+    late = _Verdicts()
 
     async def scenario() -> None:
         mark = WriterMark(host, port)
         with _listener(host, port):
-            assert await refused_before_send(_addr(host, port), marks) is None
+            await _reaches(host, port, marks)
         mark.close()  # SIGKILL: the side channel and the mark close together
         await asyncio.wait_for(_watch(host, port, first, marks), WAIT_S)
         await asyncio.wait_for(_watch(host, port, late, marks), WAIT_S)
@@ -430,9 +430,7 @@ def test_a_pull_sent_while_watched_to_a_restarted_p_keeps_its_hold() -> None:
     runs). The new nonce proves the old writer gone, and only the old writer's pulls
     end: the new pull's hold stays until its own writer is gone. An address-wide verdict
     freed the new pull's blocks while the new P could write them."""
-    host = "127.0.0.1"
-    port = _free_port(host)
-    seen, marks = _Verdicts(), MarkBook()
+    host, port, seen, marks = _fresh()
     addr = _addr(host, port)
 
     async def scenario() -> None:
