@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from kvfail.conformance.plugin import drivers_required
 from tests import transports
+from tests.xdist_groups import group_module_runs
 
 # Mooncake's TransferEngine logs INFO lines (glog) when it is destroyed at interpreter exit,
 # after pytest's summary line; keep that line last.
@@ -67,3 +69,8 @@ def unresolvable_name(monkeypatch: pytest.MonkeyPatch) -> str:
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return UNRESOLVABLE
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Module-scoped peers and sessions of ``tests/`` run once each under xdist."""
+    group_module_runs(items, Path(__file__).parent)

@@ -7,7 +7,11 @@ needs is imported, and one toy engine run, before the first ``pytester`` fixture
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+from tests.xdist_groups import group_module_runs
 
 
 @pytest.fixture(scope="module")
@@ -19,3 +23,8 @@ def vllm_loaded() -> None:
     with Engine(EngineSpec(extra_config={"toy_mode": "complete"})) as engine:
         engine.add_request("warm", kv_transfer_params={"do_remote_prefill": True})
         assert engine.run_until_idle(max_steps=20, timeout_s=30.0).ok
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This directory's module-scoped inner sessions run once each under xdist."""
+    group_module_runs(items, Path(__file__).parent)
