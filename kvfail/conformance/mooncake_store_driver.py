@@ -291,6 +291,15 @@ class MooncakeStoreDriver(ExampleDriver):
         if self._master is not None and self._master.alive and self._master.frozen:
             self._master.thaw()
 
+    def before_close(self) -> None:
+        """A master the scenario killed is started again, empty, on its ports: each
+        engine's store client unmounts its segments from the master at shutdown, and
+        with none listening it waits out its RPC retries (seconds per engine). The store
+        is replaced after the scenario all the same."""
+        if self._master is not None and not self._master.alive:
+            self._master.close()
+            self._start_master()
+
     def after_scenario(self) -> None:
         """The scenario's D engines are closed: release their lookup channels. After a
         fault on the store's processes, the next scenario gets a fresh store: a new

@@ -338,8 +338,12 @@ class ScenarioContext:
     def close(self, *, failed: bool = False) -> None:
         """Close this scenario's engines and drop the driver's handles of them (their
         faults and records go with them: no driver has to remember it), then let the
-        driver repair shared peers (told first when the scenario ``failed``)."""
+        driver repair shared peers (told first when the scenario ``failed``). The
+        verdict is in by now: the driver may first bring back what the engines' shutdown
+        talks to (``before_close``)."""
         try:
+            if self.engines:
+                self.driver.before_close()
             for engine in self.engines:
                 engine.close()
             self.engines.clear()
