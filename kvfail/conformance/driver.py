@@ -282,8 +282,9 @@ class Driver(ABC, Generic[H]):
 
     Lifecycle: :meth:`start` once per session before the first scenario (start peers),
     :meth:`stop` at the end. Per scenario: :meth:`build_engine` (a fresh D), then
-    :meth:`add_remote_request`, then :meth:`settle` or :meth:`provoke`; then the suite
-    drops the engines' handles and calls :meth:`after_scenario`.
+    :meth:`add_remote_request`, then :meth:`settle` or :meth:`provoke`; once judged,
+    :meth:`before_close`, then the suite closes the engines, drops their handles and
+    calls :meth:`after_scenario`.
     """
 
     #: The ``--connector`` value this driver was resolved from.
@@ -558,6 +559,13 @@ class Driver(ABC, Generic[H]):
         a problem (errors, warnings, tracebacks): attached to a failing scenario's
         message as evidence, never judged. Default: no peer processes."""
         return []
+
+    def before_close(self) -> None:
+        """Called once the scenario is judged, before the suite closes its engines: a
+        driver whose fault killed a service the engines' shutdown talks to (a store's
+        master) may start it again, empty, so they close promptly instead of waiting out
+        its client's timeouts. Never before the verdict, so nothing it does is judged.
+        Default: nothing."""
 
     def scenario_failed(self) -> None:
         """Called before :meth:`after_scenario` when the scenario's verdict was a failure

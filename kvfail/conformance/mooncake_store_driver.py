@@ -153,7 +153,12 @@ class MooncakeStoreDriver(ExampleDriver):
     # ------------------------------------------------------------ processes
 
     def _start_master(self) -> None:
-        from kvfail.rig.ports import wait_for_port
+        self._spawn_master()
+        self._await_master()
+
+    def _spawn_master(self) -> None:
+        """Start ``mooncake_master`` on this store's ports; :meth:`_await_master` waits
+        until it listens (it takes about a second, asleep: other work can go on)."""
         from kvfail.rig.processes import PeerProcess
 
         assert self._ports is not None
@@ -172,6 +177,12 @@ class MooncakeStoreDriver(ExampleDriver):
             ],
             name="mooncake_master",
         )
+
+    def _await_master(self) -> None:
+        from kvfail.rig.ports import wait_for_port
+
+        assert self._ports is not None
+        rpc, http, _metrics = self._ports
         wait_for_port(rpc, READY_TIMEOUT_S, peer=self._master)
         wait_for_port(http, READY_TIMEOUT_S, peer=self._master)
 
@@ -188,11 +199,18 @@ class MooncakeStoreDriver(ExampleDriver):
         self._owner_segment = line.split("segment ", 1)[1].strip()
 
     def start(self) -> None:
-        from kvfail.rig.ports import free_ports
-
         super().start()
         if self._master is not None:
             return
+        self._new_store()
+        self._start_master()
+        self._start_owner()
+
+    def _new_store(self) -> None:
+        """Ports and a configuration for a store of its own: what the next master, segment
+        owner and engines built from now on use (each reads it once, at start)."""
+        from kvfail.rig.ports import free_ports
+
         self._ports = tuple(free_ports(3))  # type: ignore[assignment]
         rpc, http, _metrics = self._ports  # type: ignore[misc]
         config = {
@@ -203,11 +221,9 @@ class MooncakeStoreDriver(ExampleDriver):
             "global_segment_size": SEGMENT_SIZE,
             "local_buffer_size": SEGMENT_SIZE,
         }
-        path = self.root / "mooncake-store.json"
+        path = self.root / f"mooncake-store-{rpc}.json"
         path.write_text(json.dumps(config))
         self._env = {"MOONCAKE_CONFIG_PATH": str(path), "VLLM_HOST_IP": "127.0.0.1"}
-        self._start_master()
-        self._start_owner()
 
     @contextlib.contextmanager
     def _environment(self) -> Iterator[None]:
@@ -267,6 +283,15 @@ class MooncakeStoreDriver(ExampleDriver):
         if self._master is not None and self._master.alive and self._master.frozen:
             self._master.thaw()
 
+    def before_close(self) -> None:
+        """A master the scenario killed is started again, empty, on its ports: each
+        engine's store client unmounts its segments from the master at shutdown, and
+        with none listening it waits out its RPC retries (seconds per engine). The store
+        is replaced after the scenario all the same."""
+        if self._master is not None and not self._master.alive:
+            self._master.close()
+            self._start_master()
+
     def after_scenario(self) -> None:
         """The scenario's D engines are closed: release their lookup channels. After a
         fault on the store's processes, the next scenario gets a fresh store: a new
@@ -278,22 +303,33 @@ class MooncakeStoreDriver(ExampleDriver):
         if not self._dirty:
             return
         self._dirty = False
-        if self._p is not None:
-            with contextlib.suppress(Exception):
-                self._close(self._p)
-            self._p = None
-        self._stop_processes()
-        self._start_master()
+        # The new store gets ports and a master of its own at once: the master's start
+        # (mostly asleep) overlaps P's close and the old processes' stop.
+        old = (self._owner, self._master)
+        self._owner = self._master = None
+        try:
+            self._new_store()
+            self._spawn_master()
+            if self._p is not None:
+                with contextlib.suppress(Exception):
+                    self._close(self._p)
+                self._p = None
+        finally:
+            self._stop_processes(*old)
+        self._await_master()
         self._start_owner()
 
-    def _stop_processes(self) -> None:
-        """Stop the segment owner and the master (a frozen one is thawed first)."""
-        for proc in (self._owner, self._master):
+    def _stop_processes(self, *procs: PeerProcess | None) -> None:
+        """Stop ``procs`` (default: the segment owner and the master; a frozen one is
+        thawed first)."""
+        if not procs:
+            procs = (self._owner, self._master)
+            self._owner = self._master = None
+        for proc in procs:
             if proc is not None:
                 with contextlib.suppress(Exception):
                     proc.thaw()
                 proc.close()
-        self._owner = self._master = None
 
     # ------------------------------------------------------------ capabilities
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ACTIVE_BUDGET",
     "ConformanceViolation",
+    "HeldBlocks",
     "ScenarioContext",
     "SuiteSkip",
     "check_not_late",
@@ -55,6 +56,9 @@ CRASH_TRACE_LINES = 12
 #: How long the oracles wait, with the peers' faults ended, for blocks a connector holds
 #: back while a peer may still write (quarantine) to come back, before calling them leaked.
 HELD_BLOCKS_WAIT_S = 15.0
+#: Sleep between D's steps while it waits for held blocks (a connector's drain runs on
+#: D's steps; its peers progress in real time).
+HELD_BLOCKS_POLL_S = 0.01
 #: A wall-clock run also steps D at least this often before it may end on its timeout
 #: (see ``Engine.run_until``): a verdict needs the connector to have had its drains.
 MIN_STEPS = 20
@@ -181,7 +185,7 @@ def only_holds_left(engine: Engine) -> bool:
 
     Why the run may end there: waiting out the run's budget while a stopped P keeps the
     hold gains nothing (nothing but P's end can release it), and the oracles' own wait
-    (``ScenarioContext._await_held_blocks``) ends the peers' faults and steps D, watching
+    (``ScenarioContext.await_held_blocks``) ends the peers' faults and steps D, watching
     every step, until the blocks are back. A connector with pending work and no block held
     keeps stepping in the run, where a late write into a freed block is seen."""
     sched = engine.scheduler
@@ -189,6 +193,18 @@ def only_holds_left(engine: Engine) -> bool:
         return False
     free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     return free < engine.spec.num_blocks - 1  # the null block is never free
+
+
+@dataclass(frozen=True)
+class HeldBlocks:
+    """How a wait for held blocks ended (:meth:`ScenarioContext.await_held_blocks`)."""
+
+    #: Free blocks in D's pool when it ended.
+    free: int
+    #: Seconds this call waited (the bound is shared with earlier waits on the engine).
+    waited_s: float
+    #: D went idle with blocks missing: vLLM would not step it until a new request came.
+    idle: bool
 
 
 @dataclass
@@ -210,6 +226,9 @@ class ScenarioContext:
     seed: int | None = None
     _seq: int = 0
     _floor_s: float = 0.0
+    #: Per engine (by ``id``): the request count and the clock at the start of its wait
+    #: for held blocks (see ``await_held_blocks``).
+    _held_since: dict[int, tuple[int, float]] = field(default_factory=dict)
     _tag: str = ""
 
     # ------------------------------------------------------------ gating
@@ -319,8 +338,12 @@ class ScenarioContext:
     def close(self, *, failed: bool = False) -> None:
         """Close this scenario's engines and drop the driver's handles of them (their
         faults and records go with them: no driver has to remember it), then let the
-        driver repair shared peers (told first when the scenario ``failed``)."""
+        driver repair shared peers (told first when the scenario ``failed``). The
+        verdict is in by now: the driver may first bring back what the engines' shutdown
+        talks to (``before_close``)."""
         try:
+            if self.engines:
+                self.driver.before_close()
             for engine in self.engines:
                 engine.close()
             self.engines.clear()
@@ -509,7 +532,7 @@ class ScenarioContext:
                 state = [f"(the driver's stuck_state raised {exc!r})"]
             stuck += [f"C2/C10 state: {line}" for line in state]
         out += stuck
-        self._await_held_blocks(engine)
+        self.await_held_blocks(engine)
         out += oracles.check_no_leaks(engine)
         out += oracles.check_exactly_once(engine)
         out += oracles.check_no_readvertise_after_failure(engine)
@@ -520,34 +543,51 @@ class ScenarioContext:
                 out += oracles.check_policy_outcome(engine, rid, failed=failed)
         return out
 
-    def _await_held_blocks(self, engine: Engine) -> None:
+    def await_held_blocks(self, engine: Engine, want: int | None = None) -> HeldBlocks:
         """Give blocks a connector holds back (quarantine) the time to come back.
 
         A connector may keep a failed load's blocks while its peer may still write into
         them: the contract's own rule (C11). Once every request is done, the peer's
         faults are ended (a frozen P resumes and finishes its write; a dead P stays dead)
-        and D is stepped, for at most :data:`HELD_BLOCKS_WAIT_S`, until every block is
-        free again. What is still missing then is the leak oracle's to judge.
+        and D is stepped as vLLM's engine loop would, until ``want`` blocks are free
+        (default: every block but the null one), for at most :data:`HELD_BLOCKS_WAIT_S`.
+        What is still missing then is the caller's to judge (the leak oracle's, or a
+        scenario's own).
+
+        One bound per engine, counted from the first wait after its last request was
+        added: a scenario that waits for its blocks itself (the quarantine scenarios) and
+        the oracles' wait after it share it, so a hold that never ends is waited out once.
+        The wait also ends when D goes idle (``scheduler.has_requests()`` false: no
+        request and no pending connector work): vLLM steps no idle engine until a new
+        request comes, so no block can come back in it.
         """
-        if engine.crashed is not None:
-            return
         sched = engine.scheduler
         pool = sched.kv_cache_manager.block_pool
-        expected = engine.spec.num_blocks - 1  # the null block is never free
-        if pool.get_num_free_blocks() >= expected or sched.get_num_unfinished_requests():
-            return
-        started = time.monotonic()
-        self.driver.end_faults(engine)
-        while pool.get_num_free_blocks() < expected:
-            if (
-                time.monotonic() - started > timebase.scaled(HELD_BLOCKS_WAIT_S)
-                or engine.crashed is not None
-            ):
-                return
+        target = engine.spec.num_blocks - 1 if want is None else want  # the null block
+        free = pool.get_num_free_blocks()
+        if engine.crashed is not None or free >= target or sched.get_num_unfinished_requests():
+            return HeldBlocks(free, 0.0, idle=False)
+        marker = len(engine.requests)
+        began = self._held_since.get(id(engine))
+        if began is None or began[0] != marker:
+            self.driver.end_faults(engine)
+            began = (marker, time.monotonic())
+            self._held_since[id(engine)] = began
+        started, bound = time.monotonic(), timebase.scaled(HELD_BLOCKS_WAIT_S)
+        idle = False
+        while engine.crashed is None and pool.get_num_free_blocks() < target:
+            if time.monotonic() - began[1] >= bound:
+                break
+            if engine.is_idle():
+                idle = True
+                break
             engine.step()
             self.driver.observe(engine)
-            time.sleep(0.01)
-        self.note("held_blocks_back_s", round(time.monotonic() - started, 3))
+            time.sleep(HELD_BLOCKS_POLL_S)
+        free = pool.get_num_free_blocks()
+        if free >= target:
+            self.note("held_blocks_back_s", round(time.monotonic() - began[1], 3))
+        return HeldBlocks(free, time.monotonic() - started, idle=idle)
 
     def check(
         self,

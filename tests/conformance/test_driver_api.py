@@ -117,6 +117,9 @@ class _Recording(MinimalDriver):
     def after_scenario(self) -> None:
         self.calls.append(f"after_scenario with {len(self.handles())} handles")
 
+    def before_close(self) -> None:
+        self.calls.append("before_close")
+
 
 def test_the_suite_drops_the_handles_before_the_drivers_repair() -> None:
     driver = _Recording()
@@ -124,6 +127,30 @@ def test_the_suite_drops_the_handles_before_the_drivers_repair() -> None:
     ctx = ScenarioContext(driver=driver, caps=caps, policy="fail", scenario="test_x")
     ctx.close()
     assert driver.calls == ["forget_engines", "after_scenario with 0 handles"]
+
+
+class _ClosingEngine:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def close(self) -> None:
+        self.calls.append("engine closed")
+
+
+def test_the_driver_may_restore_its_services_before_the_engines_close() -> None:
+    """``before_close`` comes after the verdict and before the engines' shutdown (which
+    may talk to a service a fault killed), then the handles go and the driver repairs."""
+    driver = _Recording()
+    caps = Capabilities(connector="ToyConnector", driver="recording")
+    ctx = ScenarioContext(driver=driver, caps=caps, policy="fail", scenario="test_x")
+    ctx.engines.append(_ClosingEngine(driver.calls))  # type: ignore[arg-type]
+    ctx.close()
+    assert driver.calls == [
+        "before_close",
+        "engine closed",
+        "forget_engines",
+        "after_scenario with 0 handles",
+    ]
 
 
 def test_a_driver_written_before_the_fault_table_still_loads() -> None:
