@@ -346,4 +346,4 @@ def test_nixl_over_an_ipv6_only_link_in_a_fresh_process(transport: str) -> None:
         timeout_s=600,
         env={IPV6_CHILD_ENV: transport},
     )
-    assert rc == 0 and re.search(r"\b4 passed", out), out[-6000:]
+    assert rc == 0 and re.search(r"\b5 passed", out), out[-6000:]
