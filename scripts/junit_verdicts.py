@@ -39,16 +39,24 @@ def verdict_of(case: ET.Element) -> Verdict:
     return Verdict("passed")
 
 
+def xdist_free(name: str) -> str:
+    """``name`` without the ``@group`` suffix ``--dist loadgroup`` gives grouped tests
+    (test ids never contain ``@`` after their closing bracket otherwise)."""
+    head, at, _group = name.rpartition("@")
+    return head if at and (head.endswith("]") or "[" not in head) else name
+
+
 def verdicts(path: Path) -> dict[str, Verdict]:
     """Test name (function and parameters) -> verdict, for every test of one run.
 
     Keyed by name, not by module, so a scenario that moved to another module between two
     runs is still the same scenario. A setup error and the test's own outcome share a
-    name; the worse one is kept.
+    name; the worse one is kept. The ``@group`` that pytest-xdist's ``loadgroup`` appends
+    is dropped, so a run with ``-n`` compares with a serial one.
     """
     out: dict[str, Verdict] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        name, verdict = case.get("name", ""), verdict_of(case)
+        name, verdict = xdist_free(case.get("name", "")), verdict_of(case)
         if name not in out or out[name].outcome in ("passed", "skipped"):
             out[name] = verdict
     return out

@@ -84,3 +84,14 @@ def test_diff_names_each_change_and_fails_on_an_outcome_change(runs: tuple[Path,
         check=False,
     ).returncode
     assert rc == 1
+
+
+def test_an_xdist_group_suffix_names_the_same_test() -> None:
+    """A run with ``-n --dist loadgroup`` names grouped tests ``name@group``; the diff
+    must match them with a serial run's names, or every test is 'only in one run'."""
+    from junit_verdicts import xdist_free
+
+    assert xdist_free("test_x[mooncake-fail]@kvfail-mooncake") == "test_x[mooncake-fail]"
+    assert xdist_free("test_y@simulated-hosts") == "test_y"
+    assert xdist_free("test_x[a@b]") == "test_x[a@b]"
+    assert xdist_free("test_x[mooncake-fail]") == "test_x[mooncake-fail]"
