@@ -94,22 +94,43 @@ def literal_target(addr: Address) -> Target | None:
 
 
 @dataclass
+class _Streak:
+    """Answers of one kind in a row, and when the first of them came (None: empty).
+
+    Why a ``since``: a streak speaks only for a waiter that began before it; one that
+    began earlier may be about another P on the port, or a name since resolved again."""
+
+    count: int = 0
+    since: float | None = None
+
+    def extend(self, at: float) -> None:
+        if self.count == 0:
+            self.since = at
+        self.count += 1
+
+    def end(self) -> None:
+        self.count, self.since = 0, None
+
+    def holds(self, count: int, since: float) -> bool:
+        """At least ``count`` in a row, the first at or after ``since``."""
+        return self.count >= count and self.since is not None and self.since >= since
+
+
+@dataclass
 class _Probe:
     """One side channel's probe state."""
 
     sock: socket.socket | None = None
     started: float = -1e18
-    #: Refusals in a row, and when the first of them came (None: the streak is empty).
-    refusals: int = 0
-    streak_since: float | None = None
+    #: Connects refused in a row.
+    refused: _Streak = field(default_factory=_Streak)
     waiters: set[Hashable] = field(default_factory=set)
     #: A host name's lookup in flight for this round (None for a literal address).
     lookup: _Lookup | None = None
-    #: Why the last lookup of the host name failed (None: it resolved, or a literal),
-    #: how many lookups in a row failed, and when the first of them was started.
-    unresolved: str | None = None
-    unresolved_rounds: int = 0
-    unresolved_since: float | None = None
+    #: Lookups of the host name failed in a row (each dated when it began), and why the
+    #: last one failed (None: it resolved, or a literal).
+    unresolved: _Streak = field(default_factory=_Streak)
+    unresolved_why: str | None = None
 
 
 class SideChannelProbes:
@@ -139,7 +160,7 @@ class SideChannelProbes:
                 return self._proven(probe, since)
             self._close(probe)
             self._record(probe, answer, now)
-        pause = PROBE_CONFIRM_S if probe.refusals else self.interval_s
+        pause = PROBE_CONFIRM_S if probe.refused.count else self.interval_s
         if probe.lookup is None and now - probe.started >= pause and not self._proven(probe, since):
             probe.started = now
             target = literal_target(addr)
@@ -149,13 +170,11 @@ class SideChannelProbes:
                 self._connect(probe, target, now)
         if probe.lookup is not None and probe.lookup.done():
             lookup, probe.lookup = probe.lookup, None
-            probe.unresolved = lookup.error
+            probe.unresolved_why = lookup.error
             if lookup.error is None:
-                probe.unresolved_rounds, probe.unresolved_since = 0, None
+                probe.unresolved.end()
             else:
-                if probe.unresolved_rounds == 0:
-                    probe.unresolved_since = probe.started  # when this lookup began
-                probe.unresolved_rounds += 1
+                probe.unresolved.extend(probe.started)  # when this lookup began
             if lookup.target is not None:
                 self._connect(probe, lookup.target, now)
         return self._proven(probe, since)
@@ -169,11 +188,9 @@ class SideChannelProbes:
         nothing of the name now (it may resolve again), and a load that began after them
         would be failed at once, on another load's stale answer."""
         probe = self._probes.get(addr)
-        if probe is None or probe.unresolved_rounds < self.refusals:
+        if probe is None or not probe.unresolved.holds(self.refusals, since):
             return None
-        if probe.unresolved_since is None or probe.unresolved_since < since:
-            return None
-        return probe.unresolved
+        return probe.unresolved_why
 
     def forget(self, waiter: Hashable) -> None:
         """Drop ``waiter`` everywhere; a probe nobody waits on is closed."""
@@ -202,22 +219,16 @@ class SideChannelProbes:
         self._record(probe, answer, now)
 
     def _proven(self, probe: _Probe, since: float) -> bool:
-        return (
-            probe.refusals >= self.refusals
-            and probe.streak_since is not None
-            and probe.streak_since >= since
-        )
+        return probe.refused.holds(self.refusals, since)
 
     @staticmethod
     def _record(probe: _Probe, answer: int | None, now: float) -> None:
         """A refusal extends the streak; an accepted connect ends it; no answer (still
         pending, or dropped after the interval) or another error says nothing."""
         if answer == errno.ECONNREFUSED:
-            if probe.refusals == 0:
-                probe.streak_since = now
-            probe.refusals += 1
+            probe.refused.extend(now)
         elif answer == 0:
-            probe.refusals, probe.streak_since = 0, None
+            probe.refused.end()
 
     @staticmethod
     def _close(probe: _Probe) -> None:
