@@ -98,10 +98,12 @@ async def watch_side_channel(
             return  # not a TCP address we can probe (ipc://, malformed): deadline only
         host, port = endpoint
         refusals, reported = 0, False
-        while writers():
+        while current := writers():
             # Every round, side channel open or not: a P whose teardown wedged keeps its
             # side channel open, and only its mark says its writes are over.
-            seen = await _ask_mark(worker_addr, host, port, marks)
+            seen = await _ask_mark(
+                worker_addr, host, port, marks, any(w.nonce is not None for w in current)
+            )
             if seen is not None:
                 ended = [w for w in writers() if w.ended_by(seen)]
                 if ended:
@@ -208,16 +210,20 @@ class PullWriter:
         return seen.nonce != self.nonce
 
 
-async def _ask_mark(worker_addr: str, host: str, port: int, marks: MarkBook) -> MarkSeen | None:
-    """One round of asking the mark (a refusal is confirmed at once): what it proves, or
-    None (no answer: a stopped or busy P proves nothing)."""
+async def _ask_mark(
+    worker_addr: str, host: str, port: int, marks: MarkBook, refusal_proves: bool
+) -> MarkSeen | None:
+    """One round of asking the mark: what it proves, or None (no answer: a stopped or
+    busy P proves nothing). A refusal is confirmed at once, but only if it can prove
+    something (``refusal_proves``: some writer watched there was seen with a mark);
+    otherwise, as for an upstream P that never had one, one ask is the round."""
     round_ = marks.begin_round(worker_addr)
     for refusals in range(1, PROBE_REFUSALS + 1):
         answer, nonce = await ask_writer_mark(host, port, PROBE_CONNECT_TIMEOUT_S)
         if answer == "alive" and nonce is not None:
             marks.saw(worker_addr, nonce)
             return MarkSeen(nonce, round_)
-        if answer != "refused":
+        if answer != "refused" or not refusal_proves:
             return None
         if refusals < PROBE_REFUSALS:
             await asyncio.sleep(PROBE_CONFIRM_S)
