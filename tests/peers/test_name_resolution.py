@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from tests.child_pytest import ROOT, run_child_pytest
 from tests.transports import require_transport
+from tests.waiting import all_blocks_free, step_until
 
 require_transport("mooncake")
 require_transport("nixl")
@@ -105,17 +105,6 @@ def _load(pair: PeerPair, engine: Engine, rid: str) -> None:
     assert run.ok, (run, pair.records[rid])
 
 
-def _every_block_back(pair: PeerPair, engine: Engine) -> None:
-    """Step D until its whole pool is free again (bounded): nothing stranded or held."""
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    end = time.monotonic() + WAIT_S
-    while pool.get_num_free_blocks() != engine.spec.num_blocks - 1:
-        assert time.monotonic() < end, f"blocks not back within {WAIT_S}s"
-        engine.step()
-        pair.observe(engine)
-        time.sleep(0.005)
-
-
 def test_loads_reach_p_by_its_name(pair: PeerPair) -> None:
     _resolves(True)
     engine = pair.consumer("fail", name="by-name")
@@ -141,7 +130,7 @@ def test_a_name_that_stops_resolving_fails_the_load_once_and_d_serves_on(
     finally:
         _resolves(True)
     assert pair.records[rid].failed, pair.records[rid]
-    _every_block_back(pair, engine)
+    step_until(pair, engine, lambda: all_blocks_free(engine), "every block back", WAIT_S)
     assert oracles.check_all(engine, [rid], failed=True) == []
     again = f"name-back-{pair.transport}-{policy}"
     _load(pair, engine, again)
