@@ -49,6 +49,9 @@ class _LatePush:
     says it happened."""
 
     producer: Any
+    #: P was shut down gracefully: once its held write has landed, its shutdown is over
+    #: and its process exits, as a vLLM engine's does when its shutdown returns.
+    exits: bool = False
     #: Counted from the scenario's first ask (the load had stopped waiting).
     gate: LateWriteGate = field(default_factory=LateWriteGate)
     released: bool = False
@@ -93,7 +96,8 @@ class MooncakeDriver(PairDriver):
       handle on that write);
     * a P shut down gracefully while its write is under way (``peer_shutdown_mid_write``):
       each rank's connector runs its own shutdown as the write starts, and the write is
-      held the same way (see ``kvfail.peers.producer``).
+      held the same way (see ``kvfail.peers.producer``); once it has landed, P's process
+      exits, its shutdown over.
 
     Why a release and not P's clock: a write timed to land some seconds after the pull
     races D's deadline, and on a loaded machine D's report can come after it; a
@@ -110,6 +114,10 @@ class MooncakeDriver(PairDriver):
     ``MooncakeConnector`` subclass (``module:Class``, e.g. the negative controls). P runs
     ``p_connector``/``p_connector_module`` (default: the same as D).
     """
+
+    #: How long a P whose shutdown is over may take to exit when asked, before the rig
+    #: kills its group (its writes are over either way).
+    SHUTDOWN_EXIT_S = 5.0
 
     pair_module = "kvfail.peers.mooncake"
     pair_name = "MooncakePair"
@@ -262,12 +270,12 @@ class MooncakeDriver(PairDriver):
 
     def _shutdown_mid_write(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
         """``peer_shutdown_mid_write``: each P rank shuts its connector down as its write
-        for the pull starts, and the write lands once released. The P serves nothing
-        more, so the pair is replaced after the scenario."""
+        for the pull starts, and the write lands once released; then P's process exits
+        (:meth:`late_write_finding`). The pair is replaced after the scenario."""
         arming.pair.inject(
             arming.fault.request_id, "shutdown_mid_write", delay_s=self.LATE_WRITE_CAP_S
         )
-        arming.fault.state = _LatePush(arming.pair.p)
+        arming.fault.state = _LatePush(arming.pair.p, exits=True)
         self._broken.add(id(arming.pair))
         return params
 
@@ -427,6 +435,12 @@ class MooncakeDriver(PairDriver):
             "the load up; the push "
             f"wrote into D on rank(s) {written} of {sorted(pushed)}"
         )
+        if late.exits:
+            # The shutdown's last write is over, so its process ends, as vLLM's engine
+            # process does once shutdown returns: a P that shut down does not linger.
+            # What may then prove the write over to D is P's own evidence or its exit.
+            producer.close(timeout_s=self.SHUTDOWN_EXIT_S)
+            late.done += "; then P's process exited, its shutdown over"
         return late.done
 
 

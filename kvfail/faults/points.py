@@ -235,8 +235,9 @@ FAULT_SPECS: Mapping[FaultPoint, FaultSpec] = MappingProxyType(
         FaultPoint.PEER_SHUTDOWN_MID_WRITE: _spec(
             "P shuts down gracefully (its connector's shutdown, vLLM's own path) while its "
             "write into D's blocks is under way: its side channel closes at once, P never "
-            "answers, and the write lands later; those blocks must not reach another "
-            "request until it is over",
+            "answers, and the write lands later; then P's process exits, as vLLM's engine "
+            "process does once its shutdown returns; those blocks must not reach another "
+            "request until the write is over",
             _A,
             Injection.PEER,
             "C1 C2 C10 C11",

@@ -136,7 +136,9 @@ def test_p_shutdown_mid_write(scenario: ScenarioContext) -> None:
     """P shuts down gracefully while its write into D's blocks is under way
     (``peer_shutdown_mid_write``): vLLM's shutdown path closes P's side channel at once
     and leaves the write to finish, so P never answers, and the write lands seconds
-    later. A closed side channel is therefore no proof that P stopped writing.
+    later. A closed side channel is therefore no proof that P stopped writing. Once the
+    write has landed the shutdown is over and P's process exits, as vLLM's does: a
+    connector may take that exit, or P's own word, as the end of the write.
 
     The load must be reported failed (a connector may notice the closed channel, or its
     deadline ends the load); then the same checks as for a slow P: the blocks the failure
