@@ -31,7 +31,7 @@ require_transport("mooncake")
 require_transport("nixl")
 require_netns()
 
-from kvfail.faults.netns import NamespaceHost  # noqa: E402
+from kvfail.faults.netns import NamespaceHost, PartitionMode  # noqa: E402
 from kvfail.harness import Engine, RunResult, oracles  # noqa: E402
 from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
@@ -191,16 +191,13 @@ def _p_finished_sending(pair: PeerPair, rids: list[str]) -> bool:
     return False
 
 
-def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem: str) -> list[str]:
-    """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
-    requests still reach P, whose writes back vanish until the heal. Returns the ids,
-    each already reported."""
-    # A precondition, not a verdict: on a loaded machine one pull over the link can miss
-    # the short deadline, so the warm-up gets the pair's retries.
-    pair.warm(engine, tries=3, timeout_s=WAIT_S)
-    rids = [f"{stem}-{i}" for i in range(MANY)]
-    params = {rid: pair.prefill(rid, 80) for rid in rids}  # P holds the KV of each
-    host.partition("silent")
+def _fail_across_cut(
+    pair: PeerPair, host: NamespaceHost, engine: Engine, rids: list[str], mode: PartitionMode
+) -> None:
+    """P prefills each of ``rids`` (P then holds its KV), the link is cut in ``mode``, and
+    D loads them: each must be reported, within ``WAIT_S``, as failed."""
+    params = {rid: pair.prefill(rid, 80) for rid in rids}
+    host.partition(mode)
     records = [pair.add(rid, params[rid], prompt_len=80, consumer=engine) for rid in rids]
     step_until(
         pair,
@@ -210,6 +207,17 @@ def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem:
         WAIT_S,
     )
     assert all(r.failed for r in records), records
+
+
+def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem: str) -> list[str]:
+    """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
+    requests still reach P, whose writes back vanish until the heal. Returns the ids,
+    each already reported."""
+    # A precondition, not a verdict: on a loaded machine one pull over the link can miss
+    # the short deadline, so the warm-up gets the pair's retries.
+    pair.warm(engine, tries=3, timeout_s=WAIT_S)
+    rids = [f"{stem}-{i}" for i in range(MANY)]
+    _fail_across_cut(pair, host, engine, rids, "silent")
     if engine.spec.policy == "fail":  # under recompute each runs on, in fresh blocks
         assert all(engine.status(rid).name == "FINISHED_ERROR" for rid in rids)
     return rids
@@ -270,17 +278,7 @@ def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
 ) -> None:
     engine = _engine(pair)
     rids = [f"hosts-refused-{i}" for i in range(MANY)]
-    params = {rid: pair.prefill(rid, 80) for rid in rids}
-    host.partition("refuse")
-    records = [pair.add(rid, params[rid], prompt_len=80, consumer=KVFAIL) for rid in rids]
-    step_until(
-        pair,
-        engine,
-        lambda: all(r.reported_s is not None for r in records),
-        "every load's report",
-        WAIT_S,
-    )
-    assert all(r.failed for r in records), records
+    _fail_across_cut(pair, host, engine, rids, "refuse")
     host.heal()
     step_until(
         pair, engine, lambda: quarantined(engine)["loads"] == 0, "the holds' release", WAIT_S
