@@ -229,6 +229,29 @@ class TrackerDecides:
                 self.track_load(req_id, meta.local_block_ids)  # type: ignore[attr-defined]
         super().start_load_kv(metadata)  # type: ignore[misc]
 
+    def _kvfail_init_reporter(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        *,
+        connector: str,
+        fence_retry_s: float,
+    ) -> None:
+        """The tracker, set up alike for pull and push (only the name and the fence's
+        retry differ): the deadline from the extra config, and quarantine where vLLM lets
+        the scheduler half hold blocks, so a load whose transfer may still write is
+        reported at the deadline anyway while its blocks stay held."""
+        tp_rank: int = self.tp_rank  # type: ignore[attr-defined]
+        self.init_failure_reporter(  # type: ignore[attr-defined]
+            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
+            name=f"{connector}[{engine_id}:tp{tp_rank}]",
+            default_deadline_s=_deadline_from(vllm_config),
+            fence_retry_s=fence_retry_s,
+            quarantine=compat.block_pool_binding_available(),
+            rank=worker_hold_rank(vllm_config, tp_rank),
+        )
+
     def _handle_failed_transfer(
         self,
         req_id: str,
@@ -265,15 +288,14 @@ class KvfailNixlWorker(
         # upstream's failed set so it skips post-processing them (vLLM #40364).
         compat.require("nixl_failed_set", "KvfailNixlConnector")
         super().__init__(vllm_config, engine_id, kv_cache_config)
-        self.init_failure_reporter(
-            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
-            name=f"KvfailNixlConnector[{engine_id}:tp{self.tp_rank}]",
-            default_deadline_s=_deadline_from(vllm_config),
+        # A READ whose handle will not release is reported at the deadline anyway; the
+        # scheduler half holds its blocks until the fence releases the handle.
+        self._kvfail_init_reporter(
+            vllm_config,
+            engine_id,
+            kv_cache_config,
+            connector="KvfailNixlConnector",
             fence_retry_s=FENCE_RETRY_S,
-            # A READ whose handle will not release is reported at the deadline anyway;
-            # the scheduler half holds its blocks until the fence releases the handle.
-            quarantine=compat.block_pool_binding_available(),
-            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
         # How often a P that loads wait on is probed; off (null or 0): a dead P is left
         # to UCX and the deadline.

@@ -78,12 +78,11 @@ from connectors.nixl.connector import (
 )
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
-from kvfail import compat
 from kvfail.deadline import seconds_from
 from kvfail.quarantine import NamedHolds
 from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
-from kvfail.vllm_quarantine import QuarantineConnector, worker_hold_rank
+from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
 
 if TYPE_CHECKING:
@@ -167,15 +166,14 @@ class KvfailNixlPushWorker(
                 None if deadline is None else MAX_HOLD_DEADLINES * deadline,
             )
         )
-        self.init_failure_reporter(
-            num_kv_cache_groups=len(kv_cache_config.kv_cache_groups),
-            name=f"KvfailNixlPushConnector[{engine_id}:tp{self.tp_rank}]",
-            default_deadline_s=_deadline_from(vllm_config),
+        # A push P may still make is reported at the deadline; the scheduler half holds
+        # its blocks until P's write is provably over.
+        self._kvfail_init_reporter(
+            vllm_config,
+            engine_id,
+            kv_cache_config,
+            connector="KvfailNixlPushConnector",
             fence_retry_s=HOLD_RETRY_S,
-            # A push P may still make is reported at the deadline; the scheduler half
-            # holds its blocks until P's write is provably over.
-            quarantine=compat.block_pool_binding_available(),
-            rank=worker_hold_rank(vllm_config, self.tp_rank),
         )
 
     def _init_push_state(self, max_hold_s: float | None = None) -> None:

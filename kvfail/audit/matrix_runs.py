@@ -57,21 +57,30 @@ def audit_command(python: Path | str, output: Path, options: AuditOptions) -> li
     return cmd
 
 
+def _run_child(
+    cmd: list[str], cwd: Path | None, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Every matrix child alike: it never reads our stdin, its output comes back as text,
+    and a hung one raises ``TimeoutExpired``; its exit status is the caller's to judge."""
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
 _FEATURES_CODE = "import json; from kvfail import compat; print(json.dumps(compat.features()))"
 
 
 def venv_features(python: Path | str, cwd: Path | None = None) -> dict[str, bool] | None:
     """What :mod:`kvfail.compat` detects in that venv (None if the child fails)."""
     try:
-        proc = subprocess.run(
-            [str(python), "-c", _FEATURES_CODE],
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=_STATIC_TIMEOUT_S,
-            check=False,
-        )
+        proc = _run_child([str(python), "-c", _FEATURES_CODE], cwd, _STATIC_TIMEOUT_S)
         lines = proc.stdout.strip().splitlines()
         return json.loads(lines[-1]) if proc.returncode == 0 and lines else None
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError):
@@ -100,16 +109,7 @@ def run_version(
             limit = (options.budget_s or 3600.0) + _DYNAMIC_SLACK_S
         env = child_env(venv, cwd)
         try:
-            proc = subprocess.run(
-                cmd,
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=limit,
-                check=False,
-            )
+            proc = _run_child(cmd, cwd, limit, env)
         except subprocess.TimeoutExpired:
             return VersionRun(
                 venv.version,

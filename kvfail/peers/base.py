@@ -300,7 +300,8 @@ class PeerPair(StuckEvidence):
         self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None
     ) -> dict[str, Any]:
         """P's half only; returns the params D gets (break them, then :meth:`add`)."""
-        raise NotImplementedError
+        params: dict[str, Any] = self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
+        return params
 
     def _consumer_spec(
         self,

@@ -127,19 +127,18 @@ class ProducerHandle(ProducerHandleBase):
         return f"http://{self.address}:{self.bootstrap_port}"
 
     def prefill(
-        self, req_id: str, prompt_len: int, prompt_seed: str, transfer_id: str | None = None
+        self,
+        req_id: str,
+        prompt_len: int,
+        prompt_seed: str,
+        transfer_id: str | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
-        """Run P's half of a request; returns the ``kv_transfer_params`` for D."""
-        reply = self.request(
-            {
-                "cmd": "prefill",
-                "req_id": req_id,
-                "prompt_len": prompt_len,
-                "prompt_seed": prompt_seed,
-                "transfer_id": transfer_id or f"xfer-{req_id}",
-            }
+        """As :meth:`ProducerHandleBase.prefill`; Mooncake's P also takes the exchange's
+        ``transfer_id`` (default: one made from ``req_id``)."""
+        return super().prefill(
+            req_id, prompt_len, prompt_seed, transfer_id=transfer_id or f"xfer-{req_id}", **fields
         )
-        return dict(reply["kv_transfer_params"])
 
     def inject(
         self,
@@ -305,11 +304,6 @@ class MooncakePair(PeerPair):
         self.producer().inject(req_id, fault, ranks=ranks, delay_s=delay_s)
 
     # ------------------------------------------------------------------ requests
-
-    def prefill(self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None) -> dict:
-        """P's half only; returns the params D would get (apply a fault to them, then
-        :meth:`add`)."""
-        return self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
     def run(
         self,

@@ -145,18 +145,6 @@ class NixlProducerHandle(ProducerHandleBase):
     def _base_env(self) -> dict[str, str]:
         return {**NIXL_ENV, "PYTHONPATH": repo_pythonpath()}
 
-    def prefill(self, req_id: str, prompt_len: int, prompt_seed: str) -> dict[str, Any]:
-        """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D."""
-        reply = self.request(
-            {
-                "cmd": "prefill",
-                "req_id": req_id,
-                "prompt_len": prompt_len,
-                "prompt_seed": prompt_seed,
-            }
-        )
-        return dict(reply["kv_transfer_params"])
-
     def serve_bad_metadata(self, kind: str | None) -> int:
         """Arm (``kind``, one of :data:`BAD_METADATA`) or disarm (None) P's bad handshake
         answers; returns how many bad answers P gave since it was last armed."""
@@ -309,12 +297,6 @@ class NixlPair(PeerPair):
         return NixlProducerHandle(**self._p_kwargs)
 
     # ------------------------------------------------------------------ requests
-
-    def prefill(
-        self, req_id: str, prompt_len: int = 100, prompt_seed: str | None = None
-    ) -> dict[str, Any]:
-        """P's half only; returns the params D gets (break them, then :meth:`add`)."""
-        return self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
 
     def handshaked(self, engine: Engine, producer: NixlProducerHandle | None = None) -> bool:
         """Every D worker of ``engine`` holds the remote agent of ``producer`` (default:

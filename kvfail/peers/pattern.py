@@ -56,6 +56,16 @@ def _index(
     return words, positions, blocks, slots
 
 
+def _pattern_at(
+    words: torch.Tensor, positions: torch.Tensor, prompt_seed: str, layer: int, first_head: int
+) -> torch.Tensor:
+    """The pattern's words for ``positions`` of a layer's int16 ``words``, shaped like
+    what they index, ``[positions, heads, width]``: one rule for writing and checking."""
+    heads, width = words.shape[1], words.shape[3]
+    want = expected_words(prompt_seed, layer, positions, heads * width, first_head * width)
+    return want.view(len(positions), heads, width)
+
+
 def write_pattern(
     kv: torch.Tensor,
     layer: int,
@@ -70,9 +80,7 @@ def write_pattern(
     if end <= start:
         return
     words, positions, blocks, slots = _index(kv, block_ids, start, end)
-    heads, width = words.shape[1], words.shape[3]
-    values = expected_words(prompt_seed, layer, positions, heads * width, first_head * width)
-    words[blocks, :, slots, :] = values.view(len(positions), heads, width)
+    words[blocks, :, slots, :] = _pattern_at(words, positions, prompt_seed, layer, first_head)
 
 
 def mismatched_positions(
@@ -89,9 +97,7 @@ def mismatched_positions(
     if end <= start:
         return []
     words, positions, blocks, slots = _index(kv, block_ids, start, end)
-    heads, width = words.shape[1], words.shape[3]
-    want = expected_words(prompt_seed, layer, positions, heads * width, first_head * width)
-    want = want.view(-1, heads, width)
+    want = _pattern_at(words, positions, prompt_seed, layer, first_head)
     got = words[blocks, :, slots, :]
     bad = (got != want).flatten(1).any(dim=1)
     return [int(p) for p in positions[bad]]

@@ -230,6 +230,22 @@ class ProducerHandleBase:
             raise RuntimeError(f"P refused {cmd.get('cmd')}: {reply.get('error')}")
         return reply
 
+    def prefill(
+        self, req_id: str, prompt_len: int, prompt_seed: str, **fields: Any
+    ) -> dict[str, Any]:
+        """Run P's half of a request; returns upstream's ``kv_transfer_params`` for D.
+        ``fields``: what this transport's P also reads from the command."""
+        reply = self.request(
+            {
+                "cmd": "prefill",
+                "req_id": req_id,
+                "prompt_len": prompt_len,
+                "prompt_seed": prompt_seed,
+                **fields,
+            }
+        )
+        return dict(reply["kv_transfer_params"])
+
     def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.request({"cmd": "stats"}, timeout_s)
 

@@ -18,19 +18,20 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Literal
 
 import pytest
 
 from tests.child_pytest import ROOT, run_child_pytest
 from tests.transports import require_netns, require_transport
+from tests.waiting import all_blocks_free, step_until
 
 require_transport("mooncake")
 require_transport("nixl")
 require_netns()
 
-from kvfail.faults.netns import NamespaceHost  # noqa: E402
+from kvfail.faults.netns import NamespaceHost, PartitionMode  # noqa: E402
 from kvfail.harness import Engine, RunResult, oracles  # noqa: E402
 from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
@@ -138,24 +139,6 @@ def _engine(pair: PeerPair, policy: str = "fail") -> Engine:
     return pair.consumer(policy, name=f"{KVFAIL}-{policy}")
 
 
-def _step_until(
-    pair: PeerPair, done: Callable[[], bool], what: str, engine: Engine | None = None
-) -> None:
-    engine = engine or _engine(pair)
-    end = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < end, f"not seen within {WAIT_S}s: {what}"
-        engine.step()
-        pair.observe(engine)
-        time.sleep(0.005)
-
-
-def _all_blocks_free(pair: PeerPair, engine: Engine | None = None) -> bool:
-    engine = engine or _engine(pair)
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    return bool(pool.get_num_free_blocks() == engine.spec.num_blocks - 1)
-
-
 def _warm(pair: PeerPair) -> None:
     """Load once over the new link before the tests. The first load pays the handshake
     (NIXL's metadata exchange and UCX endpoints over the veth link), and on a loaded
@@ -174,7 +157,7 @@ def _warm(pair: PeerPair) -> None:
             assert pair.verify(rid), pair.records[rid]
             return
         assert time.monotonic() < end, f"no load crossed the new link in {WAIT_S}s ({attempt})"
-        _step_until(pair, lambda: _all_blocks_free(pair), f"{rid}'s blocks back")
+        step_until(pair, engine, lambda: all_blocks_free(engine), f"{rid}'s blocks back", WAIT_S)
 
 
 def _load(pair: PeerPair, rid: str, engine: Engine) -> RunResult:
@@ -208,6 +191,24 @@ def _p_finished_sending(pair: PeerPair, rids: list[str]) -> bool:
     return False
 
 
+def _fail_across_cut(
+    pair: PeerPair, host: NamespaceHost, engine: Engine, rids: list[str], mode: PartitionMode
+) -> None:
+    """P prefills each of ``rids`` (P then holds its KV), the link is cut in ``mode``, and
+    D loads them: each must be reported, within ``WAIT_S``, as failed."""
+    params = {rid: pair.prefill(rid, 80) for rid in rids}
+    host.partition(mode)
+    records = [pair.add(rid, params[rid], prompt_len=80, consumer=engine) for rid in rids]
+    step_until(
+        pair,
+        engine,
+        lambda: all(r.reported_s is not None for r in records),
+        "every load's report",
+        WAIT_S,
+    )
+    assert all(r.failed for r in records), records
+
+
 def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem: str) -> list[str]:
     """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
     requests still reach P, whose writes back vanish until the heal. Returns the ids,
@@ -216,16 +217,7 @@ def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem:
     # the short deadline, so the warm-up gets the pair's retries.
     pair.warm(engine, tries=3, timeout_s=WAIT_S)
     rids = [f"{stem}-{i}" for i in range(MANY)]
-    params = {rid: pair.prefill(rid, 80) for rid in rids}  # P holds the KV of each
-    host.partition("silent")
-    records = [pair.add(rid, params[rid], prompt_len=80, consumer=engine) for rid in rids]
-    _step_until(
-        pair,
-        lambda: all(r.reported_s is not None for r in records),
-        "every load's report",
-        engine,
-    )
-    assert all(r.failed for r in records), records
+    _fail_across_cut(pair, host, engine, rids, "silent")
     if engine.spec.policy == "fail":  # under recompute each runs on, in fresh blocks
         assert all(engine.status(rid).name == "FINISHED_ERROR" for rid in rids)
     return rids
@@ -247,11 +239,13 @@ def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_he
         engine.step()
         pair.observe(engine)
     assert quarantined(engine) == held
-    assert not _all_blocks_free(pair, engine)
+    assert not all_blocks_free(engine)
     host.heal()
     assert _p_finished_sending(pair, rids)  # the late writes really happened, after the heal
-    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the holds' release", engine)
-    _step_until(pair, lambda: _all_blocks_free(pair, engine), "every block back", engine)
+    step_until(
+        pair, engine, lambda: quarantined(engine)["loads"] == 0, "the holds' release", WAIT_S
+    )
+    step_until(pair, engine, lambda: all_blocks_free(engine), "every block back", WAIT_S)
     # None of P's late writes landed in a block the scheduler had back.
     assert pair.integrity_findings(engine) == []
     assert oracles.check_all(engine, rids, failed=True) == []
@@ -284,14 +278,14 @@ def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
 ) -> None:
     engine = _engine(pair)
     rids = [f"hosts-refused-{i}" for i in range(MANY)]
-    params = {rid: pair.prefill(rid, 80) for rid in rids}
-    host.partition("refuse")
-    records = [pair.add(rid, params[rid], prompt_len=80, consumer=KVFAIL) for rid in rids]
-    _step_until(pair, lambda: all(r.reported_s is not None for r in records), "every load's report")
-    assert all(r.failed for r in records), records
+    _fail_across_cut(pair, host, engine, rids, "refuse")
     host.heal()
-    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the holds' release")
-    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    step_until(
+        pair, engine, lambda: quarantined(engine)["loads"] == 0, "the holds' release", WAIT_S
+    )
+    step_until(
+        pair, engine, lambda: all_blocks_free(engine), "every block back in the pool", WAIT_S
+    )
     assert pair.integrity_findings(engine) == []
     assert oracles.check_all(engine, rids, failed=True) == []
     _load_ok(pair, "hosts-after-refused")

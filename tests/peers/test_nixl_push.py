@@ -12,11 +12,12 @@ a time: each is about what D reported, what it holds, and in what order.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from tests.transports import require_transport
+from tests.waiting import all_blocks_free, step_until
 
 require_transport("nixl")
 
@@ -59,26 +60,6 @@ def _stats(pair: NixlPushPair) -> dict[str, int]:
     return dict(worker.failure_stats().as_dict())
 
 
-def _step_until(pair: NixlPushPair, done: Callable[[], bool], what: str) -> int:
-    """Step D until ``done()``; returns the steps taken. Bounded by :data:`WAIT_S`."""
-    engine = _engine(pair)
-    steps = 0
-    end = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < end, f"not seen within {WAIT_S}s: {what}"
-        engine.step()
-        pair.observe(engine)
-        steps += 1
-        time.sleep(0.005)
-    return steps
-
-
-def _all_blocks_free(pair: NixlPushPair) -> bool:
-    engine = _engine(pair)
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == engine.spec.num_blocks - 1
-
-
 def _p_finished_sending(pair: NixlPushPair, rid: str) -> bool:
     """P's WRITE for ``rid`` completed and P let its blocks go (bounded wait)."""
     assert pair.p is not None
@@ -118,21 +99,25 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
     thawed = False
     try:
         rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
-        _step_until(pair, lambda: rec.reported_s is not None, "the deadline's report")
+        step_until(
+            pair, engine, lambda: rec.reported_s is not None, "the deadline's report", WAIT_S
+        )
         assert rec.failed and engine.status(rid).name == "FINISHED_ERROR", rec
         after = _stats(pair)
         assert after["stage.watchdog"] - before["stage.watchdog"] == 1, (before, after)
         # The registration went out, so a stopped P may still write: held, not freed.
         held = quarantined(engine)
         assert held["loads"] == 1 and held["blocks"] > 0, held
-        assert not _all_blocks_free(pair)
+        assert not all_blocks_free(engine)
         for _ in range(50):  # however long P stays stopped, nothing gives the blocks back
             engine.step()
             pair.observe(engine)
         assert quarantined(engine) == held
         pair.thaw_p()
         thawed = True
-        _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "the hold's release")
+        step_until(
+            pair, engine, lambda: quarantined(engine)["loads"] == 0, "the hold's release", WAIT_S
+        )
     finally:
         if not thawed:
             pair.thaw_p()
@@ -141,7 +126,9 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
     assert after["late_reports"] - before["late_reports"] >= 1, (before, after)
     assert after["loads_failed"] - before["loads_failed"] == 1, (before, after)
     assert _p_finished_sending(pair, rid)  # the late WRITE really happened
-    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    step_until(
+        pair, engine, lambda: all_blocks_free(engine), "every block back in the pool", WAIT_S
+    )
     # No byte of another request changed, and nothing wrote into a freed block.
     assert pair.integrity_findings(engine) == []
     assert oracles.check_all(engine, [rid], failed=True) == []
@@ -195,11 +182,15 @@ def test_killed_p_blocks_come_back_once_p_is_known_dead(pair: NixlPushPair) -> N
     params = pair.prefill(rid, 100)
     pair.freeze_p()
     rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
-    _step_until(pair, lambda: rec.reported_s is not None, "the deadline's report")
+    step_until(pair, engine, lambda: rec.reported_s is not None, "the deadline's report", WAIT_S)
     assert rec.failed and quarantined(engine)["loads"] == 1
     pair.kill_p()
-    _step_until(pair, lambda: quarantined(engine)["loads"] == 0, "release once P is dead")
+    step_until(
+        pair, engine, lambda: quarantined(engine)["loads"] == 0, "release once P is dead", WAIT_S
+    )
     assert late_notifications(engine) == late_before  # no write: P died stopped
-    _step_until(pair, lambda: _all_blocks_free(pair), "every block back in the pool")
+    step_until(
+        pair, engine, lambda: all_blocks_free(engine), "every block back in the pool", WAIT_S
+    )
     assert pair.integrity_findings(engine) == []
     assert oracles.check_all(engine, [rid], failed=True) == []
