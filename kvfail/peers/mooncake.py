@@ -197,7 +197,9 @@ class MooncakePair(PeerPair):
     ``connector``/``connector_module`` apply to both sides unless ``p_connector`` /
     ``p_connector_module`` are given. ``abort_request_timeout_s`` sets
     ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` for P and, if unset, for this process (D's
-    socket timeout is that + 60 s, hard-coded upstream). Always :meth:`close` (or use
+    socket timeout is that + 60 s, hard-coded upstream); ``p_abort_request_timeout_s``
+    sets P's alone (how long P keeps a prefilled request no D pulled), leaving this
+    process's environment as every other pair in it has it. Always :meth:`close` (or use
     ``with``): it closes every D engine and P's whole process group.
     """
 
@@ -219,6 +221,7 @@ class MooncakePair(PeerPair):
         p_tp_size: int | None = None,
         num_kv_cache_groups: int = 1,
         abort_request_timeout_s: int = 5,
+        p_abort_request_timeout_s: int | None = None,
         ready_timeout_s: float = 240.0,
         num_blocks: int = 64,
         producer: ProducerHandle | None = None,
@@ -237,7 +240,11 @@ class MooncakePair(PeerPair):
                     p_connector_module if p_connector is not None else connector_module
                 ),
                 "extra_config": dict(p_extra_config or {}),
-                "env": {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s)},
+                "env": {
+                    "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(
+                        p_abort_request_timeout_s or abort_request_timeout_s
+                    )
+                },
                 "num_blocks": num_blocks,
                 "tp_size": p_tp_size or tp_size,
                 "num_kv_cache_groups": num_kv_cache_groups,

@@ -79,6 +79,10 @@ def _new_pair(transport: str, host: NamespaceHost) -> PeerPair:
             p_connector="MooncakeConnector",
             host=host,
             extra_config=extra,
+            # P must not expire a prefilled request while the link is cut: its writes
+            # after the heal are what these tests judge, and on a busy machine the cut
+            # can outlast the short expiry the pair gives P by default.
+            p_abort_request_timeout_s=int(WAIT_S),
         )
     if transport == "nixl-push":
         return NixlPushPair(host=host, extra_config=extra, build_default_consumer=False)
