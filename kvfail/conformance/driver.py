@@ -6,11 +6,12 @@ that load fail at a named fault point (``kvfail.faults.points``), depends on the
 transport. A driver answers exactly those questions. Its fault table
 (:attr:`Driver.injectors`: fault point -> :class:`Injector`) says which fault points it can
 provoke and how; its :class:`Declared` says what introspection cannot see; the optional
-abilities it implements (:class:`ByteOracle`, :class:`LateWrites`, :class:`MalformedParams`)
-are read from its class. Those, plus what is introspected from the connector class, are the
-connector's :class:`~kvfail.conformance.capabilities.Capabilities`, and every scenario a
-driver cannot serve is skipped *naming* the missing capability (csi-sanity's model: skips
-are earned from what the driver advertises).
+abilities it implements (:class:`ByteOracle`, :class:`LateWrites`, :class:`MalformedParams`,
+in :mod:`kvfail.conformance.abilities`) are read from its class. Those, plus what is
+introspected from the connector class, are the connector's
+:class:`~kvfail.conformance.capabilities.Capabilities`, and every scenario a driver cannot
+serve is skipped *naming* the missing capability (csi-sanity's model: skips are earned
+from what the driver advertises).
 
 This module is the API only: it imports no driver. Each in-tree driver has its own module
 (``toy_driver``, ``generic_driver``, ``pair_driver`` with ``mooncake_driver`` and
@@ -29,8 +30,17 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
+from kvfail.conformance.abilities import (
+    LATE_WRITE_STEPS,
+    POINT_NEEDS,
+    ByteOracle,
+    LateWriteGate,
+    LateWrites,
+    MalformedParams,
+    abilities,
+)
 from kvfail.conformance.capabilities import Capabilities, Claim, Declared
 from kvfail.faults.points import FaultPoint
 
@@ -42,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ABORT",
     "ENTRY_POINT_GROUP",
+    "LATE_WRITE_STEPS",
     "REQUIRED_MEMBERS",
     "ByteOracle",
     "Claim",
@@ -155,102 +166,6 @@ class EngineHandle:
 
 class DriverUnavailable(Exception):
     """The driver cannot run here (module missing, peer cannot start); message = why."""
-
-
-# ------------------------------------------------------------------ optional abilities
-
-
-@runtime_checkable
-class ByteOracle(Protocol):
-    """A driver that can read D's bytes (capability ``byte_verification``)."""
-
-    def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
-        """After a load that should have succeeded: None when D's blocks hold P's bytes,
-        else the mismatch (a request D computed itself is one)."""
-        ...
-
-    def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
-        """After any load: why D ran ``request_id`` on KV that is not P's, else None. A
-        request recomputed locally is fine: this is the oracle for a failure reported as
-        success (the HF3FS pattern), which under ``recompute`` no outcome check sees."""
-        ...
-
-
-#: D steps a driver lets pass, once a late-write load stopped waiting, before its P's
-#: late write lands: enough for a connector to have freed (or held) the load's blocks,
-#: so the write comes when it does the most harm. Steps, not seconds, so the verdict is
-#: the same on a loaded machine.
-LATE_WRITE_STEPS = 5
-
-
-@dataclass
-class LateWriteGate:
-    """When a held late write may land: :data:`LATE_WRITE_STEPS` D steps after the step
-    at which the driver first saw its load stop waiting (one gate per late write)."""
-
-    #: D's step count at that first sight; None until then.
-    since: int | None = None
-
-    def due(self, steps: int) -> bool:
-        """Whether the write may land at D's step count ``steps`` (the first call starts
-        the count)."""
-        if self.since is None:
-            self.since = steps
-        return steps - self.since >= LATE_WRITE_STEPS
-
-
-@runtime_checkable
-class LateWrites(Protocol):
-    """A driver whose slow P writes after D's deadline: every driver whose table has
-    ``slow_peer_past_deadline``."""
-
-    #: Seconds after D added the load at which the slow P answers and writes; None: only
-    #: once the load was reported (P never answers first).
-    slow_peer_delay_s: float | None
-
-    def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
-        """None until the slow P's late write for ``request_id`` has happened, then what
-        it did (for the report)."""
-        ...
-
-
-@runtime_checkable
-class MalformedParams(Protocol):
-    """A driver that can hand D broken ``kv_transfer_params`` (capability
-    ``malformed_params``): the scenarios name the breakages ``missing_transfer_id`` and
-    ``bad_bootstrap_addr``."""
-
-    def add_malformed_request(
-        self, engine: Engine, request_id: str, kind: str, *, prompt_len: int = 100
-    ) -> str:
-        """Add a remote-prefill request whose ``kv_transfer_params`` are broken (``kind``)."""
-        ...
-
-
-#: Capabilities a driver has by implementing a protocol, not by declaring them.
-ABILITIES: Mapping[str, type] = {
-    "byte_verification": ByteOracle,
-    "malformed_params": MalformedParams,
-}
-
-
-#: Fault points whose scenario calls a driver's optional ability: a driver whose table has
-#: one implements that protocol.
-POINT_NEEDS: Mapping[FaultPoint, type] = {
-    FaultPoint.SLOW_PEER_PAST_DEADLINE: LateWrites,
-    FaultPoint.PEER_SHUTDOWN_MID_WRITE: LateWrites,
-}
-
-
-def abilities(driver: object) -> dict[str, tuple[bool, str]]:
-    """The capabilities ``driver`` has by what its class implements, with the evidence."""
-    cls = type(getattr(driver, "inner", driver)).__name__
-    out: dict[str, tuple[bool, str]] = {}
-    for name, protocol in ABILITIES.items():
-        has = isinstance(driver, protocol)
-        verb = "implements" if has else "does not implement"
-        out[name] = (has, f"driver {cls} {verb} {protocol.__name__}")
-    return out
 
 
 #: The handle type a driver keeps per D engine (see :meth:`Driver.new_handle`).
@@ -577,7 +492,8 @@ class Driver(ABC, Generic[H]):
 
 
 def declared_capabilities(driver: Any) -> dict[str, tuple[bool, str]]:
-    """What ``driver`` declares plus what it implements (:data:`ABILITIES`).
+    """What ``driver`` declares plus what it implements
+    (:data:`kvfail.conformance.abilities.ABILITIES`).
 
     A driver whose table has a point of :data:`POINT_NEEDS` must implement its protocol
     (the scenario asks it where the late write landed). A

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfail.conformance.suite import ScenarioContext, check_not_late
+from kvfail.conformance.report_timing import check_not_late
+from kvfail.conformance.suite import ScenarioContext
 
 __all__ = [
     "PROMPT_LEN",

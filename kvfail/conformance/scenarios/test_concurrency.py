@@ -39,7 +39,8 @@ from kvfail.conformance.many_loads import (
     start_loads,
     wrong_bytes,
 )
-from kvfail.conformance.suite import ScenarioContext, deadline_findings, declared_text
+from kvfail.conformance.report_timing import deadline_findings, declared_text
+from kvfail.conformance.suite import ScenarioContext
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 

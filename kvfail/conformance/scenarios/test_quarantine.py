@@ -29,15 +29,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance import timebase
-from kvfail.conformance.suite import (
-    HELD_BLOCKS_WAIT_S,
-    MIN_STEPS,
-    REAL_BUDGET_S,
-    ScenarioContext,
-    check_not_late,
-    deadline_findings,
-    declared_text,
-)
+from kvfail.conformance.report_timing import check_not_late, deadline_findings, declared_text
+from kvfail.conformance.suite import HELD_BLOCKS_WAIT_S, MIN_STEPS, REAL_BUDGET_S, ScenarioContext
 from kvfail.faults.points import FaultPoint
 from kvfail.harness import oracles
 

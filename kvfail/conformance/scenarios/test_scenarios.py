@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import ScenarioContext, check_not_late, deadline_findings
+from kvfail.conformance.report_timing import check_not_late, deadline_findings
+from kvfail.conformance.suite import ScenarioContext
 from kvfail.faults.points import FaultPoint
 
 # The clauses each scenario cites (@pytest.mark.clauses) are defined in docs/contract.md.

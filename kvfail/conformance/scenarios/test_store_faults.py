@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance.suite import ScenarioContext, deadline_findings
+from kvfail.conformance.report_timing import deadline_findings
+from kvfail.conformance.suite import ScenarioContext
 from kvfail.faults.points import FaultPoint
 
 pytestmark = pytest.mark.vllm
