@@ -22,7 +22,7 @@ from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 
 GUARD = "guard:vllm:MooncakeConnector"
 CONTROLS = sorted(EXPECTED_GUARD_FLAGS)
-SCENARIO_NAMES = sorted({scenario for scenario, _ in EXPECTED_GUARD_FLAGS.values()})
+SCENARIO_NAMES = sorted({s for flags in EXPECTED_GUARD_FLAGS.values() for s, _ in flags})
 
 
 def _spec(control: str) -> str:
@@ -61,9 +61,13 @@ def test_working_guard_passes_what_the_controls_break(guard_run: list[Any]) -> N
         assert runs and {outcome for outcome, _ in runs} == {"passed"}, (scenario, runs)
 
 
-@pytest.mark.parametrize("control", CONTROLS)
-def test_broken_guard_is_flagged_by_its_scenario(guard_run: list[Any], control: str) -> None:
-    scenario, clause = EXPECTED_GUARD_FLAGS[control]
+@pytest.mark.parametrize(
+    ("control", "scenario", "clause"),
+    [(c, s, clause) for c in CONTROLS for s, clause in EXPECTED_GUARD_FLAGS[c]],
+)
+def test_broken_guard_is_flagged_by_its_scenario(
+    guard_run: list[Any], control: str, scenario: str, clause: str
+) -> None:
     runs = _runs(guard_run, _spec(control), scenario)
     assert runs, f"{control} never ran {scenario}"
     assert all(outcome == "failed" and clause in reason for outcome, reason in runs), runs
