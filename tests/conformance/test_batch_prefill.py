@@ -15,8 +15,14 @@ from typing import Any
 
 import pytest
 
+from kvfail.conformance.driver import Declared
+from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
+from kvfail.faults.points import FaultPoint
 from kvfail.peers.producer_engine import ProducerEngine
 from kvfail.peers.producer_handle import ProducerHandleBase
+
+PER_REQUEST = FaultPoint.PEER_ERR_REQS
+WHOLE_P = FaultPoint.KILL_BEFORE_PULL
 
 # ---------------------------------------------------------------- P's side
 
@@ -132,4 +138,98 @@ def test_the_handle_sends_one_command_and_returns_params_by_request() -> None:
             },
             30.0,
         )
+    ]
+
+
+# ---------------------------------------------------------------- the driver's side
+
+
+class _Pair:
+    """A pair whose P prefills in memory; ``log`` is what P and D were asked, in order."""
+
+    def __init__(self, log: list[tuple[Any, ...]]) -> None:
+        self.log = log
+        self.p = SimpleNamespace(process=SimpleNamespace(alive=True, frozen=False))
+
+    def producer(self) -> Any:
+        return self.p
+
+    def prefill_batch(self, req_ids: Any, prompt_len: int) -> dict[str, dict[str, Any]]:
+        self.log.append(("prefill", tuple(req_ids)))
+        return {rid: {"rid": rid} for rid in req_ids}
+
+    def add(self, req_id: str, params: Any, **_: Any) -> None:
+        self.log.append(("add", req_id, params.get("broken", False)))
+
+
+class _Driver(PairDriver):
+    """A pair driver with one per-request fault (its ``before_add`` breaks the params)
+    and one on P's whole process."""
+
+    def __init__(self, *, after_add: bool) -> None:
+        self.name = "batch-test"
+        self.connector_cls = object
+        self.log: list[tuple[Any, ...]] = []
+        self._pair = _Pair(self.log)  # type: ignore[assignment]
+        self._layout_pairs = {}
+        self.on_peer_after_add = after_add
+
+    @property
+    def injectors(self) -> dict[FaultPoint, PairInjector]:
+        return {
+            PER_REQUEST: PairInjector(before_add=self._break),
+            WHOLE_P: PairInjector(on_peer=self._kill),
+        }
+
+    def declared(self) -> Declared:
+        raise NotImplementedError
+
+    def _break(self, arming: Arming, params: dict[str, Any]) -> dict[str, Any]:
+        self.log.append(("arm", arming.fault.request_id, arming.fault.ranks))
+        return {**params, "broken": True}
+
+    def _kill(self, call: OnPeer) -> None:
+        self.log.append(("kill", tuple(call.request_ids), call.ranks))
+
+
+class _D:
+    """Only a key for the driver's handle: nothing is stepped."""
+
+
+def test_a_per_request_fault_is_armed_for_each_request_of_one_prefill() -> None:
+    driver = _Driver(after_add=False)
+    engine = _D()
+    driver.add_remote_requests(engine, ["a", "b"], fault=PER_REQUEST, ranks=iter([1]))  # type: ignore[arg-type]
+    assert driver.log == [
+        ("prefill", ("a", "b")),
+        ("arm", "a", (1,)),
+        ("add", "a", True),
+        ("arm", "b", (1,)),
+        ("add", "b", True),
+    ]
+    assert sorted(driver.handle(engine).active) == ["a", "b"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("after_add", [False, True])
+def test_a_fault_on_p_happens_once_after_p_prefilled_them_all(after_add: bool) -> None:
+    driver = _Driver(after_add=after_add)
+    driver.add_remote_requests(_D(), ["a", "b"], fault=WHOLE_P, ranks=[0])  # type: ignore[arg-type]
+    adds = [("add", "a", False), ("add", "b", False)]
+    kill = [("kill", ("a", "b"), (0,))]
+    assert driver.log == [("prefill", ("a", "b")), *(adds + kill if after_add else kill + adds)]
+
+
+def test_one_request_armed_alone_is_a_batch_of_one() -> None:
+    driver = _Driver(after_add=False)
+    engine = _D()
+    driver.arm(engine, "x", WHOLE_P)  # type: ignore[arg-type]
+    driver.add_remote_request(engine, "x")  # type: ignore[arg-type]
+    driver.add_remote_requests(engine, ["y", "z"])  # type: ignore[arg-type]
+    assert driver.log == [
+        ("prefill", ("x",)),
+        ("kill", ("x",), None),
+        ("add", "x", False),
+        ("prefill", ("y", "z")),
+        ("add", "y", False),
+        ("add", "z", False),
     ]
