@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvfail.conformance.driver import Declared
+from kvfail.conformance.many_loads import add_by_fault
 from kvfail.conformance.pair_driver import Arming, OnPeer, PairDriver, PairInjector
 from kvfail.faults.points import FaultPoint
 from kvfail.peers.producer_engine import ProducerEngine
@@ -232,4 +233,27 @@ def test_one_request_armed_alone_is_a_batch_of_one() -> None:
         ("prefill", ("y", "z")),
         ("add", "y", False),
         ("add", "z", False),
+    ]
+
+
+# ---------------------------------------------------------------- the soak's batches
+
+
+def test_a_batch_is_added_one_call_per_fault_with_its_ids_unchanged() -> None:
+    calls: list[tuple[list[str], FaultPoint | None, int]] = []
+
+    def add_remote_requests(
+        engine: Any, rids: list[str], *, fault: FaultPoint | None, prompt_len: int
+    ) -> list[str]:
+        calls.append((rids, fault, prompt_len))
+        return rids
+
+    scenario = SimpleNamespace(driver=SimpleNamespace(add_remote_requests=add_remote_requests))
+    faults = {"s-1": None, "s-2": PER_REQUEST, "s-3": None, "s-4": FaultPoint.UNKNOWN_ENGINE}
+    faults["s-5"] = PER_REQUEST
+    add_by_fault(scenario, object(), faults, prompt_len=40)  # type: ignore[arg-type]
+    assert calls == [
+        (["s-1", "s-3"], None, 40),
+        (["s-2", "s-5"], PER_REQUEST, 40),
+        (["s-4"], FaultPoint.UNKNOWN_ENGINE, 40),
     ]
