@@ -66,6 +66,7 @@ __all__ = [
     "LateWrites",
     "MalformedParams",
     "Provocation",
+    "RemoteBatch",
     "abilities",
     "abort_request",
     "declared_capabilities",
@@ -105,6 +106,22 @@ class Provocation:
     ranks: Iterable[int] | None = None
     #: The block to fail (None: the driver's choice), for a fault on one block.
     block_index: int | None = None
+
+
+@dataclass(frozen=True)
+class RemoteBatch:
+    """One :meth:`Driver.add_remote_requests` call, as its hooks get it: requests D loads
+    together from one P, with the fault armed for them."""
+
+    engine: Engine
+    request_ids: tuple[str, ...]
+    fault: FaultPoint | None = None
+    prompt_len: int = 100
+    max_tokens: int = 3
+    #: 0: the driver's P; 1: its second P.
+    peer: int = 0
+    #: The TP ranks a fault on one rank hits (None: the fault names no rank).
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -403,9 +420,10 @@ class Driver(ABC, Generic[H]):
 
         Why a method of its own: a fault on P itself (killed, stopped) is ONE event for
         all of them and must come after P prefilled every one; armed per request, the
-        first would kill P and the rest would be prefilled by its replacement. Default:
-        arm and add each in turn, right for a per-request fault; a driver overrides it
-        for its faults on the whole peer.
+        first would kill P and the rest would be prefilled by its replacement. So a fault
+        :meth:`hits_whole_peer` says is on P goes to :meth:`add_from_peer`, once for the
+        batch; any other is armed per request by :meth:`add_each`. A driver overrides
+        those hooks, not this dispatch.
 
         ``peer`` names the P they come from: 0 is the driver's P, 1 a second P (its own
         process, address and engine id), so one D can have loads in flight from two
@@ -413,15 +431,45 @@ class Driver(ABC, Generic[H]):
         :attr:`~kvfail.faults.points.FaultPoint.KILL_ONE_PEER` has a second P; there,
         that fault kills the P named by ``peer`` once it prefilled these requests.
         """
-        if peer != 0:
-            raise NotImplementedError(f"driver {self.name!r} has one P: no peer {peer}")
-        for request_id in request_ids:
-            if fault is not None:
-                self.arm(engine, request_id, fault, ranks=ranks)
+        batch = RemoteBatch(
+            engine,
+            tuple(request_ids),
+            fault=fault,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            peer=peer,
+            ranks=None if ranks is None else tuple(ranks),
+        )
+        if peer == 0 and not self.hits_whole_peer(fault):
+            self.add_each(batch)
+        else:
+            self.add_from_peer(batch)
+        return list(batch.request_ids)
+
+    def hits_whole_peer(self, fault: FaultPoint | None) -> bool:
+        """Whether ``fault`` hits P's whole process (one event for a batch, in
+        :meth:`add_from_peer`) rather than each request. Default: none does."""
+        return False
+
+    def add_each(self, batch: RemoteBatch) -> None:
+        """Arm the batch's fault for each request and add it: right for a per-request
+        fault. Default: one :meth:`add_remote_request` per request; a driver whose P
+        prefills several requests at once does it here for the whole batch."""
+        for request_id in batch.request_ids:
+            if batch.fault is not None:
+                self.arm(batch.engine, request_id, batch.fault, ranks=batch.ranks)
             self.add_remote_request(
-                engine, request_id, prompt_len=prompt_len, max_tokens=max_tokens
+                batch.engine,
+                request_id,
+                prompt_len=batch.prompt_len,
+                max_tokens=batch.max_tokens,
             )
-        return list(request_ids)
+
+    def add_from_peer(self, batch: RemoteBatch) -> None:
+        """Add the batch from P number ``batch.peer``, its fault (one :meth:`hits_whole_peer`
+        says is on P) happening once for all. Default: the driver has one P and no such
+        fault."""
+        raise NotImplementedError(f"driver {self.name!r} has one P: no peer {batch.peer}")
 
     def settle(
         self, engine: Engine, request_id: str, *, ranks: Iterable[int] | None = None

@@ -9,13 +9,18 @@ scenarios do.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.report_timing import check_not_late
 from kvfail.conformance.suite import ScenarioContext
 
+if TYPE_CHECKING:
+    from kvfail.faults.points import FaultPoint
+
 __all__ = [
     "PROMPT_LEN",
+    "add_by_fault",
     "failed_at",
     "not_late",
     "note_failure_steps",
@@ -28,6 +33,28 @@ __all__ = [
 #: 63 usable blocks must hold a whole batch of requests in two KV-cache groups, and P keeps
 #: a failed pull's blocks until its abort timeout, across scenarios.
 PROMPT_LEN = 40
+
+
+def add_by_fault(
+    scenario: ScenarioContext,
+    engine: Any,
+    faults: Mapping[str, FaultPoint | None],
+    *,
+    prompt_len: int = PROMPT_LEN,
+) -> None:
+    """Add every request of ``faults`` (request id -> the fault armed for it; None: none)
+    before D steps, one ``add_remote_requests`` call per fault, each group in the order
+    given.
+
+    Why grouped: a driver over a real P has P prefill one call's requests in one command,
+    where a call per request costs a round trip each. Each fault is still armed per
+    request, so only faults that fail their own request belong here; a fault on P's
+    whole process would happen once per group instead of once per request."""
+    groups: dict[FaultPoint | None, list[str]] = {}
+    for rid, point in faults.items():
+        groups.setdefault(point, []).append(rid)
+    for point, rids in groups.items():
+        scenario.driver.add_remote_requests(engine, rids, fault=point, prompt_len=prompt_len)
 
 
 def start_loads(scenario: ScenarioContext, engine: Any, rids: list[str]) -> dict[str, list[int]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -337,68 +336,6 @@ class MooncakeDriver(PairDriver):
         params = self.malformed(pair.prefill(request_id, prompt_len), kind)
         pair.add(request_id, params, prompt_len=prompt_len, max_tokens=3, consumer=engine)
         return request_id
-
-    def add_remote_request(
-        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
-    ) -> str:
-        """P prefills; the armed fault's ``before_add`` breaks the params or tells P what
-        to do, and its ``on_peer`` (one request: its P is the one that dies or stops)
-        happens before D adds the request."""
-        pair = self._live(self._pair_of(engine))
-        params = pair.prefill(request_id, prompt_len)
-        params, fault = self._before_add(engine, pair, request_id, params)
-        on_peer = self._on_peer(None if fault is None else fault.point)
-        if on_peer is not None and fault is not None:
-            on_peer(OnPeer(engine, pair, pair.p, 0, [request_id], fault.point, ranks=fault.ranks))
-        pair.add(
-            request_id,
-            params,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            consumer=engine,
-        )
-        return request_id
-
-    def add_remote_requests(
-        self,
-        engine: Engine,
-        request_ids: Sequence[str],
-        *,
-        fault: FaultPoint | None = None,
-        prompt_len: int = 100,
-        max_tokens: int = 3,
-        peer: int = 0,
-        ranks: Iterable[int] | None = None,
-    ) -> list[str]:
-        """P (``peer`` 1: the pair's second P) prefills every request, then a fault on
-        that P itself (SIGKILL, SIGSTOP, one of its ranks killed) happens once, then D
-        adds them all; other faults are armed per request (see the base), on the
-        driver's P only."""
-        on_peer = self._on_peer(fault)
-        if peer == 0 and on_peer is None:
-            return super().add_remote_requests(
-                engine,
-                request_ids,
-                fault=fault,
-                prompt_len=prompt_len,
-                max_tokens=max_tokens,
-                ranks=ranks,
-            )
-        pair = self._live(self._pair_of(engine))
-        producer = self._peer_producer(pair, peer, fault)
-        params = {rid: producer.prefill(rid, prompt_len, rid) for rid in request_ids}
-        if on_peer is not None and fault is not None:
-            hit = None if ranks is None else tuple(ranks)
-            on_peer(OnPeer(engine, pair, producer, peer, list(request_ids), fault, ranks=hit))
-        for rid, rid_params in params.items():
-            pair.add(
-                rid,
-                rid_params,
-                prompt_len=prompt_len,
-                max_tokens=max_tokens,
-                consumer=engine,
-            )
-        return list(request_ids)
 
     def late_write_finding(self, engine: Engine, request_id: str) -> str | None:
         """The scenario asks once D gave the load up: :data:`LATE_WRITE_STEPS` D steps

@@ -72,8 +72,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.claims import DriverClaim, Probe
@@ -136,6 +135,9 @@ class NixlDriver(PairDriver):
     #: P requests D never reads (their leases are ended after the scenario): ended in a
     #: batch once this many are pending, so a long scenario does not run P out of blocks.
     UNRELEASED_BATCH = 16
+    #: A fault on P's process comes once D added the requests: a cold D's must wait for
+    #: D's handshake, and a warm D's READ must be posted to the stopped P.
+    on_peer_after_add = True
 
     def __init__(
         self,
@@ -214,20 +216,38 @@ class NixlDriver(PairDriver):
         self._warm_p(pair)
         return pair
 
-    def _prefill(self, pair: Any, request_id: str, prompt_len: int) -> dict[str, Any]:
+    def _adding_to(self, engine: Engine) -> Any:
+        """The pair, noted as the scenario's (its P's faults are checked after it); P's
+        leases of pulls D never reads are ended first once :attr:`UNRELEASED_BATCH` are
+        pending."""
+        pair = super()._adding_to(engine)
+        self._scenario_pair = pair
+        if len(self._unreleased) >= self.UNRELEASED_BATCH and not self._notify_armed:
+            # None of them is read by D (a notify_failed pull is, so then they wait).
+            pair.expire_leases(self._unreleased)
+            self._unreleased = []
+        return pair
+
+    def _prefill_batch(
+        self, pair: Any, request_ids: Sequence[str], prompt_len: int
+    ) -> dict[str, dict[str, Any]]:
         """P's params; a P whose engine crashed since the last scenario (a rank died late,
         after the fault that killed it) is replaced once, then asked again."""
         self._warm_p(pair)  # a P started since (a replacement) is still cold
         try:
-            params: dict[str, Any] = pair.prefill(request_id, prompt_len)
+            params: dict[str, dict[str, Any]] = pair.prefill_batch(request_ids, prompt_len)
         except RuntimeError as exc:
             if "P crashed" not in str(exc):
                 raise
             pair.kill_p()
             self._replace_p(pair, wait=True)
             self._warm_p(pair)
-            params = pair.prefill(request_id, prompt_len)
+            params = pair.prefill_batch(request_ids, prompt_len)
         return params
+
+    def _d_warm(self, engine: Engine, pair: Any, producer: Any) -> bool:
+        """Whether every D worker holds ``producer``'s agent (D handshaked with it)."""
+        return bool(pair.handshaked(engine, producer))
 
     def _warm_p(self, pair: Any) -> None:
         """One throwaway pull through a throwaway D, so P's first-handshake costs (zmq
@@ -457,26 +477,6 @@ class NixlDriver(PairDriver):
         self._unreleased.append(params["remote_request_id"])
         return params
 
-    def add_remote_request(
-        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
-    ) -> str:
-        pair = self._live(self._pair_of(engine))
-        self._scenario_pair = pair
-        if len(self._unreleased) >= self.UNRELEASED_BATCH and not self._notify_armed:
-            # None of them is read by D (a notify_failed pull is, so then they wait).
-            pair.expire_leases(self._unreleased)
-            self._unreleased = []
-        params = self._prefill(pair, request_id, prompt_len)
-        params, fault = self._before_add(engine, pair, request_id, params)
-        warm = pair.handshaked(engine)
-        pair.add(request_id, params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        on_peer = self._on_peer(None if fault is None else fault.point)
-        if on_peer is not None and fault is not None:
-            # One request: its P is the one that dies, stops or stalls.
-            call = OnPeer(engine, pair, pair.producer(), 0, [request_id], fault.point, warm)
-            on_peer(replace(call, ranks=fault.ranks))
-        return request_id
-
     # ------------------------------------------------------------ faults on P's process
 
     def _stall(self, call: OnPeer) -> None:
@@ -534,47 +534,6 @@ class NixlDriver(PairDriver):
         if rec is not None:  # the detection clock starts at the kill
             rec.injected_at = time.monotonic()
             rec.steps_at_injection = call.engine.record.steps
-
-    def add_remote_requests(
-        self,
-        engine: Engine,
-        request_ids: Sequence[str],
-        *,
-        fault: FaultPoint | None = None,
-        prompt_len: int = 100,
-        max_tokens: int = 3,
-        peer: int = 0,
-        ranks: Iterable[int] | None = None,
-    ) -> list[str]:
-        """P (``peer`` 1: the pair's second P) prefills every request and D adds them
-        all, then a fault on that P itself (SIGKILL, SIGSTOP, a stall, one of its ranks
-        killed) happens once, as :meth:`add_remote_request` times it for one request;
-        other faults are armed per request (see the base), on the driver's P only."""
-        on_peer = self._on_peer(fault)
-        if peer == 0 and on_peer is None:
-            return super().add_remote_requests(
-                engine,
-                request_ids,
-                fault=fault,
-                prompt_len=prompt_len,
-                max_tokens=max_tokens,
-                ranks=ranks,
-            )
-        pair = self._live(self._pair_of(engine))
-        self._scenario_pair = pair
-        if peer == 0:
-            params = {rid: self._prefill(pair, rid, prompt_len) for rid in request_ids}
-            producer = pair.producer()
-        else:
-            producer = self._peer_producer(pair, peer, fault)
-            params = {rid: producer.prefill(rid, prompt_len, rid) for rid in request_ids}
-        warm = pair.handshaked(engine, producer)
-        for rid, rid_params in params.items():
-            pair.add(rid, rid_params, prompt_len=prompt_len, max_tokens=max_tokens, consumer=engine)
-        if on_peer is not None and fault is not None:
-            hit = None if ranks is None else tuple(ranks)
-            on_peer(OnPeer(engine, pair, producer, peer, list(request_ids), fault, warm, hit))
-        return list(request_ids)
 
 
 def make_driver(name: str) -> NixlDriver:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector
+from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector, RemoteBatch
 from kvfail.conformance.shared_producers import hand_off, register_producer, shared_producer
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
@@ -481,6 +481,116 @@ class PairDriver(Driver[PairHandle]):
         if isinstance(injector, PairInjector) and injector.before_add is not None:
             params = injector.before_add(Arming(engine, pair, fault), params)
         return params, fault
+
+    # ------------------------------------------------------------ adding requests
+
+    #: When a fault on P's whole process (``on_peer``) happens: before D adds the
+    #: requests (False), or once D added them (True: a driver whose fault waits for D's
+    #: handshake, or must know whether D had talked to P before).
+    on_peer_after_add: bool = False
+
+    def _adding_to(self, engine: Engine) -> PeerPair:
+        """The pair ``engine`` loads from, with a live P, about to get requests."""
+        return self._live(self._pair_of(engine))
+
+    def _prefill_batch(
+        self, pair: PeerPair, request_ids: Sequence[str], prompt_len: int
+    ) -> dict[str, dict[str, Any]]:
+        """P's params for every request, prefilled in one command."""
+        return pair.prefill_batch(request_ids, prompt_len)
+
+    def _d_warm(self, engine: Engine, pair: PeerPair, producer: Any) -> bool | None:
+        """Whether D had talked to ``producer`` before, for :attr:`OnPeer.warm` (None:
+        this driver does not ask)."""
+        return None
+
+    def _hit_peer(
+        self, on_peer: Callable[[OnPeer], None], call: OnPeer, add: Callable[[], None]
+    ) -> None:
+        """Run ``add`` (D adds the requests) and the fault on P's whole process, in the
+        order :attr:`on_peer_after_add` says."""
+        if not self.on_peer_after_add:
+            on_peer(call)
+        add()
+        if self.on_peer_after_add:
+            on_peer(call)
+
+    def _add_to_d(self, batch: RemoteBatch, pair: PeerPair, request_id: str, params: Any) -> None:
+        pair.add(
+            request_id,
+            params,
+            prompt_len=batch.prompt_len,
+            max_tokens=batch.max_tokens,
+            consumer=batch.engine,
+        )
+
+    def add_remote_request(
+        self, engine: Engine, request_id: str, *, prompt_len: int = 100, max_tokens: int = 3
+    ) -> str:
+        """P prefills; the armed fault's ``before_add`` breaks the params or tells P what
+        to do, and its ``on_peer`` (one request: its P is the one that dies or stops)
+        happens as :attr:`on_peer_after_add` says."""
+        batch = RemoteBatch(engine, (request_id,), prompt_len=prompt_len, max_tokens=max_tokens)
+        self.add_each(batch)
+        return request_id
+
+    def hits_whole_peer(self, fault: FaultPoint | None) -> bool:
+        return self._on_peer(fault) is not None
+
+    def add_each(self, batch: RemoteBatch) -> None:
+        """P prefills the whole batch in one command (the round trip per request is what
+        a soak of many loads paid for), then each request is armed and added as
+        :meth:`add_remote_request` adds one: its fault set up before D adds it."""
+        pair = self._adding_to(batch.engine)
+        params = self._prefill_batch(pair, batch.request_ids, batch.prompt_len)
+        for request_id in batch.request_ids:
+            if batch.fault is not None:
+                self.arm(batch.engine, request_id, batch.fault, ranks=batch.ranks)
+            self._add_prefilled(batch, pair, request_id, params[request_id])
+
+    def _add_prefilled(
+        self, batch: RemoteBatch, pair: PeerPair, request_id: str, params: Any
+    ) -> None:
+        """Add one request P prefilled: the fault armed for it takes effect (its
+        ``before_add``, then its ``on_peer`` on the pair's P for this request alone)."""
+        params, fault = self._before_add(batch.engine, pair, request_id, params)
+        on_peer = self._on_peer(None if fault is None else fault.point)
+        if on_peer is None or fault is None:
+            self._add_to_d(batch, pair, request_id, params)
+            return
+        producer = pair.producer()
+        warm = self._d_warm(batch.engine, pair, producer)
+        call = OnPeer(batch.engine, pair, producer, 0, [request_id], fault.point, warm, fault.ranks)
+        self._hit_peer(on_peer, call, lambda: self._add_to_d(batch, pair, request_id, params))
+
+    def add_from_peer(self, batch: RemoteBatch) -> None:
+        """P (``peer`` 1: the pair's second P) prefills every request in one command,
+        then a fault on that P itself (SIGKILL, SIGSTOP, a stall, one of its ranks
+        killed) happens once for all of them, as :attr:`on_peer_after_add` says; the
+        second P also serves plain loads (no fault)."""
+        engine = batch.engine
+        pair = self._adding_to(engine)
+        if batch.peer == 0:
+            params = self._prefill_batch(pair, batch.request_ids, batch.prompt_len)
+            producer = pair.producer()  # after the prefill, which may have replaced P
+        else:
+            producer = self._peer_producer(pair, batch.peer, batch.fault)
+            params = producer.prefill_batch(
+                {rid: rid for rid in batch.request_ids}, batch.prompt_len
+            )
+
+        def add() -> None:
+            for request_id in batch.request_ids:
+                self._add_to_d(batch, pair, request_id, params[request_id])
+
+        on_peer = self._on_peer(batch.fault)
+        if on_peer is None or batch.fault is None:
+            add()
+            return
+        warm = self._d_warm(engine, pair, producer)
+        rids = list(batch.request_ids)
+        call = OnPeer(engine, pair, producer, batch.peer, rids, batch.fault, warm, batch.ranks)
+        self._hit_peer(on_peer, call, add)
 
     def _kill_p_rank(self, call: OnPeer) -> None:
         """``tp_one_rank`` (and ``tp_one_rank_warm``): a real one-rank crash, the P rank

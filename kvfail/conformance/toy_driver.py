@@ -9,7 +9,7 @@ also drives any ToyConnector subclass, which is how the negative controls
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from kvfail.conformance.driver import (
     Injector,
     LateWriteGate,
     Provocation,
+    RemoteBatch,
     abort_request,
 )
 from kvfail.faults.points import FaultPoint
@@ -166,38 +167,22 @@ class ToyDriver(Driver["_ToyHandle"]):
     ) -> str:
         return self._add(engine, request_id, prompt_len, max_tokens, self.REMOTE_ENGINE)
 
-    def add_remote_requests(
-        self,
-        engine: Engine,
-        request_ids: Sequence[str],
-        *,
-        fault: FaultPoint | None = None,
-        prompt_len: int = 100,
-        max_tokens: int = 3,
-        peer: int = 0,
-        ranks: Iterable[int] | None = None,
-    ) -> list[str]:
-        """As the base, from in-memory P number ``peer``; ``kill_one_peer`` kills that P
-        once it has "prefilled" them (its loads fail while in flight, see the class)."""
+    def hits_whole_peer(self, fault: FaultPoint | None) -> bool:
+        """``kill_one_peer`` kills the in-memory P the batch comes from."""
         injector = None if fault is None else self.injector(fault)
-        kills = isinstance(injector, _ToyInjector) and injector.kills_peer
-        if not kills and peer == 0:
-            return super().add_remote_requests(
-                engine,
-                request_ids,
-                fault=fault,
-                prompt_len=prompt_len,
-                max_tokens=max_tokens,
-                ranks=ranks,
-            )
-        if fault is not None and not kills:
-            raise ValueError(f"toy driver: {fault} is not armed on peer {peer}")
-        remote = self.remote_engine(peer)
-        for request_id in request_ids:
-            self._add(engine, request_id, prompt_len, max_tokens, remote)
+        return isinstance(injector, _ToyInjector) and injector.kills_peer
+
+    def add_from_peer(self, batch: RemoteBatch) -> None:
+        """From in-memory P number ``peer``; ``kill_one_peer`` kills that P once it has
+        "prefilled" them (its loads fail while in flight, see the class)."""
+        kills = self.hits_whole_peer(batch.fault)
+        if batch.fault is not None and not kills:
+            raise ValueError(f"toy driver: {batch.fault} is not armed on peer {batch.peer}")
+        remote = self.remote_engine(batch.peer)
+        for request_id in batch.request_ids:
+            self._add(batch.engine, request_id, batch.prompt_len, batch.max_tokens, remote)
         if kills:
             self._dead_peers.add(remote)
-        return list(request_ids)
 
     def _add(
         self, engine: Engine, request_id: str, prompt_len: int, max_tokens: int, remote: str

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -301,6 +301,16 @@ class PeerPair(StuckEvidence):
     ) -> dict[str, Any]:
         """P's half only; returns the params D gets (break them, then :meth:`add`)."""
         params: dict[str, Any] = self.producer().prefill(req_id, prompt_len, prompt_seed or req_id)
+        return params
+
+    def prefill_batch(
+        self, req_ids: Sequence[str], prompt_len: int = 100
+    ) -> dict[str, dict[str, Any]]:
+        """P's half of every request in one command (each prompt seeded by its id, as
+        :meth:`prefill`'s default); returns the params D gets, by request id."""
+        params: dict[str, dict[str, Any]] = self.producer().prefill_batch(
+            {req_id: req_id for req_id in req_ids}, prompt_len
+        )
         return params
 
     def _consumer_spec(

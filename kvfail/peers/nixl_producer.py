@@ -26,6 +26,9 @@ stderr before vLLM is imported, because NIXL's Python logger writes to stdout):
 * ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len"}``: run P's request
   (``do_remote_decode``, ``max_tokens=1``) until it finishes; reply with the
   ``kv_transfer_params`` upstream's ``request_finished`` produced for D;
+* ``{"cmd": "prefill_batch", "requests": [{"req_id", "prompt_seed", "prompt_len"}, ...]}``:
+  the same for every request at once (P steps until all are prefilled), replying
+  ``kv_transfer_params`` by request id;
 * ``{"cmd": "inject", "fault": "bad_metadata", "kind"}``: from now on the side channel
   answers every handshake with metadata D cannot use (:data:`BAD_METADATA`): ``garbled``
   (the NIXL agent metadata bytes inside a well-formed payload are corrupted, so NIXL's
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.producer_engine import ProducerEngine, pattern_forward, producer_spec
@@ -75,8 +79,6 @@ __all__ = [
 
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-nixl-p "
-#: Bound on one prefill command (P's request finishes in one step normally).
-PREFILL_TIMEOUT_S = 20.0
 #: P's idle loop: a forced step this often keeps notifications and lease expiry flowing.
 _IDLE_STEP_S = 0.02
 #: What the side channel can answer a handshake with instead of P's real metadata.
@@ -257,34 +259,24 @@ class _Producer(ProducerEngine):
         else:
             time.sleep(0.005)
 
-    def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        req_id = str(cmd["req_id"])
-        self.seeds[req_id] = str(cmd.get("prompt_seed") or req_id)
+    def _start_prefill(self, req: Mapping[str, Any]) -> None:
+        req_id = str(req["req_id"])
+        self.seeds[req_id] = str(req.get("prompt_seed") or req_id)
         self.engine.add_request(
             req_id,
-            prompt_len=int(cmd.get("prompt_len", 100)),
+            prompt_len=int(req.get("prompt_len", 100)),
             prompt_seed=self.seeds[req_id],
             max_tokens=1,
             kv_transfer_params={"do_remote_decode": True},
         )
-        deadline = time.monotonic() + PREFILL_TIMEOUT_S
-        while True:
-            outs = [o for o in self.engine.record.outputs_for(req_id) if o.kv_transfer_params]
-            if outs:
-                break
-            if self.engine.crashed is not None:
-                self.failed_prefills += 1
-                return {"ok": False, "error": f"P crashed: {self.engine.crashed.message}"}
-            if time.monotonic() >= deadline:
-                self.failed_prefills += 1
-                return {"ok": False, "error": f"prefill of {req_id} not done in time"}
-            self.step()
-        self.prefills += 1
-        return {
-            "ok": True,
-            "req_id": req_id,
-            "kv_transfer_params": dict(outs[-1].kv_transfer_params),
-        }
+
+    def _prefilled(self, req_id: str) -> dict[str, Any] | None:
+        """The params upstream's ``request_finished`` produced for D, once it did."""
+        outs = [o for o in self.engine.record.outputs_for(req_id) if o.kv_transfer_params]
+        return dict(outs[-1].kv_transfer_params) if outs else None
+
+    def _prefill_step(self) -> None:
+        self.step()
 
     def inject(self, cmd: dict[str, Any]) -> dict[str, Any]:
         fault = cmd.get("fault")
@@ -334,6 +326,7 @@ class _Producer(ProducerEngine):
             cmd,
             {
                 "prefill": self.prefill,
+                "prefill_batch": self.prefill_batch,
                 "inject": self.inject,
                 "expire": self.expire,
                 "stats": lambda _: self.stats(),

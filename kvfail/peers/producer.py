@@ -21,6 +21,9 @@ the reply echoes:
 * ``{"cmd": "prefill", "req_id", "prompt_seed", "prompt_len", "transfer_id"?}`` runs the P
   request (``do_remote_decode``, ``max_tokens=1``) until it finishes and replies with the
   ``kv_transfer_params`` D needs;
+* ``{"cmd": "prefill_batch", "requests": [{"req_id", "prompt_seed", "prompt_len",
+  "transfer_id"?}, ...]}``: the same for every request at once (P steps until all are
+  prefilled), replying ``kv_transfer_params`` by request id;
 * ``{"cmd": "inject", "fault", "req_id", "ranks"?}``: P answers D's next pull naming
   ``req_id`` wrongly on purpose (:data:`INJECTABLE`), on every rank or only ``ranks``:
   ``error_response`` (an ERROR reply to the whole pull), ``err_reqs`` (``err_reqs``
@@ -60,6 +63,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,8 +85,6 @@ __all__ = [
 #: Every protocol line starts with this, so a reader can ignore anything else.
 PREFIX = "@@kvfail-p "
 DEFAULT_EXTRA_CONFIG: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers": 2}
-#: Bound on one prefill command (P's request finishes in one or two steps normally).
-PREFILL_TIMEOUT_S = 20.0
 _IDLE_SLEEP_S = 0.005
 #: Protocol faults P can answer a pull with (``inject`` command).
 INJECTABLE = (
@@ -377,6 +379,8 @@ class _Producer(ProducerEngine):
             config, connector="MooncakeConnector", engine_id=self.engine_id, extra_config=extra
         )
         self._seeds: dict[str, str] = {}
+        #: The transfer id of each request being prefilled.
+        self._transfer_ids: dict[str, str] = {}
         with cpu_accelerator_index_shim():
             self.engine = Engine(spec, forward=pattern_forward(self._seeds))
         for worker in self.engine.workers:
@@ -395,16 +399,16 @@ class _Producer(ProducerEngine):
         self._step()
         return True
 
-    def prefill(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from vllm.v1.request import RequestStatus
-
-        req_id = str(cmd["req_id"])
-        seed = str(cmd.get("prompt_seed") or req_id)
-        transfer_id = str(cmd.get("transfer_id") or f"xfer-{req_id}")
+    def _start_prefill(self, req: Mapping[str, Any]) -> None:
+        """P's request for D to pull, under ``transfer_id`` (default ``xfer-<req_id>``)."""
+        req_id = str(req["req_id"])
+        seed = str(req.get("prompt_seed") or req_id)
+        transfer_id = str(req.get("transfer_id") or f"xfer-{req_id}")
         self._seeds[req_id] = seed
+        self._transfer_ids[req_id] = transfer_id
         self.engine.add_request(
             req_id,
-            prompt_len=int(cmd.get("prompt_len", 100)),
+            prompt_len=int(req.get("prompt_len", 100)),
             prompt_seed=seed,
             max_tokens=1,
             kv_transfer_params={
@@ -413,34 +417,26 @@ class _Producer(ProducerEngine):
                 "transfer_id": transfer_id,
             },
         )
-        deadline = time.monotonic() + PREFILL_TIMEOUT_S
-        while not RequestStatus.is_finished(self.engine.requests[req_id].status):
-            if self.engine.crashed is not None:
-                self.failed_prefills += 1
-                return {"ok": False, "error": f"P engine crashed: {self.engine.crashed.message}"}
-            if time.monotonic() >= deadline:
-                self.failed_prefills += 1
-                return {
-                    "ok": False,
-                    "error": f"prefill of {req_id} not done in {PREFILL_TIMEOUT_S}s",
-                }
-            self.step_if_busy()
+
+    def _prefilled(self, req_id: str) -> dict[str, Any] | str | None:
+        """Once the request finished at its one token: the params naming P's bootstrap."""
+        from vllm.v1.request import RequestStatus
+
         status = self.engine.requests[req_id].status
+        if not RequestStatus.is_finished(status):
+            return None
         if status != RequestStatus.FINISHED_LENGTH_CAPPED:
-            self.failed_prefills += 1
-            return {"ok": False, "error": f"P request ended {status.name}"}
-        self.prefills += 1
+            return f"P request ended {status.name}"
         return {
-            "ok": True,
-            "req_id": req_id,
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_engine_id": self.engine_id,
-                "remote_bootstrap_addr": self.bootstrap_addr(),
-                "transfer_id": transfer_id,
-            },
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_bootstrap_addr": self.bootstrap_addr(),
+            "transfer_id": self._transfer_ids.pop(req_id),
         }
+
+    def _prefill_step(self) -> None:
+        self.step_if_busy()
 
     def inject(self, cmd: dict[str, Any]) -> dict[str, Any]:
         fault = str(cmd.get("fault"))
@@ -487,6 +483,7 @@ class _Producer(ProducerEngine):
             cmd,
             {
                 "prefill": self.prefill,
+                "prefill_batch": self.prefill_batch,
                 "inject": self.inject,
                 "release": self.release,
                 "stats": lambda _: self.stats(),

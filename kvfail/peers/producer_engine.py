@@ -11,6 +11,7 @@ vLLM at module level.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,11 @@ if TYPE_CHECKING:
     from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
 
-__all__ = ["ProducerEngine", "pattern_forward", "producer_spec"]
+__all__ = ["PREFILL_TIMEOUT_S", "ProducerEngine", "pattern_forward", "producer_spec"]
+
+#: Bound on one prefill command, however many requests it carries: P prefills a batch
+#: that fits its blocks in one or two steps.
+PREFILL_TIMEOUT_S = 20.0
 
 
 def pattern_forward(seeds: Mapping[str, str]) -> SplitForward:
@@ -53,8 +58,10 @@ def producer_spec(
 
 
 class ProducerEngine:
-    """A P process's engine and its counters; subclasses build :attr:`engine` and call
-    :meth:`_init_counters`."""
+    """A P process's engine, its counters and its prefill commands; subclasses build
+    :attr:`engine`, call :meth:`_init_counters` and say how a request is started, when it
+    is prefilled and how P steps (:meth:`_start_prefill`, :meth:`_prefilled`,
+    :meth:`_prefill_step`)."""
 
     engine: Engine
     engine_id: str
@@ -90,3 +97,67 @@ class ProducerEngine:
             "crashed": None if self.engine.crashed is None else self.engine.crashed.message,
             **more,
         }
+
+    def _start_prefill(self, req: Mapping[str, Any]) -> None:
+        """Add P's half of one request (``req_id``, ``prompt_seed``, ``prompt_len``, and
+        what the transport reads) to the engine."""
+        raise NotImplementedError
+
+    def _prefilled(self, req_id: str) -> dict[str, Any] | str | None:
+        """The ``kv_transfer_params`` D needs once ``req_id`` is prefilled; a string: why
+        it ended without them; None: not yet."""
+        raise NotImplementedError
+
+    def _prefill_step(self) -> None:
+        """One step of P's engine while prefills are pending."""
+        raise NotImplementedError
+
+    def prefill_batch(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"cmd": "prefill_batch", "requests": [{"req_id", "prompt_seed"?,
+        "prompt_len"?, ...}]}``: add every request, then step until all are prefilled;
+        replies ``kv_transfer_params`` by request id.
+
+        Why one command for many: the engine prefills them in the same steps, so a batch
+        costs P one round trip and a step or two, not one of each per request. Bounded by
+        :data:`PREFILL_TIMEOUT_S` for the whole batch; any request that fails fails the
+        command (the ones still pending count as failed prefills)."""
+        requests = [dict(req) for req in cmd.get("requests") or ()]
+        for req in requests:
+            self._start_prefill(req)
+        pending = [str(req["req_id"]) for req in requests]
+        params: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + PREFILL_TIMEOUT_S
+        while True:
+            for req_id in list(pending):
+                done = self._prefilled(req_id)
+                if isinstance(done, str):
+                    return self._prefill_failed(pending, done)
+                if done is not None:
+                    pending.remove(req_id)
+                    params[req_id] = done
+                    self.prefills += 1
+            if not pending:
+                return {"ok": True, "kv_transfer_params": params}
+            if self.engine.crashed is not None:
+                return self._prefill_failed(pending, f"P crashed: {self.engine.crashed.message}")
+            if time.monotonic() >= deadline:
+                error = f"prefill of {pending} not done in {PREFILL_TIMEOUT_S:g} s"
+                return self._prefill_failed(pending, error)
+            self._prefill_step()
+
+    def prefill(self, cmd: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"cmd": "prefill", "req_id", ...}``: a batch of one (see
+        :meth:`prefill_batch`), replied with its ``req_id``."""
+        reply = self.prefill_batch({"requests": [cmd]})
+        if not reply["ok"]:
+            return reply
+        req_id = str(cmd["req_id"])
+        return {
+            "ok": True,
+            "req_id": req_id,
+            "kv_transfer_params": reply["kv_transfer_params"][req_id],
+        }
+
+    def _prefill_failed(self, pending: list[str], error: str) -> dict[str, Any]:
+        self.failed_prefills += len(pending)
+        return {"ok": False, "error": error}

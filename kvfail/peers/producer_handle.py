@@ -246,6 +246,22 @@ class ProducerHandleBase:
         )
         return dict(reply["kv_transfer_params"])
 
+    def prefill_batch(
+        self, prompts: Mapping[str, str], prompt_len: int, timeout_s: float = 30.0
+    ) -> dict[str, dict[str, Any]]:
+        """Run P's half of every request (request id -> prompt seed) in one command;
+        returns each one's ``kv_transfer_params`` for D, by request id.
+
+        Why: P prefills them in the same engine steps, so a batch costs one round trip
+        instead of one per request (P's bound, ``PREFILL_TIMEOUT_S``, is per command)."""
+        requests = [
+            {"req_id": req_id, "prompt_seed": seed, "prompt_len": prompt_len}
+            for req_id, seed in prompts.items()
+        ]
+        reply = self.request({"cmd": "prefill_batch", "requests": requests}, timeout_s)
+        params: dict[str, dict[str, Any]] = reply["kv_transfer_params"]
+        return {req_id: dict(params[req_id]) for req_id in prompts}
+
     def stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.request({"cmd": "stats"}, timeout_s)
 

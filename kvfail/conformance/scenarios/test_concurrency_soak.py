@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance.many_loads import (
-    PROMPT_LEN,
+    add_by_fault,
     failed_at,
     not_late,
     reports_after_free,
@@ -92,8 +92,10 @@ def test_soak_random_faults(scenario: ScenarioContext) -> None:
     here. Summed over every request: all resolved, nothing leaked, each reported exactly
     once, never late, each ends as its plan says (successes on P's bytes), and the
     KV-integrity oracle holds. A batch that does not drain ends the soak (its findings are
-    reported, with the seed that replays it). Runs in the tp1 layout only (the layouts'
-    own scenarios cover TP 2 and two groups)."""
+    reported, with the seed that replays it). A batch is added one driver call per fault
+    (a real P prefills each call's requests in one command), each request still armed on
+    its own. Runs in the tp1 layout only (the layouts' own scenarios cover TP 2 and two
+    groups)."""
     scenario.require("remote_prefill", "async_load")
     # At TP 2 with two groups every request costs P and D twice the blocks and a real
     # pair's rank processes; the soak's sums do not depend on the layout, its time does.
@@ -113,9 +115,9 @@ def test_soak_random_faults(scenario: ScenarioContext) -> None:
     for start in range(0, len(plan), SOAK_BATCH):
         batch = {scenario.rid("soak"): p for p in plan[start : start + SOAK_BATCH]}
         fault_of.update(batch)
-        for rid, point in batch.items():  # all added before D steps: one batch
-            armed = None if point is FaultPoint.ABORT_WHILE_WAITING else point
-            scenario.driver.add_remote_requests(engine, [rid], fault=armed, prompt_len=PROMPT_LEN)
+        # All added before D steps, one batch; an abort is provoked later, not armed.
+        armed = {r: None if p is FaultPoint.ABORT_WHILE_WAITING else p for r, p in batch.items()}
+        add_by_fault(scenario, engine, armed)
         blocks = start_loads(scenario, engine, list(batch))
         for rid, point in batch.items():
             if point is None:
