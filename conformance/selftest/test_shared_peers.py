@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
-from kvfail.conformance import pair_driver
+from kvfail.conformance import peer_health
 from kvfail.conformance import shared_producers as drivers
 from kvfail.conformance.nixl_driver import NixlDriver
 from kvfail.peers.base import PeerPair
@@ -240,7 +240,7 @@ def test_a_p_spinning_after_a_failed_scenario_is_replaced(
     writes again, and every later scenario that used it would fail too. Only after a
     failed scenario (a pass costs nothing), only a P with a thread that spins. A low share
     keeps the test about which P is replaced, not how fast a loaded machine runs it."""
-    monkeypatch.setattr(pair_driver, "SPIN_SHARE", 0.25)
+    monkeypatch.setattr(peer_health, "SPIN_SHARE", 0.25)
     producer = _LiveProducer(code)
     try:
         pair = _OnePPair(producer)
@@ -288,7 +288,7 @@ def test_a_p_with_a_write_stuck_past_the_bound_is_replaced_even_after_a_pass(
     spinning in its timer queue) answers its stats but never serves a pull again; its
     stuck write is the evidence, so it goes after any scenario, before the next one
     fails on it. A write still under way but within the bound is a working P."""
-    bound = pair_driver.WEDGED_WRITE_S
+    bound = peer_health.WEDGED_WRITE_S
     producer = _WritingProducer(bound * 2 if over else bound / 10)
     try:
         pair = _OnePPair(producer)

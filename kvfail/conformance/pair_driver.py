@@ -12,12 +12,12 @@ import gc
 import importlib
 import json
 import logging
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector, RemoteBatch
+from kvfail.conformance.peer_health import notable_output, p_unsound, producers, spinning_ps
 from kvfail.conformance.shared_producers import hand_off, register_producer, shared_producer
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
     from kvfail.harness.engine import Engine
     from kvfail.peers.base import PeerPair
-    from kvfail.rig.processes import PeerProcess
 
 __all__ = [
     "Arming",
@@ -37,25 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("kvfail.conformance")
-
-#: After a failed scenario, a P thread using this share of a core over
-#: :data:`SPIN_WINDOW_S`, with no scenario running, marks that P as wedged (a transport
-#: thread stuck in a loop: a Mooncake transfer engine spinning in its timer queue after a
-#: sibling rank died never wrote again). Such a P is replaced, so one failure cannot
-#: fail the scenarios after it.
-SPIN_SHARE = 0.8
-SPIN_WINDOW_S = 0.5
-#: A P whose stats show a write into D under way for longer than this (``oldest_write_s``:
-#: a loopback write takes milliseconds) has a wedged transfer engine: it is replaced
-#: after the scenario, passed or failed, as a P that lost its engine is.
-WEDGED_WRITE_S = 10.0
-
-
-#: A failing scenario shows at most this many of each P's error-looking lines.
-PEER_OUTPUT_LINES = 15
-#: What an error-looking line of a P's output is: vLLM's, UCX's and glog's error and
-#: warning marks, and Python's tracebacks.
-_NOTABLE_OUTPUT = re.compile(r"error|fail|traceback|exception|warn|^[EWF]\d{4} ", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -292,7 +272,7 @@ class PairDriver(Driver[PairHandle]):
         if key is None or producer is None or not pair.owns_p:
             return
         proc = producer.process
-        if not proc.alive or proc.frozen or self._p_crashed(pair):
+        if not proc.alive or proc.frozen or p_unsound(pair):
             return
         current = shared_producer(key)
         if current is not None and current is not producer:
@@ -328,25 +308,6 @@ class PairDriver(Driver[PairHandle]):
         if key is not None:
             register_producer(key, pair.p)
 
-    @staticmethod
-    def _p_crashed(pair: PeerPair) -> bool:
-        """P's process lives but its engine crashed (a rank died), its transfer engine is
-        wedged (a write stuck past :data:`WEDGED_WRITE_S`), or it does not answer."""
-        if pair.p is None or pair.p.ready is None:
-            return False  # still starting: not known yet
-        try:
-            stats = pair.p.stats(timeout_s=10.0)
-        except Exception:
-            return True
-        if stats.get("oldest_write_s", 0.0) > WEDGED_WRITE_S:
-            logger.warning(
-                "kvfail: P pid %s replaced: a write into D under way for %s s",
-                pair.p.process.pid,
-                stats["oldest_write_s"],
-            )
-            return True
-        return stats.get("crashed") is not None
-
     def _forget_closed_engines(self) -> None:
         """Drop the pairs' references to D engines a scenario closed, and collect them.
 
@@ -374,7 +335,7 @@ class PairDriver(Driver[PairHandle]):
         import."""
         self._forget_closed_engines()
         suspect, self._suspect = self._suspect, False
-        wedged = self._spinning_ps() if suspect else {}
+        wedged = spinning_ps(self._pairs()) if suspect else {}
         notes = [f"P pid {pid} replaced after a failed scenario: {w}" for pid, w in wedged.items()]
         for note in notes:
             logger.warning("kvfail: %s", note)
@@ -385,7 +346,7 @@ class PairDriver(Driver[PairHandle]):
             proc = pair.p.process
             if proc.alive and proc.frozen:
                 pair.thaw_p()
-            unsound = proc.alive and (proc.pid in wedged or self._p_crashed(pair))
+            unsound = proc.alive and (proc.pid in wedged or p_unsound(pair))
             self._frozen_ranks.pop(id(pair), None)  # SIGKILL below ends a stopped rank too
             if id(pair) in self._broken or unsound:
                 self._broken.discard(id(pair))
@@ -393,50 +354,17 @@ class PairDriver(Driver[PairHandle]):
             if not proc.alive:
                 self._replace_p(pair)
         # What the P's print from here on belongs to the next scenario.
-        self._output_marks = {proc.pid: proc.output_marker() for proc in self._producers()}
+        self._output_marks = {proc.pid: proc.output_marker() for proc in producers(self._pairs())}
         self._driver_notes = notes
-
-    def _spinning_ps(self) -> dict[int, str]:
-        """The live P's with a thread spinning while no scenario runs (their processes'
-        and their ranks' threads, one common window): P pid -> the threads, described."""
-        from kvfail.rig.procfs import spinning_threads
-
-        owner: dict[int, int] = {}
-        for pair in self._pairs():
-            producer = pair.p
-            if producer is None or not producer.process.alive or producer.process.frozen:
-                continue
-            ranks = (producer.ready or {}).get("rank_pids", [])
-            for pid in (producer.process.pid, *ranks):
-                owner[int(pid)] = producer.process.pid
-        out: dict[int, list[str]] = {}
-        for pid, threads in spinning_threads(sorted(owner), SPIN_WINDOW_S, SPIN_SHARE).items():
-            out.setdefault(owner[pid], []).extend(threads)
-        return {pid: ", ".join(threads) for pid, threads in out.items()}
 
     def after_scenario(self) -> None:
         self._repair_peers()
 
-    def _producers(self) -> list[PeerProcess]:
-        """Every live P process of every pair (first and second P)."""
-        return [
-            producer.process
-            for pair in self._pairs()
-            for producer in (pair.p, pair.p2)
-            if producer is not None
-        ]
-
     def peer_output(self) -> list[str]:
         """What the driver did to its P's since the last scenario ended, then their
-        error-looking lines since then (a P started since: all of its lines), the last
-        :data:`PEER_OUTPUT_LINES` of each."""
+        error-looking lines since then (:func:`kvfail.conformance.peer_health.notable_output`)."""
         out = [f"[driver] {note}" for note in self._driver_notes]
-        for proc in self._producers():
-            # stderr only: a P's stdout carries its protocol replies, not its logs.
-            lines = proc.output_since(self._output_marks.get(proc.pid, (0, 0)), stdout=False)
-            notable = [ln for ln in lines if _NOTABLE_OUTPUT.search(ln)]
-            out += [f"[{proc.name} pid {proc.pid}] {ln}" for ln in notable[-PEER_OUTPUT_LINES:]]
-        return out
+        return out + notable_output(producers(self._pairs()), self._output_marks)
 
     def stuck_state(self, engine: Engine, request_ids: Iterable[str]) -> list[str]:
         return list(self._pair_of(engine).stuck_state(engine, list(request_ids)))
@@ -649,27 +577,13 @@ class PairDriver(Driver[PairHandle]):
 
     def verify_bytes(self, engine: Engine, request_id: str) -> str | None:
         rec = self._pair_of(engine).records.get(request_id)
-        if rec is None or rec.verified is None:
+        if rec is None:
             return f"{request_id} never ran after its load: no bytes were checked"
-        if rec.verified:
-            return None
-        wrong = rec.wrong_loaded
-        if wrong:
-            return f"mismatched token positions {wrong}"
-        # Only ``rank<r>`` entries: D computed the request itself (its load was reported
-        # failed and the policy recomputed it), so no byte of P's was used, right or wrong.
-        ranks = sorted(int(k.removeprefix("rank")) for k in rec.mismatches)
-        return f"{request_id} was computed locally on rank(s) {ranks}: nothing was loaded"
+        return rec.bytes_mismatch()
 
     def wrong_bytes_finding(self, engine: Engine, request_id: str) -> str | None:
         rec = self._pair_of(engine).records.get(request_id)
-        if rec is None:
-            return None
-        # ``rank<r>`` with no positions: computed locally (recompute), nothing was used.
-        wrong = rec.wrong_loaded
-        if not wrong:
-            return None
-        return f"{request_id} ran on loaded KV that is not P's: positions {wrong}"
+        return None if rec is None else rec.wrong_bytes()
 
     def detection_s(self, engine: Engine, request_id: str) -> float | None:
         rec = self._pair_of(engine).records.get(request_id)

@@ -20,9 +20,9 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfail.peers.decode_record import DecodeRecord
 from kvfail.peers.stuck_evidence import StuckEvidence
 from kvfail.rig.environ import environ_set
 from kvfail.rig.procfs import signal_landed
@@ -98,40 +98,6 @@ def unknown_engine(params: Mapping[str, Any], engine_id: str = "no-such-engine")
 
 
 # --------------------------------------------------------------------------- the pair
-
-
-@dataclass
-class DecodeRecord:
-    """What D observed for one request it added: one record for every transport's pair.
-
-    The detection clock starts when the request is added, unless a driver injects its
-    fault later (NIXL's kill once a READ is posted): then it moves ``injected_at`` and
-    ``steps_at_injection`` to that moment."""
-
-    req_id: str
-    prompt_seed: str
-    prompt_len: int
-    params: dict[str, Any]
-    added_at: float
-    #: When the fault was injected (default: when the request was added).
-    injected_at: float | None = None
-    #: Seconds from injection (or add) to the first scheduler report naming the request.
-    reported_s: float | None = None
-    #: D engine steps from injection to that report.
-    reported_steps: int | None = None
-    failed: bool = False
-    #: Bytes check at the first step the request ran after its load; None: never ran.
-    verified: bool | None = None
-    #: ``rank<r>:<layer>`` -> first bad positions; ``rank<r>`` with none: computed locally.
-    mismatches: dict[str, list[int]] = field(default_factory=dict)
-    checked_ranks: set[int] = field(default_factory=set)
-    steps_at_injection: int = 0
-
-    @property
-    def wrong_loaded(self) -> dict[str, list[int]]:
-        """The ``rank<r>:<layer>`` mismatches: loaded positions that did not hold P's
-        bytes (a bare ``rank<r>`` only says that rank computed the request itself)."""
-        return {k: v for k, v in self.mismatches.items() if ":" in k}
 
 
 class PeerPair(StuckEvidence):

@@ -60,12 +60,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail import compat
 from kvfail.peers.base import (
-    DecodeRecord,
     PeerPair,
     closed_port,
     unknown_engine,
     with_param,
 )
+from kvfail.peers.decode_record import DecodeRecord
 from kvfail.peers.nixl_exit_guard import install_exit_guard
 from kvfail.peers.nixl_notify_faults import (
     NotificationFaults,
