@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfail.conformance import timebase
 from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector, RemoteBatch
 from kvfail.conformance.peer_health import notable_output, p_unsound, producers, spinning_ps
 from kvfail.conformance.shared_producers import hand_off, register_producer, shared_producer
 from kvfail.deadline import DEADLINE_KEY
 from kvfail.faults.points import FaultPoint
+from kvfail.peers.producer_engine import PREFILL_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kvfail.harness.config import EngineSpec, Policy
@@ -424,8 +426,11 @@ class PairDriver(Driver[PairHandle]):
     def _prefill_batch(
         self, pair: PeerPair, request_ids: Sequence[str], prompt_len: int
     ) -> dict[str, dict[str, Any]]:
-        """P's params for every request, prefilled in one command."""
-        return pair.prefill_batch(request_ids, prompt_len)
+        """P's params for every request, prefilled in one command. P's bound on it is in
+        this machine's time: on a loaded machine P's earlier requests hold its blocks
+        longer, and a batch that waits for them is the rig's delay, not a verdict."""
+        bound = timebase.scaled(PREFILL_TIMEOUT_S)
+        return pair.prefill_batch(request_ids, prompt_len, p_bound_s=bound)
 
     def _d_warm(self, engine: Engine, pair: PeerPair, producer: Any) -> bool | None:
         """Whether D had talked to ``producer`` before, for :attr:`OnPeer.warm` (None:

@@ -270,12 +270,13 @@ class PeerPair(StuckEvidence):
         return params
 
     def prefill_batch(
-        self, req_ids: Sequence[str], prompt_len: int = 100
+        self, req_ids: Sequence[str], prompt_len: int = 100, p_bound_s: float | None = None
     ) -> dict[str, dict[str, Any]]:
         """P's half of every request in one command (each prompt seeded by its id, as
-        :meth:`prefill`'s default); returns the params D gets, by request id."""
+        :meth:`prefill`'s default); returns the params D gets, by request id.
+        ``p_bound_s``: P's bound on the command, if not its own default."""
         params: dict[str, dict[str, Any]] = self.producer().prefill_batch(
-            {req_id: req_id for req_id in req_ids}, prompt_len
+            {req_id: req_id for req_id in req_ids}, prompt_len, p_bound_s=p_bound_s
         )
         return params
 

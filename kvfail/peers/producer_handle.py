@@ -247,18 +247,27 @@ class ProducerHandleBase:
         return dict(reply["kv_transfer_params"])
 
     def prefill_batch(
-        self, prompts: Mapping[str, str], prompt_len: int, timeout_s: float = 30.0
+        self,
+        prompts: Mapping[str, str],
+        prompt_len: int,
+        timeout_s: float = 30.0,
+        p_bound_s: float | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Run P's half of every request (request id -> prompt seed) in one command;
         returns each one's ``kv_transfer_params`` for D, by request id.
 
         Why: P prefills them in the same engine steps, so a batch costs one round trip
-        instead of one per request (P's bound, ``PREFILL_TIMEOUT_S``, is per command)."""
+        instead of one per request. P bounds the command (``p_bound_s``, else its own
+        ``PREFILL_TIMEOUT_S``); the reply is awaited that long and ``timeout_s`` more."""
         requests = [
             {"req_id": req_id, "prompt_seed": seed, "prompt_len": prompt_len}
             for req_id, seed in prompts.items()
         ]
-        reply = self.request({"cmd": "prefill_batch", "requests": requests}, timeout_s)
+        cmd: dict[str, Any] = {"cmd": "prefill_batch", "requests": requests}
+        if p_bound_s is not None:
+            cmd["timeout_s"] = p_bound_s
+            timeout_s += p_bound_s
+        reply = self.request(cmd, timeout_s)
         params: dict[str, dict[str, Any]] = reply["kv_transfer_params"]
         return {req_id: dict(params[req_id]) for req_id in prompts}
 

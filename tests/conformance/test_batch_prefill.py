@@ -83,6 +83,21 @@ def test_a_request_of_the_batch_that_ends_wrong_fails_the_command() -> None:
     assert (p.prefills, p.failed_prefills) == (1, 1)
 
 
+def test_a_batch_past_its_bound_fails_naming_the_bound_the_command_carried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The suite sends P its bound in the machine's time (``timeout_s``): a batch that
+    waits longer fails the command with that bound, not P's idle default."""
+    from kvfail.peers import producer_engine
+
+    clock = iter(range(0, 1000, 7))  # each look at the clock: 7 s later
+    monkeypatch.setattr(producer_engine.time, "monotonic", lambda: float(next(clock)))
+    p = _P({"a": 100})
+    reply = p.prefill_batch({**_batch("a"), "timeout_s": 30.0})
+    assert reply == {"ok": False, "error": "prefill of ['a'] not done in 30 s"}
+    assert p.engine.steps == 4  # 7, 14, 21, 28 s: stepped; 35 s: past the 30 s bound
+
+
 def test_a_crash_fails_what_is_pending_in_words_the_nixl_driver_retries_on() -> None:
     p = _P({"a": 1, "b": 5, "c": 5})
     p.crash_at = 2
@@ -140,6 +155,9 @@ def test_the_handle_sends_one_command_and_returns_params_by_request() -> None:
             30.0,
         )
     ]
+    # P's own bound travels with the command; the reply is awaited that much longer.
+    handle.prefill_batch({"c": "sc"}, 40, p_bound_s=50.0)
+    assert sent[-1][0]["timeout_s"] == 50.0 and sent[-1][1] == 80.0
 
 
 # ---------------------------------------------------------------- the driver's side
@@ -155,8 +173,11 @@ class _Pair:
     def producer(self) -> Any:
         return self.p
 
-    def prefill_batch(self, req_ids: Any, prompt_len: int) -> dict[str, dict[str, Any]]:
+    def prefill_batch(
+        self, req_ids: Any, prompt_len: int, p_bound_s: float | None = None
+    ) -> dict[str, dict[str, Any]]:
         self.log.append(("prefill", tuple(req_ids)))
+        self.p_bound_s = p_bound_s
         return {rid: {"rid": rid} for rid in req_ids}
 
     def add(self, req_id: str, params: Any, **_: Any) -> None:
@@ -218,6 +239,18 @@ def test_a_fault_on_p_happens_once_after_p_prefilled_them_all(after_add: bool) -
     adds = [("add", "a", False), ("add", "b", False)]
     kill = [("kill", ("a", "b"), (0,))]
     assert driver.log == [("prefill", ("a", "b")), *(adds + kill if after_add else kill + adds)]
+
+
+def test_p_gets_its_bound_in_the_machines_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine keeps P's blocks held longer: the driver stretches P's bound on a
+    batch as the suite stretches its own waits, so that wait is never a verdict."""
+    from kvfail.conformance import timebase
+    from kvfail.peers.producer_engine import PREFILL_TIMEOUT_S
+
+    monkeypatch.setattr(timebase, "_scale", 2.5)
+    driver = _Driver(after_add=False)
+    driver.add_remote_requests(_D(), ["y", "z"])  # type: ignore[arg-type]
+    assert driver._pair.p_bound_s == 2.5 * PREFILL_TIMEOUT_S  # type: ignore[attr-defined]
 
 
 def test_one_request_armed_alone_is_a_batch_of_one() -> None:
