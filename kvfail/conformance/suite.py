@@ -156,6 +156,8 @@ class ScenarioContext:
     engines: list[Engine] = field(default_factory=list)
     #: ``--kvfail-seed``: what request ids, prompts and the soak's plan derive from.
     seed: int | None = None
+    #: ``--kvfail-soak-batches``: how many batches the soak runs (None: all of them).
+    soak_batches: int | None = None
     _seq: int = 0
     _floor_s: float = 0.0
     #: Per engine (by ``id``): the request count and the clock at the start of its wait

@@ -81,3 +81,26 @@ def test_a_failing_soak_prints_the_seed_that_replays_it(tmp_path: Path, vllm_loa
     )
     assert rc == pytest.ExitCode.TESTS_FAILED, log
     assert f"soak seed 23: replay with --kvfail-seed 23 -k soak --connector {control}" in log
+
+
+def test_a_shorter_soak_runs_the_first_batches_of_the_same_plan(vllm_loaded: None) -> None:
+    """``--kvfail-soak-batches N`` (the audit's short soak) cuts the seeded plan, never
+    draws another: its N batches are the first N of the full soak's, fault for fault."""
+    import random
+    from types import SimpleNamespace
+
+    from kvfail.conformance.scenarios.test_concurrency_soak import (
+        SOAK_BATCH,
+        SOAK_BATCHES,
+        SOAK_FAILS,
+        soak_plan,
+    )
+    from kvfail.faults import FaultPoint
+
+    caps = SimpleNamespace(faults={*SOAK_FAILS, FaultPoint.ABORT_WHILE_WAITING})
+    scenario = SimpleNamespace(caps=caps)
+    full = soak_plan(scenario, random.Random(5), SOAK_BATCHES)  # type: ignore[arg-type]
+    short = soak_plan(scenario, random.Random(5), 2)  # type: ignore[arg-type]
+    assert len(full) == SOAK_BATCHES * SOAK_BATCH and len(short) == 2 * SOAK_BATCH
+    assert short == full[: len(short)]
+    assert {p for p in full} > {None}  # the plan mixes faults in, not only successes

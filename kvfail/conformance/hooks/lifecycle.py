@@ -99,6 +99,7 @@ def pytest_configure(config: pytest.Config) -> None:
         write_baseline=config.getoption("--kvfail-write-baseline", default=None),
         patches=PatchLog(),
         seed=config.getoption("--kvfail-seed", default=None),
+        soak_batches=options.soak_batches(config),
     )
     state = config.stash[STATE]
     worker = distributed.is_worker(config)
@@ -184,6 +185,7 @@ def scenario(
         layout=kvfail_layout,
         require_drivers=state.require_drivers,
         seed=state.seed,
+        soak_batches=state.soak_batches,
     )
     ctx.note("time_scale", round(scale, 2))
     ctx.require(*kvfail_layout.requires)

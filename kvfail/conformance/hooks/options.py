@@ -94,6 +94,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seed of the soak's fault plan, request ids and prompts (default: the suite's "
         "fixed seed); a failing soak prints the seed to replay it with -k soak",
     )
+    group.addoption(
+        "--kvfail-soak-batches",
+        type=int,
+        default=None,
+        help="batches the soak runs (default 15); its plan for fewer batches is the "
+        "first part of the full one (the audit runs 5)",
+    )
 
 
 def drivers_required(config: pytest.Config) -> bool:
@@ -130,3 +137,11 @@ def connectors(config: pytest.Config) -> list[str]:
     except ValueError:  # the option is not registered (plugin loaded late)
         ini = []
     return ini or [DEFAULT_CONNECTOR]
+
+
+def soak_batches(config: pytest.Config) -> int | None:
+    """``--kvfail-soak-batches``, checked: a soak of no batch would judge nothing."""
+    value = config.getoption("--kvfail-soak-batches", default=None)
+    if value is not None and value < 1:
+        raise pytest.UsageError(f"--kvfail-soak-batches must be at least 1, got {value}")
+    return value

@@ -56,6 +56,8 @@ class SessionState:
     froze: bool = False
     #: ``--kvfail-seed``: the soak's seed (None: the suite's fixed one).
     seed: int | None = None
+    #: ``--kvfail-soak-batches``: the soak's length (None: the suite's full soak).
+    soak_batches: int | None = None
     #: The clauses each connector got a verdict on (the coverage gate).
     coverage: Ledger = field(default_factory=Ledger)
     #: What the gate found unjudged at the end (set at session finish).

@@ -48,10 +48,15 @@ SOAK_FAILS_FALLBACK = FaultPoint.PEER_ERROR_RESPONSE
 SOAK_WEIGHTS = {"success": 5, "fail": 3, "abort": 2}
 
 
-def _soak_plan(scenario: ScenarioContext, rng: random.Random, n: int) -> list[FaultPoint | None]:
-    """``n`` faults drawn with ``SOAK_WEIGHTS`` over what the driver advertises (None: a
-    plain success). Only faults that fail their own request: none kills or freezes the
-    P every request shares, none fails a whole pull next to good requests."""
+def soak_plan(
+    scenario: ScenarioContext, rng: random.Random, batches: int
+) -> list[FaultPoint | None]:
+    """``batches`` x ``SOAK_BATCH`` faults drawn with ``SOAK_WEIGHTS`` over what the driver
+    advertises (None: a plain success). Only faults that fail their own request: none
+    kills or freezes the P every request shares, none fails a whole pull next to good
+    requests. The plan is drawn whole (at least ``SOAK_BATCHES`` batches) and then cut,
+    so a shorter soak (``--kvfail-soak-batches``) runs the first batches of the same plan."""
+    n = max(batches, SOAK_BATCHES) * SOAK_BATCH
     faults = scenario.caps.faults
     fails = [p for p in SOAK_FAILS if p in faults]
     if not fails and SOAK_FAILS_FALLBACK in faults:
@@ -66,7 +71,7 @@ def _soak_plan(scenario: ScenarioContext, rng: random.Random, n: int) -> list[Fa
             plan.append(rng.choice(fails))
         else:
             plan.append(FaultPoint.ABORT_WHILE_WAITING if kind == "abort" else None)
-    return plan
+    return plan[: batches * SOAK_BATCH]
 
 
 def _rss_kib() -> int | None:
@@ -84,25 +89,24 @@ def _rss_kib() -> int | None:
 @pytest.mark.clauses("C1", "C2", "C3", "C7", "C8", "C9", "C10", "C11")
 @pytest.mark.guards("#50719", "#55870", "#32255")
 def test_soak_random_faults(scenario: ScenarioContext) -> None:
-    """``SOAK_BATCHES`` x ``SOAK_BATCH`` loads from one P through ONE long-lived D, each
-    with a fault drawn from a seeded plan (``--kvfail-seed``, default ``SOAK_SEED``; noted
-    with the counts) over the driver's per-request faults: a plain success, a failure of
-    that request only, or an abort while it waits. Bugs that one load never shows (a
-    slot, a counter or a block that leaks per failure, one failure lost per batch) add up
-    here. Summed over every request: all resolved, nothing leaked, each reported exactly
-    once, never late, each ends as its plan says (successes on P's bytes), and the
-    KV-integrity oracle holds. A batch that does not drain ends the soak (its findings are
-    reported, with the seed that replays it). A batch is added one driver call per fault
-    (a real P prefills each call's requests in one command), each request still armed on
-    its own. Runs in the tp1 layout only (the layouts' own scenarios cover TP 2 and two
-    groups)."""
+    """``SOAK_BATCHES`` (``--kvfail-soak-batches``) x ``SOAK_BATCH`` loads from one P through ONE
+    long-lived D, each with a fault drawn from a seeded plan (``--kvfail-seed``, default
+    ``SOAK_SEED``; noted with the counts) over the driver's per-request faults: a plain success,
+    a failure of that request only, or an abort while it waits. Bugs that one load never shows
+    (a slot, a counter or a block that leaks per failure, one failure lost per batch) add up
+    here. Summed over every request: all resolved, nothing leaked, each reported exactly once,
+    never late, each ends as its plan says (successes on P's bytes), and the KV-integrity oracle
+    holds. A batch that does not drain ends the soak (its findings are reported, with the seed
+    that replays it). A batch is added one driver call per fault (a real P prefills each call's
+    requests in one command), each request still armed on its own. Runs in the tp1 layout only
+    (the layouts' own scenarios cover TP 2 and two groups)."""
     scenario.require("remote_prefill", "async_load")
     # At TP 2 with two groups every request costs P and D twice the blocks and a real
     # pair's rank processes; the soak's sums do not depend on the layout, its time does.
     scenario.require_layout("tp1")
     seed = scenario.seed_value
     rng = random.Random(seed)
-    plan = _soak_plan(scenario, rng, SOAK_BATCHES * SOAK_BATCH)
+    plan = soak_plan(scenario, rng, scenario.soak_batches or SOAK_BATCHES)
     if all(p is None for p in plan):
         scenario.require_fault(*SOAK_FAILS, SOAK_FAILS_FALLBACK, FaultPoint.ABORT_WHILE_WAITING)
     scenario.note("soak_seed", seed)
