@@ -62,6 +62,18 @@ def _budget(value: str) -> float:
     return seconds
 
 
+def _workers(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: expected a whole number of workers >= 0 (0: serial)"
+        )
+    return n
+
+
 def _one_line_errors(p: argparse.ArgumentParser) -> None:
     """Bad input is one line on stderr and exit 2 (argparse would print the usage too)."""
     parse_known_args = p.parse_known_args
@@ -116,6 +128,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="engine layout(s) for the dynamic tier: "
         + " | ".join(layout.name for layout in ALL_LAYOUTS)
         + " | all (repeatable; default tp1, the audit's profile: one policy, one layout)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=None,
+        metavar="N",
+        help="rows the dynamic tier runs at once, on pytest-xdist workers (default: the "
+        "machine's cores + 1, at most 4: a row mostly waits on peers and deadlines; "
+        "0: one after another)",
     )
     p.add_argument(
         "--budget-s",
@@ -302,6 +323,7 @@ def run(
             policy=getattr(args, "policy", "fail"),
             start=start,
             layouts=getattr(args, "layout", None) or ["tp1"],
+            workers=getattr(args, "workers", None),
         )
     progress = _Progress(sys.stderr, not getattr(args, "no_progress", False))
     try:

@@ -19,8 +19,8 @@ Time (the whole audit must end within its budget, on a small CPU machine too):
   does not depend on the policy; ``--policy both`` / ``--layout all`` run more;
 * the child runs the scenarios connector by connector (not scenario by scenario), so a
   connector's peers start when it begins and stop after its last scenario, and the
-  budget cuts whole tails; with pytest-xdist, two rows at a time
-  (:data:`~kvfail.audit.dynamic_child.WORKERS`);
+  budget cuts whole tails; with pytest-xdist, several rows at a time
+  (:func:`~kvfail.audit.dynamic_child.workers`, ``--workers``);
 * a wall-clock budget for the whole audit (``--budget-s``): the child starts no scenario
   in the last :data:`RESERVE_S` seconds, and the scenarios it did not reach are reported
   as ``not run (budget)``, never as results; near the budget's end the child is stopped
@@ -110,11 +110,14 @@ class ConformanceRunner:
         policy: str = "fail",
         start: float | None = None,
         layouts: list[str] | None = None,
+        workers: int | None = None,
     ) -> None:
         self.budget_s = budget_s if budget_s and budget_s > 0 else None
         self.policy = policy
         #: ``--layout`` values for the suite (None: the suite's own default list).
         self.layouts = layouts
+        #: xdist workers of the child (None: its default for this machine; 0: serial).
+        self.workers = workers
         self.python = python
         self.start = time.monotonic() if start is None else start
         self._records: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -158,6 +161,7 @@ class ConformanceRunner:
                 "--stop-after",
                 f"{stop_after:.3f}",
                 *(a for layout in self.layouts or [] for a in ("--layout", layout)),
+                *(["--workers", str(self.workers)] if self.workers is not None else []),
                 *specs,
             ]
             tail = self._run_child(cmd, Path(tmp), kill_at, progress or (lambda _text: None))

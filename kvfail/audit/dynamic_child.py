@@ -1,5 +1,5 @@
 """The audit's dynamic tier, child side: the conformance suite run connector by
-connector in one pytest run (on :data:`WORKERS` xdist workers where xdist is installed),
+connector in one pytest run (on :func:`workers` xdist workers where xdist is installed),
 its progress reported to the audit as it goes.
 
 Why a process of its own (:class:`kvfail.audit.dynamic.ConformanceRunner` starts it as
@@ -46,13 +46,16 @@ def scenario_modules() -> list[Path]:
     return [SCENARIOS, *rest] if SCENARIOS.exists() else rest
 
 
-#: pytest-xdist workers the child runs the suite on, ``--dist loadgroup``: each row's
-#: scenarios carry one ``xdist_group`` (:mod:`kvfail.conformance.hooks.distributed`), so a
-#: row stays on one worker with its peers while another worker runs the next row. Most of
-#: a scenario's time is spent waiting on a peer, a fault or a deadline, so a second row
-#: uses the core the first leaves idle. Serial where xdist is not installed (a test extra)
-#: or the machine has one core.
-WORKERS = 2
+#: The most pytest-xdist workers the child runs the suite on by default, ``--dist
+#: loadgroup``: each row's scenarios carry one ``xdist_group``
+#: (:mod:`kvfail.conformance.hooks.distributed`), so a row stays on one worker with its
+#: peers while other workers run other rows. Most of a scenario's time is spent waiting
+#: on a peer, a fault or a deadline, so one row more than the machine has cores uses the
+#: CPU time the others leave idle; the suite stretches its verdict-deciding waits by the
+#: contention it measures, so the extra row costs time, never a verdict. Every worker
+#: holds its own vLLM and peers, hence the cap. Serial where xdist is not installed (a
+#: test extra) or the machine has one core.
+MAX_WORKERS = 4
 #: Hands the audit plugin's settings to xdist's workers (a plugin object given to
 #: ``pytest.main`` stays in the process that made it; workers inherit the environment).
 PLUGIN_ENV = "KVFAIL_AUDIT_CHILD"
@@ -68,6 +71,10 @@ GUARD_PREFIX = "guard:"
 #: deadline and stranding scenarios, what the guard adds): the full set for every row
 #: twice would not fit the default budget. Its row note says so.
 GUARD_CLAUSE = "C10"
+#: The soak's batches in the audit (``--kvfail-soak-batches``): the first third of the
+#: suite's plan. The matrix shows whether a row survives a long mixed run at all; a bug
+#: that needs every batch to show is the full suite's to find, not the budget's.
+SOAK_BATCHES = 5
 
 
 class _AuditPlugin:
@@ -198,11 +205,14 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def workers() -> int:
-    """How many xdist workers the child uses (0: serial, in the child process itself)."""
-    if importlib.util.find_spec("xdist") is None or (os.cpu_count() or 1) < 2:
+def workers(requested: int | None = None) -> int:
+    """How many xdist workers the child uses (0: serial, in the child process itself):
+    ``requested`` (``kvfail audit --workers``), else the machine's cores + 1, at most
+    :data:`MAX_WORKERS`."""
+    cores = os.cpu_count() or 1
+    if importlib.util.find_spec("xdist") is None or (requested is None and cores < 2):
         return 0
-    return WORKERS
+    return min(cores + 1, MAX_WORKERS) if requested is None else requested
 
 
 def pytest_configure(config: Any) -> None:
@@ -233,6 +243,8 @@ def suite_args(run: list[str], report: Path, policy: str, layouts: list[str]) ->
         "kvfail_require_drivers=false",
         "--policy",
         policy,
+        "--kvfail-soak-batches",
+        str(SOAK_BATCHES),
         *(a for layout in layouts for a in ("--layout", layout)),
         *(a for spec in run for a in ("--connector", spec)),
     ]
@@ -244,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", required=True, type=Path)
     ap.add_argument("--policy", choices=("fail", "recompute", "both"), default="fail")
     ap.add_argument("--layout", action="append", default=[], help="passed to the suite")
+    ap.add_argument("--workers", type=int, default=None, help="xdist workers (0: serial)")
     ap.add_argument(
         "--stop-after",
         type=float,
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     import pytest
 
     pytest_args = suite_args(run, args.report, args.policy, args.layout)
-    n = workers()
+    n = min(workers(args.workers), len(run))  # a worker without a row only costs its start
     if n:
         os.environ[PLUGIN_ENV] = json.dumps(
             {"run": run, "report": str(args.report), "stop_at": stop_at}

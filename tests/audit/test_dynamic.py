@@ -498,3 +498,17 @@ def test_the_audit_runs_every_scenario_module(tmp_path: Path) -> None:
     assert all(p.parent == DIRECTORY for p in passed)
     assert not modules - {p.name for p in passed}, "scenario modules the audit does not run"
     assert passed[0].name == "test_scenarios.py"  # the core stories first: a budget cuts tails
+
+
+def test_the_child_runs_a_row_more_than_the_machine_has_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row mostly waits, so the child's default is cores + 1 workers, capped; a
+    ``--workers`` value is taken as given, 0 (serial) included, and one core is serial."""
+    pytest.importorskip("xdist")
+    from kvfail.audit import dynamic_child
+
+    for cores, expected in ((1, 0), (2, 3), (3, 4), (64, dynamic_child.MAX_WORKERS)):
+        monkeypatch.setattr(dynamic_child.os, "cpu_count", lambda c=cores: c)
+        assert dynamic_child.workers() == expected
+    assert dynamic_child.workers(0) == 0 and dynamic_child.workers(2) == 2

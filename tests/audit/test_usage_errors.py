@@ -77,6 +77,8 @@ def test_bad_connector_among_good_ones_rejects_the_run() -> None:
         (["--fail-on", "may"], "invalid choice: 'may' (choose from 'must', 'should', 'never')"),
         (["--budget-s", "-1"], "invalid value '-1': expected a number of seconds >= 0"),
         (["--budget-s", "nan"], "invalid value 'nan': expected a number of seconds >= 0"),
+        (["--workers", "-1"], "invalid value '-1': expected a whole number of workers >= 0"),
+        (["--workers", "two"], "invalid value 'two': expected a whole number of workers >= 0"),
         (["--no-such-option"], "unrecognized arguments: --no-such-option"),
     ],
 )
