@@ -27,12 +27,11 @@ from kvfail import Stage
 from kvfail.blocks import normalise_block_ids
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
-
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         PullReqMeta,
     )
 
+    from kvfail.reporter import FailureReporterMixin
     from kvfail.tracker import LoadTracker
 
 __all__ = ["MAX_HOLD_KEY", "WriteFence"]
@@ -61,21 +60,9 @@ class WriteFence:
     receiver_loop: asyncio.AbstractEventLoop
     failure_reporter: LoadTracker
 
-    if TYPE_CHECKING:  # the reporter mixin's; never shadowed at runtime
-
-        def load_failed(
-            self,
-            req_id: str,
-            stage: Stage | str,
-            reason: str,
-            *,
-            peer: Hashable | None = None,
-            settle: bool = True,
-            block_ids: object = None,
-            fenced: bool = True,
-        ) -> bool: ...
-
-        def load_fenced(self, req_id: str) -> bool: ...
+    if TYPE_CHECKING:  # the reporter mixin's, for the checker only: never shadowed at runtime
+        load_failed = FailureReporterMixin.load_failed
+        load_fenced = FailureReporterMixin.load_fenced
 
     def _mc_fail_unreported(
         self, state: PeerPull, pulls: dict[str, PullReqMeta], stage: Stage, reason: str

@@ -274,9 +274,12 @@ class TrackerDecides:
         raise NotImplementedError
 
 
-class KvfailNixlWorker(
-    TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPullConnectorWorker
-):
+class KvfailNixlWorkerMixin(TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin):
+    """The pull and push workers' kvfail bases, in the one order they need (the tracker's
+    report first, the reporter mixin last): put it right before upstream's worker."""
+
+
+class KvfailNixlWorker(KvfailNixlWorkerMixin, NixlPullConnectorWorker):
     """``NixlPullConnectorWorker`` whose failures all go through the kvfail tracker."""
 
     KVFAIL_LOG_STAGES = FAILURE_STAGES

@@ -71,16 +71,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 
 from connectors.config import NixlPushKvfailConfig, validate_extra_config
 from connectors.nixl.connector import (
-    LoggedFailureStages,
-    TrackerDecides,
+    KvfailNixlWorkerMixin,
     _deadline_from,
     _extra,
 )
 from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail.deadline import seconds_from
-from kvfail.quarantine import NamedHolds
-from kvfail.reporter import FailureReporterMixin
 from kvfail.stages import Stage
 from kvfail.vllm_quarantine import QuarantineConnector
 from kvfail.vllm_stats import KvfailMetricsConnector
@@ -147,9 +144,7 @@ class _Held:
         return f"{self.host}:{self.port}" if self.port else "an unknown P"
 
 
-class KvfailNixlPushWorker(
-    TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin, NixlPushConnectorWorker
-):
+class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
     """``NixlPushConnectorWorker`` (D side) whose failures all go through the tracker."""
 
     KVFAIL_LOG_STAGES = PUSH_FAILURE_STAGES

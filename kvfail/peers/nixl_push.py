@@ -18,7 +18,6 @@ Faults that are honest with push on TCP loopback:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.base import quarantined
@@ -56,31 +55,14 @@ class NixlPushPair(NixlPair):
             raise ValueError("the push pair runs TP 1 only")
         super().__init__(**kwargs)
 
-    def consumer(
-        self,
-        policy: str = "fail",
-        *,
-        name: str | None = None,
-        connector: str | None = None,
-        connector_module: str | None = None,
-        extra_config: Mapping[str, Any] | None = None,
-    ) -> Engine:
-        """As :meth:`NixlPair.consumer`, then D's side channel is started: what the
-        engine core does after KV registration (P handshakes with D to WRITE)."""
-        key = name or policy
-        fresh = key not in self.decoders
-        engine = super().consumer(
-            policy,
-            name=name,
-            connector=connector,
-            connector_module=connector_module,
-            extra_config=extra_config,
-        )
-        if fresh:
-            conn = engine.scheduler.connector
-            assert conn is not None
-            payloads = {(0, w.rank): w.call(_handshake_payload) for w in engine.workers}
-            conn.set_xfer_handshake_metadata_pp_aware(payloads)
+    def _register(self, key: str, engine: Engine) -> Engine:
+        """As the pair's, then the new D's side channel is started: what the engine
+        core does after KV registration (P handshakes with D to WRITE)."""
+        super()._register(key, engine)
+        conn = engine.scheduler.connector
+        assert conn is not None
+        payloads = {(0, w.rank): w.call(_handshake_payload) for w in engine.workers}
+        conn.set_xfer_handshake_metadata_pp_aware(payloads)
         return engine
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 
@@ -95,6 +95,17 @@ def _fresh(host: str = "127.0.0.1") -> tuple[str, int, _Verdicts, MarkBook]:
 async def _reaches(host: str, port: int, marks: MarkBook) -> None:
     """D's check before a pull leaves: the worker takes it (its mark, if any, recorded)."""
     assert await refused_before_send(_addr(host, port), marks) is None
+
+
+@asynccontextmanager
+async def _seen_then_closed(host: str, port: int, marks: MarkBook) -> AsyncIterator[WriterMark]:
+    """A P worker whose mark D saw before a pull, then gone (its mark closed) while its
+    side channel still listens: how the restart-on-the-same-address cases begin."""
+    old = WriterMark(host, port)
+    with _listener(host, port):
+        await _reaches(host, port, marks)
+        old.close()
+        yield old
 
 
 async def _no_proof_until_closed(
@@ -303,10 +314,7 @@ def test_a_restart_while_nothing_was_watched_is_not_taken_for_the_next_writers_e
     host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
-        old = WriterMark(host, port)
-        with _listener(host, port):
-            await _reaches(host, port, marks)
-            old.close()
+        async with _seen_then_closed(host, port, marks):
             new = WriterMark(host, port)  # restarted on the same address, unseen
             try:
                 await _reaches(host, port, marks)
@@ -329,10 +337,7 @@ def test_a_mark_silent_before_the_pull_proves_nothing_by_a_new_nonce() -> None:
     host, port, seen, marks = _fresh()
 
     async def scenario() -> None:
-        old = WriterMark(host, port)
-        with _listener(host, port):
-            await _reaches(host, port, marks)
-            old.close()
+        async with _seen_then_closed(host, port, marks) as old:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:
                 silent.bind((host, port))  # bound, never answers: a stopped P's mark
                 await _reaches(host, port, marks)
