@@ -63,7 +63,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.producer_engine import ProducerEngine, pattern_forward, producer_spec
-from kvfail.peers.protocol import dispatch, serve
+from kvfail.peers.protocol import Handler, serve
 from kvfail.rig import nixl_progress
 
 if TYPE_CHECKING:
@@ -321,17 +321,8 @@ class _Producer(ProducerEngine):
     def stats(self) -> dict[str, Any]:
         return self._stats(notified=self.notified(), bad_metadata_served=self.served.served)
 
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
-        return dispatch(
-            cmd,
-            {
-                "prefill": self.prefill,
-                "prefill_batch": self.prefill_batch,
-                "inject": self.inject,
-                "expire": self.expire,
-                "stats": lambda _: self.stats(),
-            },
-        )
+    def _own_commands(self) -> dict[str, Handler]:
+        return {"expire": self.expire}
 
 
 def main(argv: list[str] | None = None) -> None:

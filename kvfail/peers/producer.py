@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.producer_engine import ProducerEngine, pattern_forward, producer_spec
-from kvfail.peers.protocol import Channel, dispatch, serve
+from kvfail.peers.protocol import Channel, Handler, serve
 
 if TYPE_CHECKING:
     from kvfail.harness.hooks import RankView
@@ -478,18 +478,8 @@ class _Producer(ProducerEngine):
             ),
         )
 
-    def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
-        return dispatch(
-            cmd,
-            {
-                "prefill": self.prefill,
-                "prefill_batch": self.prefill_batch,
-                "inject": self.inject,
-                "release": self.release,
-                "stats": lambda _: self.stats(),
-                "late_pushes": lambda _: self.late_pushes(),
-            },
-        )
+    def _own_commands(self) -> dict[str, Handler]:
+        return {"release": self.release, "late_pushes": lambda _: self.late_pushes()}
 
 
 def main(argv: list[str] | None = None) -> None:

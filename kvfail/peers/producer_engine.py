@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvfail.peers.protocol import Handler, dispatch
+
 if TYPE_CHECKING:
     from kvfail.harness import Engine, EngineSpec
     from kvfail.harness.hooks import SplitForward
@@ -165,3 +167,25 @@ class ProducerEngine:
     def _prefill_failed(self, pending: list[str], error: str) -> dict[str, Any]:
         self.failed_prefills += len(pending)
         return {"ok": False, "error": error}
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        """The reply to one protocol command (None: quit): the commands every P answers,
+        and this P's own (:meth:`_own_commands`)."""
+        return dispatch(
+            cmd,
+            {
+                "prefill": self.prefill,
+                "prefill_batch": self.prefill_batch,
+                "inject": self.inject,
+                "stats": lambda _: self.stats(),
+                **self._own_commands(),
+            },
+        )
+
+    def inject(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``{"cmd": "inject", "fault": ...}``: arm a fault of this P's own."""
+        raise NotImplementedError
+
+    def _own_commands(self) -> dict[str, Handler]:
+        """Commands only this kind of P answers, by name."""
+        return {}
