@@ -133,7 +133,8 @@ class NixlDriver(PairDriver):
     #: answer the READ it was sent while stopped (a loopback GET takes milliseconds).
     LATE_SETTLE_S = 0.5
     #: P requests D never reads (their leases are ended after the scenario): ended in a
-    #: batch once this many are pending, so a long scenario does not run P out of blocks.
+    #: batch once they and the requests about to be prefilled reach this many, so a long
+    #: scenario does not run P out of blocks.
     UNRELEASED_BATCH = 16
     #: A fault on P's process comes once D added the requests: a cold D's must wait for
     #: D's handshake, and a warm D's READ must be posted to the stopped P.
@@ -222,11 +223,22 @@ class NixlDriver(PairDriver):
         pending."""
         pair = super()._adding_to(engine)
         self._scenario_pair = pair
-        if len(self._unreleased) >= self.UNRELEASED_BATCH and not self._notify_armed:
-            # None of them is read by D (a notify_failed pull is, so then they wait).
+        self._make_room(pair, 0)
+        return pair
+
+    def _make_room(self, pair: Any, incoming: int) -> None:
+        """End P's leases of pulls D never reads once they and ``incoming`` requests reach
+        :attr:`UNRELEASED_BATCH`: P holds a lease's blocks until it ends (upstream's
+        abort timeout, minutes), so a batch that counted only the leases could find P
+        without the blocks to prefill it, and wait out P's bound on a rig's leak. None
+        is ended while a notify_failed pull is pending (D does read that one)."""
+        if (
+            self._unreleased
+            and len(self._unreleased) + incoming >= self.UNRELEASED_BATCH
+            and not self._notify_armed
+        ):
             pair.expire_leases(self._unreleased)
             self._unreleased = []
-        return pair
 
     def _prefill_batch(
         self, pair: Any, request_ids: Sequence[str], prompt_len: int
@@ -234,15 +246,19 @@ class NixlDriver(PairDriver):
         """P's params; a P whose engine crashed since the last scenario (a rank died late,
         after the fault that killed it) is replaced once, then asked again."""
         self._warm_p(pair)  # a P started since (a replacement) is still cold
+        self._make_room(pair, len(request_ids))
+        bound = self._prefill_bound_s()
         try:
-            params: dict[str, dict[str, Any]] = pair.prefill_batch(request_ids, prompt_len)
+            params: dict[str, dict[str, Any]] = pair.prefill_batch(
+                request_ids, prompt_len, p_bound_s=bound
+            )
         except RuntimeError as exc:
             if "P crashed" not in str(exc):
                 raise
             pair.kill_p()
             self._replace_p(pair, wait=True)
             self._warm_p(pair)
-            params = pair.prefill_batch(request_ids, prompt_len)
+            params = pair.prefill_batch(request_ids, prompt_len, p_bound_s=bound)
         return params
 
     def _d_warm(self, engine: Engine, pair: Any, producer: Any) -> bool:

@@ -426,11 +426,15 @@ class PairDriver(Driver[PairHandle]):
     def _prefill_batch(
         self, pair: PeerPair, request_ids: Sequence[str], prompt_len: int
     ) -> dict[str, dict[str, Any]]:
-        """P's params for every request, prefilled in one command. P's bound on it is in
-        this machine's time: on a loaded machine P's earlier requests hold its blocks
-        longer, and a batch that waits for them is the rig's delay, not a verdict."""
-        bound = timebase.scaled(PREFILL_TIMEOUT_S)
-        return pair.prefill_batch(request_ids, prompt_len, p_bound_s=bound)
+        """P's params for every request, prefilled in one command."""
+        return pair.prefill_batch(request_ids, prompt_len, p_bound_s=self._prefill_bound_s())
+
+    @staticmethod
+    def _prefill_bound_s() -> float:
+        """P's bound on one prefill command, in this machine's time: on a loaded machine
+        P's earlier requests hold its blocks longer, and a batch that waits for them is
+        the rig's delay, not a verdict."""
+        return timebase.scaled(PREFILL_TIMEOUT_S)
 
     def _d_warm(self, engine: Engine, pair: PeerPair, producer: Any) -> bool | None:
         """Whether D had talked to ``producer`` before, for :attr:`OnPeer.warm` (None:
@@ -509,7 +513,9 @@ class PairDriver(Driver[PairHandle]):
         else:
             producer = self._peer_producer(pair, batch.peer, batch.fault)
             params = producer.prefill_batch(
-                {rid: rid for rid in batch.request_ids}, batch.prompt_len
+                {rid: rid for rid in batch.request_ids},
+                batch.prompt_len,
+                p_bound_s=self._prefill_bound_s(),
             )
 
         def add() -> None:

@@ -290,3 +290,36 @@ def test_a_batch_is_added_one_call_per_fault_with_its_ids_unchanged() -> None:
         (["s-2", "s-5"], PER_REQUEST, 40),
         (["s-4"], FaultPoint.UNKNOWN_ENGINE, 40),
     ]
+
+
+# ---------------------------------------------------------------- P's room for a batch
+
+
+@pytest.mark.parametrize(
+    ("pending", "incoming", "notify_armed", "expired"),
+    [
+        (10, 14, False, True),  # the leases alone are under the batch size, the batch is not
+        (10, 2, False, False),  # room enough: leases end in a batch, later
+        (16, 0, False, True),  # the old rule, kept: a full batch of leases ends at once
+        (10, 14, True, False),  # D reads a notify_failed pull: its lease must stay
+        (0, 40, False, False),  # nothing to end
+    ],
+)
+def test_the_nixl_driver_ends_unread_leases_before_p_runs_out_of_blocks(
+    pending: int, incoming: int, notify_armed: bool, expired: bool
+) -> None:
+    """P holds the blocks of a pull D never reads until its lease ends (upstream's abort
+    timeout, minutes). Counting only the leases let a long row leave P without blocks for
+    the next batch: the soak's prefill then waited out P's bound, a rig leak reported as
+    the connector's failure."""
+    from kvfail.conformance.nixl_driver import NixlDriver
+
+    driver = NixlDriver.__new__(NixlDriver)
+    leases = [f"p{i}" for i in range(pending)]
+    driver._unreleased = list(leases)
+    driver._notify_armed = [(None, "x")] if notify_armed else []
+    ended: list[list[str]] = []
+    pair = SimpleNamespace(expire_leases=lambda ids: ended.append(list(ids)))
+    driver._make_room(pair, incoming)
+    assert ended == ([leases] if expired else [])
+    assert driver._unreleased == ([] if expired else leases)
