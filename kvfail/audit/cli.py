@@ -246,9 +246,9 @@ def _collect(
             row.pending = DRIVERS_PENDING.get(target.name)
         rows.append(row)
     if dynamic_runner is not None and not quick:
-        # A Guard(X) row for every row with a driver, after them all (the dynamic tier
-        # runs rows in this order, so a tight budget cuts guard rows first). Its cells
-        # are dynamic only: the guard's source is one class, not X's.
+        # A Guard(X) row for every row with a driver, shown after them all (the dynamic
+        # tier runs each right after its inner: kvfail.audit.dynamic.run_order). Its
+        # cells are dynamic only: the guard's source is one class, not X's.
         rows += [
             Row(guard_target(r.target), driver=f"guard:{r.driver}")
             for r in list(rows)

@@ -512,3 +512,21 @@ def test_the_child_runs_a_row_more_than_the_machine_has_cores(
         monkeypatch.setattr(dynamic_child.os, "cpu_count", lambda c=cores: c)
         assert dynamic_child.workers() == expected
     assert dynamic_child.workers(0) == 0 and dynamic_child.workers(2) == 2
+
+
+def test_each_guard_row_runs_right_after_the_row_it_wraps() -> None:
+    """A guard row costs about what its inner's row costs: run last, the slowest one ended
+    the audit alone. The matrix's order is kept otherwise, so a budget cut still takes
+    the last rows (kvfail's own) whole."""
+    from kvfail.audit.dynamic import run_order
+
+    specs = ["vllm:A", "vllm:B", "vllm:C", "mine:K", "guard:vllm:A", "guard:vllm:C", "guard:x:Z"]
+    assert run_order(specs) == [
+        "vllm:A",
+        "guard:vllm:A",
+        "vllm:B",
+        "vllm:C",
+        "guard:vllm:C",
+        "mine:K",
+        "guard:x:Z",  # its inner is not in this run: kept, last
+    ]
