@@ -298,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         if cls is not None:
             seen[cls] = spec
         run.append(spec)
-    # The registry's order is kept (upstream's connectors first): grouping by driver kind
+    # The audit's order is kept (kvfail.audit.dynamic.run_order): grouping by driver kind
     # put both Mooncake connectors after the NIXL ones, where the budget cut them. Drivers
-    # of one kind still share a P: a driver hands its P to the next of its kind, and it is
-    # closed after the last one.
+    # of one kind on one worker still share a P: a driver hands its P to the next of its
+    # kind, and it is closed after the last one.
     args.report.mkdir(parents=True, exist_ok=True)
     (args.report / "plan.json").write_text(
         json.dumps({"run": run, "not_run": not_run, "alias": alias})
@@ -318,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             {"run": run, "report": str(args.report), "stop_at": stop_at}
         )
         pytest_args += ["-p", "kvfail.audit.dynamic_child", "-n", str(n)]
-        pytest_args += ["--dist", "loadgroup"]
+        # Rows start in the audit's order (kvfail.audit.dynamic.run_order): xdist would
+        # start the rows with the most scenarios first, every guard row after them all.
+        pytest_args += ["--dist", "loadgroup", "--no-loadscope-reorder"]
         plugins: list[Any] = []  # the controller runs no scenario: the workers pace them
     else:
         plugins = [audit_plugin(run, args.report, stop_at)]
