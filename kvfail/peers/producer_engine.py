@@ -186,6 +186,10 @@ class ProducerEngine:
         """``{"cmd": "inject", "fault": ...}``: arm a fault of this P's own."""
         raise NotImplementedError
 
+    def stats(self) -> dict[str, Any]:
+        """``{"cmd": "stats"}``: this P's counters (:meth:`_stats`, and its own)."""
+        raise NotImplementedError
+
     def _own_commands(self) -> dict[str, Handler]:
         """Commands only this kind of P answers, by name."""
         return {}
