@@ -19,10 +19,15 @@ pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
 from kvfail.conformance.guard_negative import EXPECTED_GUARD_FLAGS, GUARD_INNER
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
+from tests.keyword_selection import each_control_only_its_own
 
 GUARD = "guard:vllm:MooncakeConnector"
 CONTROLS = sorted(EXPECTED_GUARD_FLAGS)
 SCENARIO_NAMES = sorted({s for flags in EXPECTED_GUARD_FLAGS.values() for s, _ in flags})
+#: The working guard over every scenario, each control over only those named for it.
+_K = each_control_only_its_own(
+    SCENARIO_NAMES, {c: [s for s, _ in flags] for c, flags in EXPECTED_GUARD_FLAGS.items()}
+)
 
 
 def _spec(control: str) -> str:
@@ -39,7 +44,7 @@ def guard_run(vllm_loaded: None, tmp_path_factory: pytest.TempPathFactory) -> li
     out = tmp_path_factory.mktemp("kvfail-guard-report")
     args = [str(SCENARIOS / "test_scenarios.py"), str(SCENARIOS / "test_quarantine.py")]
     args += ["-p", "no:cacheprovider", "-q", "--layout", "tp1", "--policy", "recompute"]
-    args += ["--kvfail-report", str(out), "-k", " or ".join(SCENARIO_NAMES)]
+    args += ["--kvfail-report", str(out), "-k", _K]
     for spec in [GUARD, *(_spec(c) for c in CONTROLS)]:
         args += ["--connector", spec]
     pytest.main(args)
@@ -70,6 +75,8 @@ def test_broken_guard_is_flagged_by_its_scenario(
 ) -> None:
     runs = _runs(guard_run, _spec(control), scenario)
     assert runs, f"{control} never ran {scenario}"
+    ran = {r["scenario"] for r in guard_run if r["connector"] == _spec(control)}
+    assert ran == {s for s, _ in EXPECTED_GUARD_FLAGS[control]}, ran
     assert all(outcome == "failed" and clause in reason for outcome, reason in runs), runs
 
 

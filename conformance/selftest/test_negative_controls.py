@@ -35,6 +35,7 @@ from kvfail.conformance.capabilities import Capabilities, derive_from_class
 from kvfail.conformance.scenarios import DIRECTORY as SCENARIOS
 from kvfail.harness import Engine, EngineSpec
 from kvfail.harness.toy import ToyConnector
+from tests.keyword_selection import each_control_only_its_own
 
 SUITE = SCENARIOS / "test_scenarios.py"
 #: The concurrency scenarios: a control built to lose concurrent failures is flagged there.
@@ -249,6 +250,11 @@ DEADLINE_CONTROLS = sorted(negative.EXPECTED_FLAGS_REAL_DEADLINE)
 DEADLINE_SCENARIOS = sorted(
     {f.scenario for flags in negative.EXPECTED_FLAGS_REAL_DEADLINE.values() for f in flags}
 )
+#: ``mooncake`` over every deadline scenario, each control over its own flags' only.
+_DEADLINE_K = each_control_only_its_own(
+    DEADLINE_SCENARIOS,
+    {c: [f.scenario for f in flags] for c, flags in negative.EXPECTED_FLAGS_REAL_DEADLINE.items()},
+)
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +265,7 @@ def real_deadline_run(
     only a deadline can end: a P that never answers, and a slow P that answers after the
     deadline (``test_quarantine.py``). One policy: the verdict these controls break is
     the connector's bound on a load, which no policy changes."""
-    args = ["--policy", "fail", "--layout", "tp1", "-k", " or ".join(DEADLINE_SCENARIOS)]
+    args = ["--policy", "fail", "--layout", "tp1", "-k", _DEADLINE_K]
     return _real_session(
         tmp_path_factory,
         "kvfail-real-deadline-report",
@@ -280,7 +286,9 @@ def test_real_deadline_control_is_flagged_by_every_scenario_named(
     """Flagged for the same reason by a P that never answers and by a slow one that does:
     the verdict does not turn on whether P beat the suite's wait."""
     recs = _records(real_deadline_run, f"kvfail.conformance.negative:{control}")
-    for flag in negative.EXPECTED_FLAGS_REAL_DEADLINE[control]:
+    flags = negative.EXPECTED_FLAGS_REAL_DEADLINE[control]
+    assert sorted(r["scenario"] for r in recs) == sorted(f.scenario for f in flags), recs
+    for flag in flags:
         ran = [r for r in recs if r["scenario"] == flag.scenario]
         assert len(ran) == 1 and negative.flags(ran[0], flag), (flag, _why(recs, flag.scenario))
 
