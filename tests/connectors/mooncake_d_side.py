@@ -124,19 +124,19 @@ def make_pull(
     return Pull(meta.d_req_id, blocks, meta, engine if engine_key is None else engine_key)
 
 
-def start(conn: KvfailMooncakeConnector, *pulls: Pull, deadline_s: float | None = None) -> None:
+def start(conn: KvfailMooncakeConnector, *pulls: Pull, deadline_s: float = BOUND_S) -> None:
     """What the model runner does with one step's metadata.
 
     ``deadline_s`` replaces D's :data:`DEADLINE_S` for these loads only (it is read when a
-    load is tracked): a test that checks the stage a failure was detected at gives its
-    loads :data:`BOUND_S`, so the deadline cannot win the race on a busy machine."""
+    load is tracked). By default it is :data:`BOUND_S`: a load that P's answer ends must
+    not lose the race to the deadline on a busy machine. A test of the deadline itself
+    passes :data:`DEADLINE_S`."""
     meta = MooncakeConnectorMetadata()
     for pull in pulls:
         meta.reqs_to_recv[pull.engine_key][pull.req_id] = pull.meta
     tracker = worker_of(conn).failure_reporter
     default = tracker.default_deadline_s
-    if deadline_s is not None:
-        tracker.default_deadline_s = deadline_s
+    tracker.default_deadline_s = deadline_s
     try:
         conn.bind_connector_metadata(meta)
         conn.start_load_kv(None)  # type: ignore[arg-type]

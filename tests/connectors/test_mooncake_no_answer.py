@@ -42,7 +42,7 @@ pytestmark = pytest.mark.vllm
 def test_bootstrap_refused_is_reported(mooncake_d: KvfailMooncakeConnector) -> None:
     before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-gone")
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     obs = poll(mooncake_d, {pull.req_id})
     assert_failed_once(obs, pull)
     # Refused three times 0.1 s apart: the bootstrap path, well before the watchdog.
@@ -54,7 +54,7 @@ def test_unknown_engine_id_is_a_bootstrap_failure(
 ) -> None:
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine="P-nobody-registered")
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     assert stage_counts(mooncake_d)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
 
@@ -74,7 +74,7 @@ def test_a_bootstrap_that_only_logs_its_failure_is_still_reported(
     monkeypatch.setattr(MooncakeConnectorWorker, "handle_new_engine_id", finds_nothing)
     before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-logged-only")
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     counts = stage_counts(mooncake_d)  # the bootstrap's failure, not the deadline's
     assert counts[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
@@ -95,7 +95,7 @@ def test_silent_peer_is_failed_by_the_watchdog(
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "late")
     started = time.monotonic()
-    start(mooncake_d, pull)
+    start(mooncake_d, pull, deadline_s=DEADLINE_S)
     obs = poll(mooncake_d, {pull.req_id}, timeout_s=DEADLINE_S + BOUND_S, settle_s=0.0)
     assert obs.finished[pull.req_id] == 1 and obs.failed[pull.req_id] == 1, obs
     assert obs.failed_pass[pull.req_id] == obs.finished_pass[pull.req_id] and not obs.invalid
@@ -130,7 +130,7 @@ def test_watchdog_bounds_a_hung_bootstrap_and_no_pull_follows(
     slow = SlowBootstrap("P-slow-boot", fake_mooncake_p.worker_addr(f"{ONE}/0"), DEADLINE_S + 1.0)
     try:
         pull = make_pull(slow.url, "ok", engine="P-slow-boot")
-        start(mooncake_d, pull)
+        start(mooncake_d, pull, deadline_s=DEADLINE_S)
         obs = poll(mooncake_d, {pull.req_id}, timeout_s=DEADLINE_S + BOUND_S, settle_s=0.0)
         assert_failed_once(obs, pull)
         assert stage_counts(mooncake_d)[Stage.WATCHDOG] - before[Stage.WATCHDOG] == 1

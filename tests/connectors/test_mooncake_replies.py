@@ -20,7 +20,6 @@ from connectors.mooncake import KvfailMooncakeConnector, KvfailMooncakeWorker  #
 from kvfail import FailureReporterMixin, Stage  # noqa: E402
 from tests.connectors.fake_mooncake_p import BOGUS, HOLEY, TWO, FakePrefill  # noqa: E402
 from tests.connectors.mooncake_d_side import (  # noqa: E402
-    BOUND_S,
     DEADLINE_S,
     assert_failed_once,
     assert_succeeded_once,
@@ -63,7 +62,7 @@ def test_error_reply_fails_the_whole_exchange(
 ) -> None:
     before = stage_counts(mooncake_d)
     pulls = [make_pull(fake_mooncake_p.url, "error"), make_pull(fake_mooncake_p.url, "error")]
-    start(mooncake_d, *pulls, deadline_s=BOUND_S)
+    start(mooncake_d, *pulls)
     obs = poll(mooncake_d, {p.req_id for p in pulls})
     for pull in pulls:
         assert_failed_once(obs, pull)
@@ -86,7 +85,7 @@ def test_peer_finishing_without_naming_a_request(
 ) -> None:
     before = stage_counts(mooncake_d)
     omitted, good = make_pull(fake_mooncake_p.url, "omit"), make_pull(fake_mooncake_p.url, "ok")
-    start(mooncake_d, omitted, good, deadline_s=BOUND_S)
+    start(mooncake_d, omitted, good)
     obs = poll(mooncake_d, {omitted.req_id, good.req_id})
     assert_failed_once(obs, omitted)
     assert_succeeded_once(obs, good)
@@ -101,7 +100,7 @@ def test_undecodable_reply_is_a_peer_failure_whose_blocks_stay_held(
     and its blocks stay held (C11): P is alive, so nothing proves its push over."""
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "garbage")
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     obs = poll(mooncake_d, {pull.req_id})
     assert obs.finished[pull.req_id] == 1 and obs.failed[pull.req_id] == 1
     assert obs.failed_pass[pull.req_id] == obs.finished_pass[pull.req_id]  # C3
@@ -115,7 +114,7 @@ def test_a_pull_that_never_left_d_frees_its_blocks(
     """The DEALER could not even be built (a bad endpoint): the pull never reached P,
     so nothing can write and the failure is block-level, its blocks free at once."""
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     obs = poll(mooncake_d, {pull.req_id})
     assert_failed_once(obs, pull)
     assert not obs.held
@@ -138,7 +137,7 @@ def test_side_channel_error_is_a_transfer_failure(
     """D's DEALER cannot connect (ZMQError): upstream's exception path, Stage.TRANSFER."""
     before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull, deadline_s=BOUND_S)
+    start(mooncake_d, pull)
     assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
     assert stage_counts(mooncake_d)[Stage.TRANSFER] - before[Stage.TRANSFER] == 1
 
