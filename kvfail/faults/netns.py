@@ -68,7 +68,10 @@ _LINK_PREFIX = {4: 30, 6: 126}
 PartitionMode = Literal["silent", "refuse"]
 
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)[nio]\d+$")
-_COMMAND_TIMEOUT_S = 20.0
+#: Bound on one iproute2 command. Generous: the kernel serialises every link change behind
+#: one lock, which a namespace being torn down elsewhere (another test's) can hold for
+#: long on a loaded machine, so a command that waits there is slow, not stuck.
+_COMMAND_TIMEOUT_S = 60.0
 _counter = itertools.count()
 #: Whether this process already swept what dead runs left (:func:`sweep_stale`).
 _swept = False
