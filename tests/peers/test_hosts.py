@@ -15,6 +15,7 @@ No assertion reads a time; each wait is bounded and names what it waited for.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -51,6 +52,8 @@ DEADLINE_S = 3.0
 #: Bound on every wait below (a failure names what was still missing).
 WAIT_S = 60.0
 MANY = 4
+#: Warm-up request ids, unique in the module (a pair is warmed once per D).
+_WARM_IDS = itertools.count(1)
 KVFAIL = "kvfail"
 
 
@@ -143,19 +146,20 @@ def _engine(pair: PeerPair, policy: str = "fail") -> Engine:
     return pair.consumer(policy, name=f"{KVFAIL}-{policy}")
 
 
-def _warm(pair: PeerPair) -> None:
-    """Load once over the new link before the tests. The first load pays the handshake
-    (NIXL's metadata exchange and UCX endpoints over the veth link), and on a loaded
-    machine that can pass D's deadline: D then fails it at the watchdog, which is the
-    connector doing its job, not the link failing, and no test here is about a cold
-    handshake's latency. A load reported failed is tried again, within ``WAIT_S``; one
-    reported loaded must hold P's exact bytes at once."""
-    engine = _engine(pair)
+def _warm(pair: PeerPair, engine: Engine | None = None) -> None:
+    """Load once over the new link with ``engine`` (default: the ``fail`` D). The first
+    load pays the handshake (NIXL's metadata exchange and UCX endpoints over the veth
+    link), and on a loaded machine that can pass D's deadline: D then fails it at the
+    watchdog, which is the connector doing its job, not the link failing, and no test
+    here is about a cold handshake's latency. A load reported failed is tried again,
+    within ``WAIT_S``, once its blocks are back; one reported loaded must hold P's exact
+    bytes at once."""
+    engine = _engine(pair) if engine is None else engine
     end = time.monotonic() + WAIT_S
     attempt = 0
     while True:
         attempt += 1
-        rid = f"hosts-warm-{attempt}"
+        rid = f"hosts-warm-{next(_WARM_IDS)}"
         _load(pair, rid, engine)
         if not pair.records[rid].failed:
             assert pair.verify(rid), pair.records[rid]
@@ -217,9 +221,10 @@ def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem:
     """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
     requests still reach P, whose writes back vanish until the heal. Returns the ids,
     each already reported."""
-    # A precondition, not a verdict: on a loaded machine one pull over the link can miss
-    # the short deadline, so the warm-up gets the pair's retries.
-    pair.warm(engine, tries=3, timeout_s=WAIT_S)
+    # A precondition, not a verdict: on a loaded machine pulls over the link can miss the
+    # short deadline, so the warm-up retries within WAIT_S (three tries were once not
+    # enough, with three workers on two cores).
+    _warm(pair, engine)
     rids = [f"{stem}-{i}" for i in range(MANY)]
     _fail_across_cut(pair, host, engine, rids, "silent")
     if engine.spec.policy == "fail":  # under recompute each runs on, in fresh blocks
