@@ -105,16 +105,6 @@ def test_undecodable_reply_is_a_peer_failure_whose_blocks_stay_held(
     assert stage_counts(mooncake_d)[Stage.PEER] - before[Stage.PEER] == 1
 
 
-def test_a_pull_that_never_left_d_frees_its_blocks(
-    mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
-) -> None:
-    """The DEALER could not even be built (a bad endpoint): the pull never reached P,
-    so nothing can write and the failure is block-level, its blocks free at once."""
-    pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    obs, _ = assert_each_fails_once(mooncake_d, pull)
-    assert not obs.held
-
-
 def test_ids_p_invents_never_reach_the_scheduler(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
@@ -126,13 +116,16 @@ def test_ids_p_invents_never_reach_the_scheduler(
     assert not obs.failed
 
 
-def test_side_channel_error_is_a_transfer_failure(
+def test_a_pull_that_never_left_d_is_a_transfer_failure_that_frees_its_blocks(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
-    """D's DEALER cannot connect (ZMQError): upstream's exception path, Stage.TRANSFER."""
+    """D's DEALER could not even be built (a bad endpoint, ZMQError): upstream's exception
+    path, Stage.TRANSFER. The pull never reached P, so nothing can write and the failure
+    is block-level, its blocks free at once."""
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    _, counted = assert_each_fails_once(mooncake_d, pull)
+    obs, counted = assert_each_fails_once(mooncake_d, pull)
     assert counted[Stage.TRANSFER] == 1
+    assert not obs.held
 
 
 def test_missing_p_rank_is_a_handshake_failure(
