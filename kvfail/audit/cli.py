@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+from kvfail.audit import add_command
 from kvfail.audit.applicability import Assessor
 from kvfail.audit.callgraph import Graph
 from kvfail.audit.coverage import DRIVERS_PENDING, driven_refs, driver_entry_points, driver_for
@@ -151,11 +152,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> None:
     """Register ``audit`` on the ``kvfail`` command's subparsers."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "audit",
-        help="compliance matrix of KV connectors against the load-error contract",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
+        "compliance matrix of KV connectors against the load-error contract",
     )
     configure_parser(p)
     p.set_defaults(audit_run=run)

@@ -335,16 +335,14 @@ def _connector_class(spec: str) -> object | None:
     if spec.startswith(GUARD_PREFIX):
         inner = _connector_class(spec.removeprefix(GUARD_PREFIX))
         return None if inner is None else (GUARD_PREFIX, inner)
+    from kvfail.conformance.claims import connector_class
+
     try:
         if spec.startswith("vllm:"):
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-            return KVConnectorFactory.get_connector_class_by_name(spec.removeprefix("vllm:"))
+            return connector_class(spec.removeprefix("vllm:"), None)
         if ":" in spec:
-            import importlib
-
             module, _, name = spec.partition(":")
-            return getattr(importlib.import_module(module), name)
+            return connector_class(name, module)
     except Exception:
         return None
     return None

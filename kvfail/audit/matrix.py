@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvfail.audit import add_command
 from kvfail.audit.matrix_render import render_heatmap, render_table
 from kvfail.audit.matrix_runs import AuditOptions, build
 from kvfail.audit.matrix_table import Matrix
@@ -36,11 +37,11 @@ __all__ = ["add_parser", "portable", "run"]
 
 def add_parser(subparsers: Any) -> None:
     """Register ``matrix`` on the ``kvfail`` command's subparsers."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "matrix",
-        help="the audit of every connector on every built vLLM (one venv per version)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
+        "the audit of every connector on every built vLLM (one venv per version)",
     )
     p.add_argument("--dynamic", action="store_true", help="also run the dynamic tier")
     p.add_argument(

@@ -191,14 +191,7 @@ class Capabilities:
         if clash:
             raise ValueError(f"driver {driver!r} may not declare introspected {sorted(clash)}")
         merged = {**declared, **derived}
-        known = {f.name for f in fields(cls)} - {
-            "connector",
-            "connector_path",
-            "driver",
-            "faults",
-            "reasons",
-            "rank_limits",
-        }
+        known = set(CAPABILITY_NAMES)
         kwargs: dict[str, Any] = {}
         reasons: dict[str, str] = {}
         for key, (value, why) in merged.items():

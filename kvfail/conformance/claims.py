@@ -251,14 +251,22 @@ def split_options(spec: str) -> tuple[str, dict[str, str]]:
     return base, options
 
 
+def connector_class(name: str, module: str | None) -> Any:
+    """The class a vLLM config's (connector, module path) names: with no module, the one
+    vLLM's registry has under ``name`` (this imports vLLM); else ``module``'s ``name``."""
+    if module is None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        return KVConnectorFactory.get_connector_class_by_name(name)
+    return getattr(importlib.import_module(module), name)
+
+
 def connector_side(value: str) -> tuple[str, str | None]:
     """A connector named in an option (``vllm:<Name>`` or ``module:Class``) as the
     (connector, module path) of a vLLM config; the class must load."""
     if value.startswith("vllm:"):
         name = value.removeprefix("vllm:")
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        KVConnectorFactory.get_connector_class_by_name(name)
+        connector_class(name, None)
         return (name, None)
     module, sep, name = value.partition(":")
     if not sep or not module or not name or "." in name:

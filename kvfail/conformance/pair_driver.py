@@ -12,11 +12,13 @@ import gc
 import importlib
 import json
 import logging
+import signal
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvfail.conformance import timebase
+from kvfail.conformance.claims import connector_class
 from kvfail.conformance.driver import Driver, EngineHandle, Fault, Injector, RemoteBatch
 from kvfail.conformance.peer_health import notable_output, p_unsound, producers, spinning_ps
 from kvfail.conformance.shared_producers import hand_off, register_producer, shared_producer
@@ -153,14 +155,7 @@ class PairDriver(Driver[PairHandle]):
         self._seq = 0
         self.connector_cls: type = object
         try:
-            if connector_module is None:
-                from vllm.distributed.kv_transfer.kv_connector.factory import (
-                    KVConnectorFactory,
-                )
-
-                self.connector_cls = KVConnectorFactory.get_connector_class_by_name(connector)
-            else:
-                self.connector_cls = getattr(importlib.import_module(connector_module), connector)
+            self.connector_cls = connector_class(connector, connector_module)
             peers = importlib.import_module(self.pair_module)
             transport = self.pair_module.rsplit(".", 1)[-1]
             self._why = getattr(peers, f"{transport}_available")()
@@ -372,8 +367,6 @@ class PairDriver(Driver[PairHandle]):
         return list(self._pair_of(engine).stuck_state(engine, list(request_ids)))
 
     def end_faults(self, engine: Engine) -> None:
-        import signal
-
         pair = self._pair_of(engine)
         producer = pair.p
         if producer is not None and producer.process.alive and producer.process.frozen:
@@ -537,16 +530,12 @@ class PairDriver(Driver[PairHandle]):
         them; P's other ranks serve their shards. Which ranks a driver cannot kill alone
         it declares in its table (``not_alone``). The pair is replaced after the
         scenario."""
-        import signal
-
         self._signal_one_p_rank(call, signal.SIGKILL)
 
     def _freeze_p_rank(self, call: OnPeer) -> None:
         """``tp_one_rank_frozen``: the P rank the scenario names SIGSTOPped after P
         prefilled every request, once for all of them; P's other ranks serve their shards.
         :meth:`end_faults` lets it go on; the pair is replaced after the scenario."""
-        import signal
-
         rank = self._signal_one_p_rank(call, signal.SIGSTOP)
         self._frozen_ranks.setdefault(id(call.pair), set()).add(rank)
 

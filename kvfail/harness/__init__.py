@@ -7,35 +7,22 @@ the CPU settings, ``oracles.py`` for the checks run after a scenario and ``toy.p
 test double used to test the harness itself.
 """
 
+from kvfail.harness import records
 from kvfail.harness.config import BuiltConfig, EngineSpec, build_config, model_dir
 from kvfail.harness.engine import Engine, ForwardHook
-from kvfail.harness.records import (
-    Crash,
-    EngineCrashedError,
-    EngineRecord,
-    KVReport,
-    OutputRecord,
-    RunResult,
-    StepRecord,
-)
+from kvfail.harness.records import *  # noqa: F403 - records.__all__ names what it exports, once
 from kvfail.harness.requests import prompt_tokens
 from kvfail.harness.workers import Worker, ensure_world_of_one
 
 __all__ = [
     "BuiltConfig",
-    "Crash",
     "Engine",
-    "EngineCrashedError",
-    "EngineRecord",
     "EngineSpec",
     "ForwardHook",
-    "KVReport",
-    "OutputRecord",
-    "RunResult",
-    "StepRecord",
     "Worker",
     "build_config",
     "ensure_world_of_one",
     "model_dir",
     "prompt_tokens",
 ]
+__all__ += records.__all__

@@ -223,6 +223,23 @@ def stage_counts(conn: KvfailMooncakeConnector) -> Counter[Stage]:
     return Counter(worker_of(conn).failure_stats().failed_by_stage)
 
 
+def assert_each_fails_once(
+    conn: KvfailMooncakeConnector, *pulls: Pull
+) -> tuple[Observed, Counter[Stage]]:
+    """Start ``pulls`` (with :func:`start`'s bound), poll until each finished and check
+    each failed exactly once. Returns what was observed and the failures each stage
+    counted meanwhile: the stage a failure was detected at is what most failure tests
+    check next."""
+    before = stage_counts(conn)
+    start(conn, *pulls)
+    obs = poll(conn, {pull.req_id for pull in pulls})
+    for pull in pulls:
+        assert_failed_once(obs, pull)
+    counted = stage_counts(conn)
+    counted.subtract(before)
+    return obs, counted
+
+
 def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

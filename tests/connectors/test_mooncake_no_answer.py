@@ -27,6 +27,7 @@ from tests.connectors.fake_mooncake_p import LATE_S, ONE, FakePrefill, SlowBoots
 from tests.connectors.mooncake_d_side import (  # noqa: E402
     BOUND_S,
     DEADLINE_S,
+    assert_each_fails_once,
     assert_failed_once,
     closed_port,
     make_pull,
@@ -40,23 +41,18 @@ pytestmark = pytest.mark.vllm
 
 
 def test_bootstrap_refused_is_reported(mooncake_d: KvfailMooncakeConnector) -> None:
-    before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-gone")
-    start(mooncake_d, pull)
-    obs = poll(mooncake_d, {pull.req_id})
-    assert_failed_once(obs, pull)
+    _, counted = assert_each_fails_once(mooncake_d, pull)
     # Refused three times 0.1 s apart: the bootstrap path, well before the watchdog.
-    assert stage_counts(mooncake_d)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
+    assert counted[Stage.BOOTSTRAP] == 1
 
 
 def test_unknown_engine_id_is_a_bootstrap_failure(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
-    before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine="P-nobody-registered")
-    start(mooncake_d, pull)
-    assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
-    assert stage_counts(mooncake_d)[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
+    _, counted = assert_each_fails_once(mooncake_d, pull)
+    assert counted[Stage.BOOTSTRAP] == 1
 
 
 def test_a_bootstrap_that_only_logs_its_failure_is_still_reported(
@@ -72,13 +68,10 @@ def test_a_bootstrap_that_only_logs_its_failure_is_still_reported(
         return None
 
     monkeypatch.setattr(MooncakeConnectorWorker, "handle_new_engine_id", finds_nothing)
-    before = stage_counts(mooncake_d)
     pull = make_pull(f"http://127.0.0.1:{closed_port()}", "ok", engine="P-logged-only")
-    start(mooncake_d, pull)
-    assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
-    counts = stage_counts(mooncake_d)  # the bootstrap's failure, not the deadline's
-    assert counts[Stage.BOOTSTRAP] - before[Stage.BOOTSTRAP] == 1
-    assert counts[Stage.WATCHDOG] == before[Stage.WATCHDOG]
+    _, counted = assert_each_fails_once(mooncake_d, pull)
+    # The bootstrap's failure, not the deadline's.
+    assert counted[Stage.BOOTSTRAP] == 1 and counted[Stage.WATCHDOG] == 0
 
 
 def test_silent_peer_is_failed_by_the_watchdog(

@@ -21,6 +21,7 @@ from kvfail import FailureReporterMixin, Stage  # noqa: E402
 from tests.connectors.fake_mooncake_p import BOGUS, HOLEY, TWO, FakePrefill  # noqa: E402
 from tests.connectors.mooncake_d_side import (  # noqa: E402
     DEADLINE_S,
+    assert_each_fails_once,
     assert_failed_once,
     assert_succeeded_once,
     build_worker_connector,
@@ -60,13 +61,9 @@ def test_success_is_delivered_once(
 def test_error_reply_fails_the_whole_exchange(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
-    before = stage_counts(mooncake_d)
     pulls = [make_pull(fake_mooncake_p.url, "error"), make_pull(fake_mooncake_p.url, "error")]
-    start(mooncake_d, *pulls)
-    obs = poll(mooncake_d, {p.req_id for p in pulls})
-    for pull in pulls:
-        assert_failed_once(obs, pull)
-    assert stage_counts(mooncake_d)[Stage.PEER] - before[Stage.PEER] == 2
+    _, counted = assert_each_fails_once(mooncake_d, *pulls)
+    assert counted[Stage.PEER] == 2
 
 
 def test_err_reqs_fail_only_the_named_requests(
@@ -108,18 +105,6 @@ def test_undecodable_reply_is_a_peer_failure_whose_blocks_stay_held(
     assert stage_counts(mooncake_d)[Stage.PEER] - before[Stage.PEER] == 1
 
 
-def test_a_pull_that_never_left_d_frees_its_blocks(
-    mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
-) -> None:
-    """The DEALER could not even be built (a bad endpoint): the pull never reached P,
-    so nothing can write and the failure is block-level, its blocks free at once."""
-    pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull)
-    obs = poll(mooncake_d, {pull.req_id})
-    assert_failed_once(obs, pull)
-    assert not obs.held
-
-
 def test_ids_p_invents_never_reach_the_scheduler(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
@@ -131,26 +116,25 @@ def test_ids_p_invents_never_reach_the_scheduler(
     assert not obs.failed
 
 
-def test_side_channel_error_is_a_transfer_failure(
+def test_a_pull_that_never_left_d_is_a_transfer_failure_that_frees_its_blocks(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
-    """D's DEALER cannot connect (ZMQError): upstream's exception path, Stage.TRANSFER."""
-    before = stage_counts(mooncake_d)
+    """D's DEALER could not even be built (a bad endpoint, ZMQError): upstream's exception
+    path, Stage.TRANSFER. The pull never reached P, so nothing can write and the failure
+    is block-level, its blocks free at once."""
     pull = make_pull(fake_mooncake_p.url, "ok", engine=BOGUS)
-    start(mooncake_d, pull)
-    assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
-    assert stage_counts(mooncake_d)[Stage.TRANSFER] - before[Stage.TRANSFER] == 1
+    obs, counted = assert_each_fails_once(mooncake_d, pull)
+    assert counted[Stage.TRANSFER] == 1
+    assert not obs.held
 
 
 def test_missing_p_rank_is_a_handshake_failure(
     mooncake_d: KvfailMooncakeConnector, fake_mooncake_p: FakePrefill
 ) -> None:
     """Upstream's receive_kv raises (KeyError); 0.32.0 would lose the request there."""
-    before = stage_counts(mooncake_d)
     pull = make_pull(fake_mooncake_p.url, "ok", engine=HOLEY)
-    start(mooncake_d, pull)
-    assert_failed_once(poll(mooncake_d, {pull.req_id}), pull)
-    assert stage_counts(mooncake_d)[Stage.HANDSHAKE] - before[Stage.HANDSHAKE] == 1
+    _, counted = assert_each_fails_once(mooncake_d, pull)
+    assert counted[Stage.HANDSHAKE] == 1
     assert fake_mooncake_p.exchanges_for(pull.req_id) == []
 
 
