@@ -3,11 +3,13 @@
 # runs by default (tests/ and conformance/), then the e2e tier (`pytest e2e -m e2e`).
 #
 #   scripts/test.sh [PYTEST ARGS...]   extra arguments go to the default run's session
-#   KVFAIL_WORKERS=N scripts/test.sh   that session on N pytest-xdist workers (default 2;
-#                                      0: one process, as plain `pytest`)
+#   KVFAIL_WORKERS=N scripts/test.sh   that session on N pytest-xdist workers (default: one
+#                                      more than the machine's cores, at most 4; 0: one
+#                                      process, as plain `pytest`)
 #
 # Why workers: one process keeps a 2-core machine only about half busy (it mostly waits on
-# deadlines, peers and sockets). `--dist loadgroup` keeps each connector's scenarios on one
+# deadlines, peers and sockets), and so do two workers, one per core; one more keeps the
+# cores busy while the others wait, as the audit's child does (kvfail audit --workers). `--dist loadgroup` keeps each connector's scenarios on one
 # worker (they share that connector's P processes; the suite marks them), spreads the rest
 # test by test, and the controller writes the suite's one report and applies its coverage
 # gate (docs/testing.md). The e2e tier's real `vllm serve` pairs run alone after it.
@@ -58,7 +60,9 @@ run_pytest() {
   return "$rc"
 }
 
-WORKERS=${KVFAIL_WORKERS:-2}
+CORES=$(nproc 2>/dev/null || echo 1)
+DEFAULT_WORKERS=$((CORES + 1 < 4 ? CORES + 1 : 4))
+WORKERS=${KVFAIL_WORKERS:-$DEFAULT_WORKERS}
 DIST=()
 [ "$WORKERS" != 0 ] && DIST=(-n "$WORKERS" --dist loadgroup)
 run_pytest "${DIST[@]}" "$@"
