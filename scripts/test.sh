@@ -9,10 +9,11 @@
 #
 # Why workers: one process keeps a 2-core machine only about half busy (it mostly waits on
 # deadlines, peers and sockets), and so do two workers, one per core; one more keeps the
-# cores busy while the others wait, as the audit's child does (kvfail audit --workers). `--dist loadgroup` keeps each connector's scenarios on one
-# worker (they share that connector's P processes; the suite marks them), spreads the rest
-# test by test, and the controller writes the suite's one report and applies its coverage
-# gate (docs/testing.md). The e2e tier's real `vllm serve` pairs run alone after it.
+# cores busy while the others wait, as the audit's child does (kvfail audit --workers).
+# `--dist loadgroup` keeps each connector's scenarios on one worker (they share that
+# connector's P processes; the suite marks them), spreads the rest test by test, and the
+# controller writes the suite's one report and applies its coverage gate
+# (docs/testing.md). The e2e tier's real `vllm serve` pairs run alone after it.
 #
 # The e2e tier runs even when the tests before it failed, so one run reports on both.
 # Exit status: 0 only if every pytest session passed and ran at least one test.
