@@ -73,6 +73,7 @@ from kvfail.harness.records import (
 from kvfail.harness.reporting import hold as hold_reporting
 from kvfail.harness.reporting import scheduler_class
 from kvfail.harness.requests import ensure_none_hash, new_request, prompt_tokens, sampled_token
+from kvfail.harness.threads import set_harness_threads
 from kvfail.harness.workers import (
     Worker,
     WorkerBuild,
@@ -153,6 +154,7 @@ class Engine:
         self._crashed: Crash | None = None
         self._next_id = 0
         ensure_none_hash()
+        set_harness_threads()
         ensure_world_of_one(self.vllm_config)
         # Before any connector is built: each reads vLLM's interface at construction.
         self._release_reporting = hold_reporting(spec.reporting)

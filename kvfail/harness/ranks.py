@@ -45,6 +45,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvfail.harness.config import EngineSpec, build_config
 from kvfail.harness.hooks import ForwardHookError, RankView, StepResult, run_worker_hooks
 from kvfail.harness.reporting import hold as hold_reporting
+from kvfail.harness.threads import set_harness_threads
 from kvfail.rig import nixl_progress
 from kvfail.rig.cpu_shim import cpu_accelerator_index_shim
 from kvfail.rig.stacks import install_stack_dump
@@ -186,6 +187,7 @@ def _build_rank(spec: EngineSpec, rank: int, init_method: str) -> RankView:
     """What a real worker process does before serving: distributed init, the transfer
     group, KV tensors, ``register_kv_caches``."""
     nixl_progress.apply_from_env()
+    set_harness_threads()
     hold_reporting(spec.reporting)  # for the process's life, before the connector is built
     built = build_config(spec)
     vllm_config = built.vllm_config

@@ -130,3 +130,39 @@ def test_a_dead_rank_is_a_crash_not_a_hang(make_engine: Any) -> None:
     assert step.crash is not None
     assert step.crash.phase == "worker[1]" and step.crash.exc_type == "RankDied"
     assert engine.crashed is step.crash
+
+
+def _threads_and_choice(view: RankView) -> tuple[int, str | None, str | None]:
+    import torch
+
+    from kvfail.harness.threads import TORCH_THREADS_ENV
+
+    return (
+        torch.get_num_threads(),
+        os.environ.get("OMP_NUM_THREADS"),
+        os.environ.get(TORCH_THREADS_ENV),
+    )
+
+
+def test_engine_and_rank_processes_size_torch_threads(make_engine: Any) -> None:
+    """The scheduler's process and each rank's process run the harness's small tensor
+    work on the pool ``set_harness_threads`` chooses from the environment each sees."""
+    import torch
+
+    from kvfail.harness.threads import TORCH_THREADS_ENV
+
+    def expected(omp: str | None, ours: str | None) -> int | None:
+        if ours is not None:
+            return int(ours)
+        return None if omp is not None else 1  # None: the user's OMP_NUM_THREADS rules
+
+    engine = _processes(make_engine, "D-ranks-threads")
+    here = expected(os.environ.get("OMP_NUM_THREADS"), os.environ.get(TORCH_THREADS_ENV))
+    if here is not None:
+        assert torch.get_num_threads() == here
+    for worker in engine.workers:
+        threads, omp, ours = worker.call(_threads_and_choice)
+        want = expected(omp, ours)
+        assert threads == (want if want is not None else threads)
+        if want is None:
+            assert omp is not None  # the user's own choice, left as it was
