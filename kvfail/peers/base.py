@@ -57,6 +57,7 @@ def quarantined(engine: Engine) -> dict[str, int]:
 
 
 __all__ = [
+    "P_POOL_FACTOR",
     "PeerPair",
     "closed_port",
     "producer_engine_id",
@@ -71,6 +72,13 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
+
+#: P's block pool, as a multiple of D's. P keeps a prefilled request's blocks until D
+#: pulls them or P's abort timeout drops them, and a failed or aborted load is never
+#: pulled: a P no larger than D runs out after a few such loads and then prefills only
+#: as that timeout frees blocks, a wait of the rig's own that no verdict rests on. D's
+#: pool, the one the suite judges, keeps its size.
+P_POOL_FACTOR = 4
 
 _P_SEQ = itertools.count(1)
 #: Warm-up pulls' ids: unique in the process, as a P shared by several pairs must never
