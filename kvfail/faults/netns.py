@@ -5,8 +5,9 @@ Why namespaces: loopback never drops a packet, never partitions and has no bandw
 limit, so a connector that is only ever run over 127.0.0.1 has never met the network P/D
 runs on. A namespace has its own interfaces, routes and queueing disciplines, so a P
 started inside one is reached over a real link that a test can cut silently (a blackhole
-route: packets vanish and the caller waits), cut loudly (a prohibit route: the sender's
-route lookup fails at once) or throttle (``tc tbf``), and then heal.
+route: packets vanish and the caller waits), cut one way only (a routing rule that drops
+what reaches the host, while the host's own packets still cross), cut loudly (a prohibit
+route: the sender's route lookup fails at once) or throttle (``tc tbf``), and then heal.
 
 Safety: every address used here is assigned by this module to an interface it created,
 inside a namespace it created, and is registered with :mod:`kvfail.rig.loopback` for as long
@@ -62,10 +63,16 @@ SUBNET6 = ipaddress.ip_network("fd6b:7666:6169:6c00::/64")
 _LINK_PREFIX = {4: 30, 6: 126}
 
 #: ``silent``: packets to the other side vanish (the caller's connect or read times out),
-#: as behind a dead switch. ``refuse``: the route lookup fails at once on both sides
-#: (EACCES / "permission denied" or a host-unreachable error), as behind a firewall that
-#: rejects.
-PartitionMode = Literal["silent", "refuse"]
+#: as behind a dead switch. ``deaf``: its mirror, one way only: what the test's side sends
+#: vanishes on arrival, while what the host sends still crosses. ``refuse``: the route
+#: lookup fails at once on both sides (EACCES / "permission denied" or a host-unreachable
+#: error), as behind a firewall that rejects.
+PartitionMode = Literal["silent", "deaf", "refuse"]
+#: The routing-rule preferences a ``deaf`` host uses: its drop rule, then the local table,
+#: which the kernel puts first (0) and which must come after the drop to let it act on
+#: packets addressed to the host itself.
+_DEAF_RULE_PREF = 100
+_LOCAL_RULE_PREF = 200
 
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)[nio]\d+$")
 #: Bound on one iproute2 command. Generous: the kernel serialises every link change behind
@@ -220,6 +227,8 @@ class NamespaceHost(ClosesOnExit):
         self._family = f"-{ip_version}"
         self._host_len = 32 if ip_version == 4 else 128
         self._partition: PartitionMode | None = None
+        #: Whether the local table's rule was moved behind :data:`_DEAF_RULE_PREF`.
+        self._local_rule_moved = False
         self._limited = False
         self._closed = False
         with _live_lock:
@@ -262,11 +271,18 @@ class NamespaceHost(ClosesOnExit):
         ``silent`` drops, inside the host, every packet bound for the test's side: a SYN
         from outside arrives but its answer vanishes, and the host's own sends vanish too,
         so both sides wait. (A blackhole on the sender's own side would fail at once with
-        EINVAL, which is not silent.) ``refuse`` makes the route lookup fail on both sides,
-        so every send or connect across the link errors at once."""
+        EINVAL, which is not silent.) ``deaf`` is the mirror: inside the host, a routing
+        rule drops every packet that arrives from the test's side, so D's requests,
+        acknowledgements and connects vanish, while what the host sends still crosses on a
+        connection that is up (P's writes already under way keep landing in D until TCP's
+        window, never acknowledged, fills). ``refuse`` makes the route lookup fail on both
+        sides, so every send or connect across the link errors at once."""
         self.heal()
         if mode == "silent":
             self._add_route(["-n", self.name], "blackhole", self.outer_addr)
+        elif mode == "deaf":
+            self._move_local_rule()
+            _run(self._deaf_rule("add"))
         elif mode == "refuse":
             self._add_route(["-n", self.name], "prohibit", self.outer_addr)
             self._add_route([], "prohibit", self.inner_addr)
@@ -279,9 +295,28 @@ class NamespaceHost(ClosesOnExit):
         mode, self._partition = self._partition, None
         if mode == "silent":
             self._del_route(["-n", self.name], "blackhole", self.outer_addr)
+        elif mode == "deaf":
+            _run(self._deaf_rule("del"), check=False)
         elif mode == "refuse":
             self._del_route(["-n", self.name], "prohibit", self.outer_addr)
             self._del_route([], "prohibit", self.inner_addr)
+
+    def _deaf_rule(self, verb: str) -> list[str]:
+        """``ip rule`` ``verb`` for the host's drop of what arrives from the test's side."""
+        where = ["iif", self.inner_if, "from", f"{self.outer_addr}/{self._host_len}"]
+        rule = ["rule", verb, "pref", str(_DEAF_RULE_PREF), *where, "blackhole"]
+        return [self._ip, self._family, "-n", self.name, *rule]
+
+    def _move_local_rule(self) -> None:
+        """Put the host's local-table rule behind the drop rule (once; the rule lives and
+        goes with the host's namespace). Only the order changes: every other packet still
+        meets the local table before any other."""
+        if self._local_rule_moved:
+            return
+        rule = [self._ip, self._family, "-n", self.name, "rule"]
+        _run([*rule, "add", "pref", str(_LOCAL_RULE_PREF), "lookup", "local"])
+        _run([*rule, "del", "pref", "0"])
+        self._local_rule_moved = True
 
     def _add_route(self, where: list[str], kind: str, addr: str) -> None:
         _run([self._ip, self._family, *where, "route", "add", kind, f"{addr}/{self._host_len}"])

@@ -1,4 +1,4 @@
-"""Simulated hosts over real network namespaces: reach, isolation, both kinds of partition,
+"""Simulated hosts over real network namespaces: reach, isolation, every kind of partition,
 a bandwidth limit, and clean-up that survives a failing test and a killed run.
 
 Everything is checked with real sockets and real ``ip``/``tc`` state, never through the
@@ -34,7 +34,8 @@ pytestmark = pytest.mark.xdist_group("simulated-hosts")
 READY_S = 30.0  # a bound for a cold interpreter on a loaded machine, never a measurement
 PORT = 7411  # a fresh namespace has every port free
 #: The server inside the host echoes every connection's bytes back; on "probe PORT" it reports
-#: whether the test's own loopback listener is reachable from in there.
+#: whether the test's own loopback listener is reachable from in there; on "say TEXT" it
+#: sends TEXT on every connection it accepted (the host speaking first).
 SERVER = textwrap.dedent(
     """
     import socket, sys, threading
@@ -46,9 +47,11 @@ SERVER = textwrap.dedent(
         with c:
             while data := c.recv(65536):
                 c.sendall(data)
+    conns = []
     def accept():
         while True:
             c, _ = s.accept()
+            conns.append(c)
             threading.Thread(target=serve, args=(c,), daemon=True).start()
     threading.Thread(target=accept, daemon=True).start()
     print("ready", flush=True)
@@ -60,6 +63,10 @@ SERVER = textwrap.dedent(
                 print("probe reached", flush=True)
             except OSError as exc:
                 print(f"probe failed {type(exc).__name__}", flush=True)
+        elif cmd == "say":
+            for c in conns:
+                c.sendall(arg.encode())
+            print("said", flush=True)
     """
 )
 
@@ -112,6 +119,31 @@ def test_a_silent_partition_drops_packets_and_heals(
     host.partition("silent")
     assert host.partitioned == "silent"
     with pytest.raises(TimeoutError):  # no refusal, no error: the answer never comes
+        socket.create_connection((host.inner_addr, PORT), timeout=1.0)
+    host.heal()
+    assert host.partitioned is None
+    assert _echo(host, b"after heal") == b"after heal"
+
+
+def test_a_deaf_partition_drops_what_d_sends_while_the_host_still_reaches_d(
+    host: NamespaceHost, server: PeerProcess
+) -> None:
+    """The mirror of the silent cut, on a connection that is up: the host's bytes still
+    arrive, ours never reach it (no echo comes back), and a new connect waits."""
+    with socket.create_connection((host.inner_addr, PORT), timeout=READY_S) as conn:
+        conn.settimeout(READY_S)
+        conn.sendall(b"up")
+        assert conn.recv(16) == b"up"
+        host.partition("deaf")
+        assert host.partitioned == "deaf"
+        conn.sendall(b"lost")
+        server.write_stdin("say from-host\n")
+        server.wait_ready(READY_S, line="said")
+        assert conn.recv(16) == b"from-host"  # the host's send crossed; no echo came first
+        conn.settimeout(1.0)
+        with pytest.raises(TimeoutError):  # and our bytes never reached it
+            conn.recv(16)
+    with pytest.raises(TimeoutError):
         socket.create_connection((host.inner_addr, PORT), timeout=1.0)
     host.heal()
     assert host.partitioned is None

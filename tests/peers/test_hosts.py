@@ -5,10 +5,11 @@ reaches D's side channel across the link).
 
 Why: on loopback a peer can die or stop, but the network never drops a packet, refuses
 a route or runs out of bandwidth. Here the link is cut while many loads are in flight:
-silently (packets vanish, as behind a dead switch) and loudly (the route is refused),
-then healed. What must hold is what holds on loopback: every load is reported exactly
-once, a load that P may still serve keeps its blocks until nothing can write into them,
-no byte lands in a block the scheduler got back, and D serves again after the heal.
+silently (packets vanish, as behind a dead switch), one way only (D's packets vanish
+while P's still cross) and loudly (the route is refused), then healed. What must hold is
+what holds on loopback: every load is reported exactly once, a load that P may still
+serve keeps its blocks until nothing can write into them, no byte lands in a block the
+scheduler got back, and D serves again after the heal.
 
 No assertion reads a time; each wait is bounded and names what it waited for.
 """
@@ -217,31 +218,46 @@ def _fail_across_cut(
     assert all(r.failed for r in records), records
 
 
-def _cut_during_loads(pair: PeerPair, host: NamespaceHost, engine: Engine, stem: str) -> list[str]:
-    """``MANY`` loads from a warm D (its connection to P is up) cut silently: D's pull
-    requests still reach P, whose writes back vanish until the heal. Returns the ids,
-    each already reported."""
+def _cut_during_loads(
+    pair: PeerPair,
+    host: NamespaceHost,
+    engine: Engine,
+    stem: str,
+    mode: PartitionMode = "silent",
+) -> list[str]:
+    """``MANY`` loads from a warm D (its connection to P is up) cut without a refusal.
+    ``silent``: D's pull requests still reach P, whose writes back vanish until the heal.
+    ``deaf``, its mirror: D's requests vanish on the way (TCP sends them again after the
+    heal, and P serves them then), while P's packets would still cross. Either way D
+    hears nothing, and P may write once the link is back. Returns the ids, each already
+    reported."""
     # A precondition, not a verdict: on a loaded machine pulls over the link can miss the
     # short deadline, so the warm-up retries within WAIT_S (three tries were once not
     # enough, with three workers on two cores).
     _warm(pair, engine)
     rids = [f"{stem}-{i}" for i in range(MANY)]
-    _fail_across_cut(pair, host, engine, rids, "silent")
+    _fail_across_cut(pair, host, engine, rids, mode)
     if engine.spec.policy == "fail":  # under recompute each runs on, in fresh blocks
         assert all(engine.status(rid).name == "FINISHED_ERROR" for rid in rids)
     return rids
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
+#: The cuts without a refusal, by policy: the silent cut under both; its mirror under
+#: ``fail`` only (what it adds is which way the link fails, which the policy does not touch).
+_QUIET_CUTS = [("silent", "fail"), ("silent", "recompute"), ("deaf", "fail")]
+
+
+@pytest.mark.parametrize(("mode", "policy"), _QUIET_CUTS, ids=[f"{m}-{p}" for m, p in _QUIET_CUTS])
 def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_healed(
-    pair: PeerPair, host: NamespaceHost, policy: str
+    pair: PeerPair, host: NamespaceHost, mode: PartitionMode, policy: str
 ) -> None:
     """Under both policies: ``recompute`` serves each request again in fresh blocks while
-    the failed load's blocks stay held, and the policy oracle checks it completed."""
+    the failed load's blocks stay held, and the policy oracle checks it completed. The
+    ``deaf`` cut is the mirror: D's pulls, not P's answers, are what vanish."""
     engine = _engine(pair, policy)
-    rids = _cut_during_loads(pair, host, engine, f"hosts-silent-{policy}")
-    # P got every pull before its answers were cut, so each may still be written:
-    # held, however long the link stays down.
+    rids = _cut_during_loads(pair, host, engine, f"hosts-{mode}-{policy}", mode)
+    # P got every pull before its answers were cut (silent), or gets them after the heal
+    # (deaf): either way each may still be written, so held however long the link is down.
     held = quarantined(engine)
     assert held["loads"] == MANY and held["blocks"] > 0, held
     for _ in range(50):
@@ -258,20 +274,21 @@ def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_he
     # None of P's late writes landed in a block the scheduler had back.
     assert pair.integrity_findings(engine) == []
     assert oracles.check_all(engine, rids, failed=True) == []
-    _load_ok(pair, f"hosts-after-silent-{policy}", engine)
+    _load_ok(pair, f"hosts-after-{mode}-{policy}", engine)
 
 
+@pytest.mark.parametrize("mode", ["silent", "deaf"])
 def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
-    pair: PeerPair, host: NamespaceHost
+    pair: PeerPair, host: NamespaceHost, mode: PartitionMode
 ) -> None:
     """Negative control: the same cut, on a D whose fence says "over" at once (fail fast,
     free at once). P's writes after the heal then land in blocks the scheduler freed, and
-    the integrity oracle must name them: the test above can fail."""
-    control = pair.consumer("fail", name="hosts-control")
+    the integrity oracle must name them: the test above can fail, for either cut."""
+    control = pair.consumer("fail", name=f"hosts-control-{mode}")
     worker = control.workers[0].connector.connector_worker
     worker.failure_reporter._fence = lambda req_id: True  # no hold: blocks back at once
     try:
-        rids = _cut_during_loads(pair, host, control, "hosts-control")
+        rids = _cut_during_loads(pair, host, control, f"hosts-control-{mode}", mode)
         assert quarantined(control)["loads"] == 0
         host.heal()
         assert _p_finished_sending(pair, rids)
@@ -279,7 +296,7 @@ def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
         assert any("write after release" in f for f in findings), findings
     finally:
         control.close()
-        pair.decoders.pop("hosts-control", None)
+        pair.decoders.pop(f"hosts-control-{mode}", None)
 
 
 def test_a_refused_route_fails_loads_at_once_and_strands_nothing(
@@ -335,15 +352,15 @@ def test_nixl_over_an_ipv6_only_link_in_a_fresh_process(transport: str) -> None:
     and its TCP transport cannot tell an IPv6 peer in its own subnet without it, so a link
     made after a process's first NIXL agent is "no route" to its agent, or no backend at
     all (a D in production meets the same when an interface appears after it started).
-    The deadline-free control stays with the IPv4 links: what it shows does not depend on
-    the address family."""
+    The deadline-free control and the one-way (``deaf``) cut stay with the IPv4 links:
+    what they show does not depend on the address family."""
     if _IPV6_CHILD is not None:
         return  # the child itself: its cases are the pair's ``-ipv6`` ones
     rc, out = run_child_pytest(
         [
             __file__,
             *("-o", "addopts=", "-p", "no:randomly"),
-            *("-k", f"{transport}-ipv6 and not control"),
+            *("-k", f"{transport}-ipv6 and not control and not deaf"),
         ],
         cwd=ROOT,
         timeout_s=600,
