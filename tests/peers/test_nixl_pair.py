@@ -65,7 +65,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[NixlPair]:
         # One real pull first: this D's deadline (3 s) can be shorter than a cold first
         # pull on a loaded machine, which includes the handshake. Tests that need a cold D
         # build one.
-        p.warm(KVFAIL, tries=3)
+        p.warm(KVFAIL, within_s=60.0)
         yield p
     finally:
         p.close()
