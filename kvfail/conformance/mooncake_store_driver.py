@@ -44,6 +44,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -379,20 +380,20 @@ class MooncakeStoreDriver(ExampleDriver):
             raise RuntimeError("MooncakeStoreDriver: the master refused to remove the keys")
 
     def declared(self) -> Declared:
-        return Declared(
+        """The file store's claims (one KV-cache group, TP 1, as built there), but for
+        how this store loads and what is behind it."""
+        return replace(
+            super().declared(),
             async_load=Claim(True, "receive threads get the blocks; D reports them finished later"),
             sync_load=Claim(False, "the connector loads asynchronously (load_async)"),
             remote_prefill=Claim(
                 True,
                 "P, a harness engine, puts real blocks into a real Mooncake store",
             ),
-            two_groups=Claim(False, "the driver builds one KV-cache group"),
             real_transport=Claim(
                 True,
                 "mooncake_master and a segment-owner process, TransferEngine over TCP",
             ),
-            tp2=Claim(False, "the driver runs TP 1 only"),
-            hetero_tp=Claim(False, "the driver runs TP 1 only"),
         )
 
     # ------------------------------------------------------------ engines

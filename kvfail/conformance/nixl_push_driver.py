@@ -32,6 +32,8 @@ handshakes with D: a D-side scenario would test P), ``kill_one_peer`` and the TP
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvfail.conformance.driver import Claim, Declared
 from kvfail.conformance.nixl_driver import NixlDriver
 from kvfail.conformance.nixl_fault_state import KillOnProvoke, LateRead
@@ -123,12 +125,13 @@ class NixlPushDriver(NixlDriver):
             call.producer.process.kill(timeout_s=call.pair.kill_timeout_s)
 
     def declared(self) -> Declared:
-        return Declared(
+        """Pull's claims about NIXL itself (asynchronous only, the same transport); what
+        the push pair builds is its own."""
+        return replace(
+            super().declared(),
             async_load=Claim(True, "P WRITEs asynchronously; D polls its notifications each step"),
-            sync_load=Claim(False, "NIXL only advertises asynchronous loads"),
             remote_prefill=Claim(True, "a real P process prefills and WRITEs into D's blocks"),
             two_groups=Claim(False, "the push pair is built with one KV-cache group"),
-            real_transport=Claim(True, "nixl agent, UCX over TCP loopback, DRAM"),
             tp2=Claim(False, "the push pair runs TP 1 only"),
             hetero_tp=Claim(False, "the push pair runs TP 1 only"),
         )

@@ -59,11 +59,18 @@ def quarantined(engine: Engine) -> dict[str, int]:
 __all__ = [
     "P_POOL_FACTOR",
     "PeerPair",
+    "all_blocks_free",
     "closed_port",
     "producer_engine_id",
     "unknown_engine",
     "with_param",
 ]
+
+
+def all_blocks_free(engine: Engine) -> bool:
+    """Every block of D's pool is free again (the null block never is)."""
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    return bool(pool.get_num_free_blocks() == engine.spec.num_blocks - 1)
 
 
 def closed_port() -> int:
@@ -396,22 +403,56 @@ class PeerPair(StuckEvidence):
         )
 
     def warm(
-        self, consumer: str | Engine | None = None, *, tries: int = 1, timeout_s: float = 30.0
+        self,
+        consumer: str | Engine | None = None,
+        *,
+        within_s: float = 0.0,
+        timeout_s: float = 30.0,
     ) -> str:
-        """One verified real pull for ``consumer``, so it is a warm D (it has P's address
-        and transport endpoints, and a handshake is out of what it measures next).
+        """Loads from P into ``consumer`` until one verifies, so it is a warm D (it has
+        P's address and transport endpoints, and a handshake is out of what it measures
+        next). Returns the id of the load that verified.
 
-        Returns the id of the pull that verified; raises ``RuntimeError`` after ``tries``
-        pulls that did not (a cold first pull includes the handshake, which a short
-        deadline may fail on a loaded machine: hence the retries)."""
-        last: Any = None
-        for _ in range(tries):
+        A cold first load includes the handshake, which a short deadline may fail on a
+        loaded machine: D reporting it failed is its connector doing its job, so the
+        load is tried again once D has every block back (a held load keeps them until P
+        can no longer write), for as long as ``within_s`` allows (the default: one load).
+        ``RuntimeError`` once that has passed, and at once for what no handshake
+        explains: a load D did not end within ``timeout_s``, or one reported loaded
+        without P's exact bytes."""
+        engine = self._engine(consumer)
+        end = time.monotonic() + within_s
+        tries = 0
+        while True:
+            tries += 1
             rid = f"warm-{os.getpid()}-{next(_WARM_SEQ)}"
-            self.prefill_and_add(rid, prompt_len=40, consumer=consumer)
-            last = self.run([rid], consumer=consumer, timeout_s=timeout_s)  # type: ignore[attr-defined]
-            if last.ok and self.verify(rid):
-                return rid
-        raise RuntimeError(f"no verified pull from P for {consumer!r} in {tries} tries ({last})")
+            self.prefill_and_add(rid, prompt_len=40, consumer=engine)
+            run = self.run([rid], consumer=engine, timeout_s=timeout_s)  # type: ignore[attr-defined]
+            record = self.records[rid]
+            if not run.ok:
+                raise RuntimeError(f"warm-up load {rid} did not end ({run}, {record})")
+            if not record.failed:
+                if self.verify(rid):
+                    return rid
+                raise RuntimeError(f"warm-up load {rid} loaded without P's bytes ({record})")
+            left = end - time.monotonic()
+            if left <= 0 or not self.step_until(engine, lambda: all_blocks_free(engine), left):
+                raise RuntimeError(
+                    f"no verified load from P for {consumer!r} within {within_s}s "
+                    f"({tries} tries, the last {record})"
+                )
+
+    def step_until(self, engine: Engine, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Step D ``engine``, observing each step as the suite does, until ``done()``;
+        False if ``timeout_s`` passed first."""
+        end = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() >= end:
+                return False
+            engine.step()
+            self.observe(engine)
+            time.sleep(0.005)
+        return True
 
     # ------------------------------------------------------------------ observation
 

@@ -93,10 +93,7 @@ def _report_step(pair: MooncakePair, consumer: str, req_id: str) -> int | None:
 
 def _warm(pair: MooncakePair, consumer: str) -> None:
     """One good pull, so D has cached P's side-channel address (the "warm" case)."""
-    pair.consumer("fail", name=consumer)
-    pair.prefill_and_add(f"{consumer}-warmup", prompt_len=40, consumer=consumer)
-    run = pair.run([f"{consumer}-warmup"], consumer=consumer, timeout_s=30)
-    assert run.ok and pair.verify(f"{consumer}-warmup"), run
+    pair.warm(pair.consumer("fail", name=consumer))
 
 
 def test_probe_verdicts_on_loopback() -> None:

@@ -16,7 +16,6 @@ No assertion reads a time; each wait is bounded and names what it waited for.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from tests.child_pytest import ROOT, run_child_pytest
 from tests.transports import require_netns, require_transport
-from tests.waiting import all_blocks_free, step_until
+from tests.waiting import step_until
 
 require_transport("mooncake")
 require_transport("nixl")
@@ -35,7 +34,7 @@ require_netns()
 
 from kvfail.faults.netns import NamespaceHost, PartitionMode  # noqa: E402
 from kvfail.harness import Engine, RunResult, oracles  # noqa: E402
-from kvfail.peers.base import PeerPair, quarantined  # noqa: E402
+from kvfail.peers.base import PeerPair, all_blocks_free, quarantined  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
@@ -53,8 +52,6 @@ DEADLINE_S = 3.0
 #: Bound on every wait below (a failure names what was still missing).
 WAIT_S = 60.0
 MANY = 4
-#: Warm-up request ids, unique in the module (a pair is warmed once per D).
-_WARM_IDS = itertools.count(1)
 KVFAIL = "kvfail"
 
 
@@ -147,26 +144,14 @@ def _engine(pair: PeerPair, policy: str = "fail") -> Engine:
     return pair.consumer(policy, name=f"{KVFAIL}-{policy}")
 
 
-def _warm(pair: PeerPair, engine: Engine | None = None) -> None:
+def _warm(pair: PeerPair, engine: str | Engine = KVFAIL) -> None:
     """Load once over the new link with ``engine`` (default: the ``fail`` D). The first
     load pays the handshake (NIXL's metadata exchange and UCX endpoints over the veth
     link), and on a loaded machine that can pass D's deadline: D then fails it at the
     watchdog, which is the connector doing its job, not the link failing, and no test
-    here is about a cold handshake's latency. A load reported failed is tried again,
-    within ``WAIT_S``, once its blocks are back; one reported loaded must hold P's exact
-    bytes at once."""
-    engine = _engine(pair) if engine is None else engine
-    end = time.monotonic() + WAIT_S
-    attempt = 0
-    while True:
-        attempt += 1
-        rid = f"hosts-warm-{next(_WARM_IDS)}"
-        _load(pair, rid, engine)
-        if not pair.records[rid].failed:
-            assert pair.verify(rid), pair.records[rid]
-            return
-        assert time.monotonic() < end, f"no load crossed the new link in {WAIT_S}s ({attempt})"
-        step_until(pair, engine, lambda: all_blocks_free(engine), f"{rid}'s blocks back", WAIT_S)
+    here is about a cold handshake's latency. So the pair's warm-up tries again, within
+    ``WAIT_S``, once the failed load's blocks are back."""
+    pair.warm(engine, within_s=WAIT_S, timeout_s=WAIT_S)
 
 
 def _load(pair: PeerPair, rid: str, engine: Engine) -> RunResult:

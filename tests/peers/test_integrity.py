@@ -8,11 +8,12 @@ transfer would: the oracle must name each write, and stay silent for a clean pul
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from tests.waiting import step_until
 
 pytest.importorskip("vllm", reason="vLLM is not importable in this environment")
 
@@ -34,21 +35,6 @@ def pair() -> Iterator[MooncakePair]:
         p.close()
 
 
-def _step_until(pair: MooncakePair, done: object, what: str, timeout_s: float = 30.0) -> None:
-    """Step D (observing each step, as the suite does) until ``done()``; the transfer runs
-    in the transport's own threads, so steps are paced like ``MooncakePair.run``'s."""
-    engine = pair.d
-    assert engine is not None
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        pair.observe(engine)
-        if done():  # type: ignore[operator]
-            return
-        engine.step()
-        time.sleep(0.005)
-    raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
-
-
 def _scribble(pair: MooncakePair, block: int, position_in_block: int) -> None:
     """Overwrite one token slot of ``block`` in every layer of D's rank 0: a late write."""
     engine = pair.d
@@ -63,7 +49,9 @@ def _first_scheduled(pair: MooncakePair, rid: str, *, max_tokens: int) -> tuple[
     engine = pair.d
     assert engine is not None
     rec = pair.prefill_and_add(rid, prompt_len=100, max_tokens=max_tokens)
-    _step_until(pair, lambda: rec.checked_ranks, "the first schedule after the load")
+    step_until(
+        pair, engine, lambda: bool(rec.checked_ranks), "the first schedule after the load", 30.0
+    )
     (blocks,) = engine.scheduler.kv_cache_manager.get_block_ids(rid)
     return engine, list(blocks)
 

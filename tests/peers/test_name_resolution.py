@@ -25,13 +25,13 @@ import pytest
 
 from tests.child_pytest import ROOT, run_child_pytest
 from tests.transports import require_transport
-from tests.waiting import all_blocks_free, step_until
+from tests.waiting import step_until
 
 require_transport("mooncake")
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
-from kvfail.peers.base import PeerPair, with_param  # noqa: E402
+from kvfail.peers.base import PeerPair, all_blocks_free, with_param  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402

@@ -29,6 +29,7 @@ from tests.transports import require_transport
 require_transport("nixl")
 
 from kvfail.harness import oracles  # noqa: E402
+from kvfail.peers.base import all_blocks_free  # noqa: E402
 from kvfail.peers.nixl import (  # noqa: E402
     BAD_METADATA,
     HANDSHAKE_TIMEOUT_S,
@@ -65,7 +66,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[NixlPair]:
         # One real pull first: this D's deadline (3 s) can be shorter than a cold first
         # pull on a loaded machine, which includes the handshake. Tests that need a cold D
         # build one.
-        p.warm(KVFAIL, tries=3)
+        p.warm(KVFAIL, within_s=60.0)
         yield p
     finally:
         p.close()
@@ -196,13 +197,9 @@ def test_frozen_peer_kvfail_reports_at_deadline_upstream_waits(pair: NixlPair) -
     # kvfail held its READ's blocks while the stopped P could still serve it; thawed, the
     # READ ends, its handle is released and the blocks come back. Only then would a
     # missing block be a leak.
+    # The held blocks keep the engine stepping (has_pending_push_work).
     engine = pair.decoders[KVFAIL]
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    end = time.monotonic() + 30.0
-    while pool.get_num_free_blocks() < engine.spec.num_blocks - 1 and time.monotonic() < end:
-        engine.step()  # the held blocks keep the engine stepping (has_pending_push_work)
-        pair.observe(engine)
-        time.sleep(0.005)
+    pair.step_until(engine, lambda: all_blocks_free(engine), 30.0)
     assert _violations(pair, KVFAIL, f"frozen-{KVFAIL}", failed=True) == []
 
 

@@ -17,11 +17,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests.transports import require_transport
-from tests.waiting import all_blocks_free, step_until
+from tests.waiting import step_until
 
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
+from kvfail.peers.base import all_blocks_free  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import (  # noqa: E402
     NixlPushPair,
@@ -45,7 +46,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[NixlPushPair]:
         p.consumer("fail", name=KVFAIL, extra_config={"kvfail_deadline_s": DEADLINE_S})
         # A first verified push: both handshakes (D->P for the registration, P->D for
         # the WRITE) are then done, and out of what the fault tests look at.
-        p.warm(KVFAIL, tries=3)
+        p.warm(KVFAIL, within_s=WAIT_S)
         yield p
     finally:
         p.close()
@@ -145,7 +146,7 @@ def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
     scheduler freed, and the integrity oracle must name it: the oracle the tests above
     rely on can fail."""
     control = pair.consumer("fail", name="control", extra_config={"kvfail_deadline_s": DEADLINE_S})
-    pair.warm(control, tries=3)
+    pair.warm(control, within_s=WAIT_S)
     worker = control.workers[0].connector.connector_worker
     worker.failure_reporter._fence = lambda req_id: True  # no hold: blocks back at once
     rid = "push-control"
