@@ -301,7 +301,8 @@ class PairDriver(Driver[PairHandle]):
             if wait:
                 shared.wait_ready(pair.ready_timeout_s)
             return
-        pair.restart_p(wait=wait)
+        # Scenarios kill P again and again: the pair keeps a spare started ahead.
+        pair.restart_p(wait=wait, keep_spare=True)
         if key is not None:
             register_producer(key, pair.p)
 
