@@ -301,8 +301,7 @@ class PairDriver(Driver[PairHandle]):
             if wait:
                 shared.wait_ready(pair.ready_timeout_s)
             return
-        # Scenarios kill P again and again: the pair keeps a spare started ahead.
-        pair.restart_p(wait=wait, keep_spare=True)
+        pair.restart_p(wait=wait)
         if key is not None:
             register_producer(key, pair.p)
 

@@ -214,30 +214,16 @@ class PeerPair(StuckEvidence):
             num_kv_cache_groups=self.num_kv_cache_groups,
         )
 
-    def restart_p(self, *, wait: bool = True, keep_spare: bool = False) -> dict[str, Any] | None:
+    def restart_p(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Replace P with a fresh process of its own (new port, new engine id).
 
         ``wait=False`` only spawns it (its vLLM import overlaps whatever runs next); the
         next call that needs P waits for it to be ready (:meth:`producer`).
-        ``keep_spare``: for a caller that replaces P again and again (the suite, whose
-        scenarios kill it): the new P is the spare started at the last such restart, if
-        it is still healthy, and another spare starts now, so the next restart finds one
-        already up instead of waiting out a P's start. The spare is a P like any other,
-        unused until it takes over; :meth:`close` closes it.
         """
         if self.p is not None and self.owns_p:
             self.p.close()
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.process.alive and not spare.process.frozen:
-            self.p = spare
-        else:
-            if spare is not None:
-                with contextlib.suppress(Exception):
-                    spare.close()
-            self.p = self._new_producer()
+        self.p = self._new_producer()
         self.owns_p = True
-        if keep_spare:
-            self._spare = self._new_producer()
         ready: dict[str, Any] | None = self.p.wait_ready(self.ready_timeout_s) if wait else None
         return ready
 
@@ -257,8 +243,6 @@ class PeerPair(StuckEvidence):
         self.p = None
         self.owns_p = True
         self.p2 = None
-        #: A P started ahead of the next :meth:`restart_p` that asks for one (None: none).
-        self._spare: Any = None
 
     # ------------------------------------------------------------------ engines
 
@@ -613,11 +597,9 @@ class PeerPair(StuckEvidence):
         self.decoders.clear()
         self._close_extra()
         self.close_second_p()
-        for producer, owned in ((self.p, self.owns_p), (self._spare, True)):
-            if producer is not None and owned:
-                with contextlib.suppress(Exception):
-                    producer.close()
-        self._spare = None
+        if self.p is not None and self.owns_p:
+            with contextlib.suppress(Exception):
+                self.p.close()
 
     def __enter__(self) -> Any:
         return self
