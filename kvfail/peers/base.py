@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import socket
 import time
@@ -86,6 +87,9 @@ def closed_port() -> int:
 #: as that timeout frees blocks, a wait of the rig's own that no verdict rests on. D's
 #: pool, the one the suite judges, keeps its size.
 P_POOL_FACTOR = 4
+
+#: How often a wait asks P (a protocol round trip) while it steps D.
+_ASK_P_EVERY_S = 0.1
 
 _P_SEQ = itertools.count(1)
 #: Warm-up pulls' ids: unique in the process, as a P shared by several pairs must never
@@ -442,17 +446,47 @@ class PeerPair(StuckEvidence):
                     f"({tries} tries, the last {record})"
                 )
 
-    def step_until(self, engine: Engine, done: Callable[[], bool], timeout_s: float) -> bool:
+    def step_until(
+        self,
+        engine: Engine,
+        done: Callable[[], bool],
+        timeout_s: float,
+        *,
+        ask_every_s: float = 0.0,
+    ) -> bool:
         """Step D ``engine``, observing each step as the suite does, until ``done()``;
-        False if ``timeout_s`` passed first."""
+        False if ``timeout_s`` passed first. ``ask_every_s``: ask ``done`` at most that
+        often (and once more at the end), for a question that costs a round trip to P
+        or a look at every rank's blocks."""
         end = time.monotonic() + timeout_s
-        while not done():
-            if time.monotonic() >= end:
+        asked = -math.inf
+        while True:
+            now = time.monotonic()
+            if now - asked >= ask_every_s or now >= end:
+                asked = now
+                if done():
+                    return True
+            if now >= end:
                 return False
             engine.step()
             self.observe(engine)
             time.sleep(0.005)
-        return True
+
+    def wait_finished_sending(
+        self, engine: Engine, req_ids: Iterable[str], timeout_s: float
+    ) -> bool:
+        """Whether P reported every one of ``req_ids`` sent (its writes over, its blocks
+        let go) within ``timeout_s``, stepping D ``engine`` meanwhile: D's own step may be
+        what tells P (NIXL's completion notification), and a D left idle would have P let
+        go only at its lease's end, which says nothing of the writes."""
+        producer = self._ready_producer()
+        wanted = set(req_ids)
+        return self.step_until(
+            engine,
+            lambda: wanted <= set(producer.stats()["finished_sending"]),
+            timeout_s,
+            ask_every_s=_ASK_P_EVERY_S,
+        )
 
     # ------------------------------------------------------------------ observation
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Literal
 
 import pytest
@@ -174,33 +173,9 @@ def test_loads_cross_the_link_with_exact_bytes(pair: PeerPair, host: NamespaceHo
     _load_ok(pair, "hosts-happy")
 
 
-#: How often a wait below asks its question (a round trip to P, or the integrity
-#: oracle's look at every rank's blocks) while D steps.
-_ASK_EVERY_S = 0.1
-
-
-def _now_and_then(question: Callable[[], bool]) -> Callable[[], bool]:
-    """``question``, asked at most every :data:`_ASK_EVERY_S` (False in between)."""
-    asked = [0.0]
-
-    def ask() -> bool:
-        if time.monotonic() - asked[0] < _ASK_EVERY_S:
-            return False
-        asked[0] = time.monotonic()
-        return question()
-
-    return ask
-
-
-def _p_finished_sending(pair: PeerPair, engine: Engine, rids: list[str]) -> None:
-    """Wait, within ``WAIT_S``, until P says its writes for every one of ``rids`` are over,
-    stepping D meanwhile: over NIXL, P learns a READ ended from the notification D's own
-    step sends, and a D left idle would have P give the blocks up only at its lease's end,
-    which says nothing of the late writes."""
-    assert pair.p is not None
-    producer = pair.p
-    over = _now_and_then(lambda: set(rids) <= set(producer.stats()["finished_sending"]))
-    step_until(pair, engine, over, "P's writes of every cut load", WAIT_S)
+#: How often the control's wait asks the integrity oracle (a look at every rank's
+#: blocks) while D steps.
+_ASK_ORACLE_EVERY_S = 0.1
 
 
 def _fail_across_cut(
@@ -269,7 +244,8 @@ def test_a_silent_partition_during_many_loads_fails_each_once_and_holds_until_he
     assert quarantined(engine) == held
     assert not all_blocks_free(engine)
     host.heal()
-    _p_finished_sending(pair, engine, rids)  # the late writes really happened, after the heal
+    # The late writes really happened, after the heal.
+    assert pair.wait_finished_sending(engine, rids, WAIT_S), "P's writes of the cut loads"
     step_until(
         pair, engine, lambda: quarantined(engine)["loads"] == 0, "the holds' release", WAIT_S
     )
@@ -296,10 +272,12 @@ def test_control_freeing_at_the_deadline_is_flagged_across_the_partition(
         host.heal()
         # Stepped until P's late write is seen in a freed block (a READ the control let
         # go never tells P it ended: P's lease, not a notification, would end its wait).
-        flagged = _now_and_then(
-            lambda: any("write after release" in f for f in pair.integrity_findings(control))
+        done = pair.step_until(
+            control,
+            lambda: any("write after release" in f for f in pair.integrity_findings(control)),
+            WAIT_S,
+            ask_every_s=_ASK_ORACLE_EVERY_S,
         )
-        done = pair.step_until(control, flagged, WAIT_S)
         findings = pair.integrity_findings(control)
         assert done and any("write after release" in f for f in findings), findings
     finally:

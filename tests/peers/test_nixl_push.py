@@ -11,7 +11,6 @@ a time: each is about what D reported, what it holds, and in what order.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -61,17 +60,6 @@ def _stats(pair: NixlPushPair) -> dict[str, int]:
     return dict(worker.failure_stats().as_dict())
 
 
-def _p_finished_sending(pair: NixlPushPair, rid: str) -> bool:
-    """P's WRITE for ``rid`` completed and P let its blocks go (bounded wait)."""
-    assert pair.p is not None
-    end = time.monotonic() + WAIT_S
-    while time.monotonic() < end:
-        if rid in pair.p.stats()["finished_sending"]:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_happy_push_bytes_arrive_exactly(pair: NixlPushPair) -> None:
     rid = "push-happy"
     rec = pair.prefill_and_add(rid, prompt_len=100, consumer=KVFAIL)
@@ -81,7 +69,8 @@ def test_happy_push_bytes_arrive_exactly(pair: NixlPushPair) -> None:
     assert not rec.failed and _engine(pair).status(rid) is not None
     assert _engine(pair).status(rid).name == "FINISHED_LENGTH_CAPPED"
     assert oracles.check_all(_engine(pair), [rid], failed=False) == []
-    assert _p_finished_sending(pair, rid)  # P's WRITE completed and P freed its blocks
+    # P's WRITE completed and P freed its blocks.
+    assert pair.wait_finished_sending(_engine(pair), [rid], WAIT_S)
     assert quarantined(_engine(pair)) == {"loads": 0, "blocks": 0}
 
 
@@ -126,7 +115,7 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
     after = _stats(pair)
     assert after["late_reports"] - before["late_reports"] >= 1, (before, after)
     assert after["loads_failed"] - before["loads_failed"] == 1, (before, after)
-    assert _p_finished_sending(pair, rid)  # the late WRITE really happened
+    assert pair.wait_finished_sending(engine, [rid], WAIT_S)  # the late WRITE really happened
     step_until(
         pair, engine, lambda: all_blocks_free(engine), "every block back in the pool", WAIT_S
     )
@@ -155,19 +144,17 @@ def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
     thawed = False
     try:
         rec = pair.add(rid, params, prompt_len=100, consumer=control)
-        end = time.monotonic() + WAIT_S
-        while rec.reported_s is None:
-            assert time.monotonic() < end, "the control's deadline never reported"
-            control.step()
-            pair.observe(control)
-            time.sleep(0.005)
+        step_until(
+            pair, control, lambda: rec.reported_s is not None, "the control's report", WAIT_S
+        )
         assert rec.failed and quarantined(control)["loads"] == 0
         pair.thaw_p()
         thawed = True
     finally:
         if not thawed:
             pair.thaw_p()
-    assert _p_finished_sending(pair, rid)  # P's WRITE into the freed blocks completed
+    # P's WRITE into the freed blocks completed.
+    assert pair.wait_finished_sending(control, [rid], WAIT_S)
     findings = pair.integrity_findings(control)
     assert any("write after release" in f and rid in f for f in findings), findings
     control.close()
