@@ -24,6 +24,7 @@ tensors is a :class:`~kvfail.harness.hooks.SplitForward`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,12 +40,14 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvfail.harness.config import BuiltConfig
 from kvfail.harness.hooks import RankView
-from kvfail.harness.ranks import RankProcess
+from kvfail.harness.ranks import RankCrash, RankProcess
 from kvfail.rig import nixl_progress
 from kvfail.rig.shm import new_shm_ident, release_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "Worker",
@@ -200,12 +203,37 @@ def build_worker(built: BuiltConfig, rank: int, how: WorkerBuild) -> Worker:
     return Worker(rank, connector, kv_caches, built=built)
 
 
+#: How often a TP world whose rendezvous port was taken is started again on a fresh one.
+RENDEZVOUS_RETRIES = 2
+
+
+def _lost_its_port(exc: RankCrash) -> bool:
+    text = f"{exc.exc_type} {exc.message}".lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
 def start_rank_processes(
     built: BuiltConfig, env: Mapping[str, str] | None
 ) -> tuple[list[Worker], str]:
     """One process per rank, in a gloo world of ``tp_size``, and the shared-memory name
     they share (the caller releases it when the ranks are gone). Start them after the
-    Scheduler, so a scheduler-side server the ranks register with is already up."""
+    Scheduler, so a scheduler-side server the ranks register with is already up.
+
+    Rank 0 binds the world's rendezvous port after we picked it, so another bind can win
+    the race (no pick can close it); a world that lost its port is started again on a
+    fresh one, at most :data:`RENDEZVOUS_RETRIES` times."""
+    retries = RENDEZVOUS_RETRIES
+    while True:
+        try:
+            return _start_world(built, env)
+        except RankCrash as exc:
+            if retries <= 0 or exc.phase != "start" or not _lost_its_port(exc):
+                raise
+            retries -= 1
+            _log.warning("a TP world lost its rendezvous port to another bind; restarting it")
+
+
+def _start_world(built: BuiltConfig, env: Mapping[str, str] | None) -> tuple[list[Worker], str]:
     spec = built.spec
     init_method = f"tcp://127.0.0.1:{_free_local_port()}"
     shm_ident = new_shm_ident()

@@ -27,6 +27,16 @@ _PORT_RANDOM = random.SystemRandom()
 #: Ports are picked at or above this and below the kernel's ephemeral range.
 _FIXED_PORT_FLOOR = 10_000
 
+#: Bands that native transports pick from on their own, with a plain bind we cannot see
+#: coming: Mooncake's transfer engine takes its RPC port at random in [15000, 17000).
+#: A rig port picked there can be taken between our pick and the peer's bind (seen in CI:
+#: a TP world's rendezvous failing with EADDRINUSE while Mooncake engines started beside it).
+_NATIVE_BANDS: tuple[tuple[int, int], ...] = ((15_000, 17_000),)
+
+
+def _in_native_band(port: int) -> bool:
+    return any(low <= port < high for low, high in _NATIVE_BANDS)
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -43,8 +53,10 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     for every outgoing connection's local port, so once released it can be taken by any
     ``connect()`` on the machine before the peer binds it (seen in CI: a replacement
     Mooncake P failing its bootstrap bind). Ports under the range are never handed out
-    implicitly; only another explicit bind can race us, and peers that bind the ports we
-    pick retry on a fresh one (:class:`kvfail.peers.producer_handle.ProducerHandleBase`).
+    implicitly; only another explicit bind can race us. The bands native transports pick
+    from themselves are skipped, and peers that bind the ports we pick retry on a fresh
+    one (:class:`kvfail.peers.producer_handle.ProducerHandleBase`,
+    :func:`kvfail.harness.workers.start_rank_processes`).
     All are held open together so they differ. Falls back to ``bind(0)`` if the range
     leaves no room under it.
     """
@@ -57,7 +69,7 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
             if len(socks) == n:
                 break
             port = _PORT_RANDOM.randrange(_FIXED_PORT_FLOOR, low)
-            if any(s.getsockname()[1] == port for s in socks):
+            if _in_native_band(port) or any(s.getsockname()[1] == port for s in socks):
                 continue
             s = socket.socket(family(host), socket.SOCK_STREAM)
             try:

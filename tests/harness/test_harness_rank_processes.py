@@ -166,3 +166,33 @@ def test_engine_and_rank_processes_size_torch_threads(make_engine: Any) -> None:
         assert threads == (want if want is not None else threads)
         if want is None:
             assert omp is not None  # the user's own choice, left as it was
+
+
+def test_world_that_lost_its_rendezvous_port_starts_again(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 binds the rendezvous port after we picked it, so another bind can win (seen
+    in CI as ``EADDRINUSE`` from gloo's TCPStore). A listener of ours holds the first port
+    handed out, the way a stranger's bind would; the world must come up on a fresh one."""
+    import socket
+
+    from kvfail.harness import workers
+    from kvfail.rig.ports import free_port
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", free_port()))
+    held.listen()
+    handed: list[int] = []
+
+    def pick() -> int:
+        port = held.getsockname()[1] if not handed else free_port()
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(workers, "_free_local_port", pick)
+    try:
+        engine = _processes(make_engine, "D-ranks-port-race")
+        assert [w.call(_tp_identity)[:2] for w in engine.workers] == [(0, 2), (1, 2)]
+        assert len(handed) == 2 and handed[0] == held.getsockname()[1] != handed[1]
+    finally:
+        held.close()

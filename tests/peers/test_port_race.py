@@ -82,3 +82,12 @@ def test_ports_are_picked_below_the_ephemeral_range() -> None:
     ports = free_ports(8)
     assert len(set(ports)) == 8
     assert all(p < low for p in ports), (ports, low)
+
+
+def test_ports_skip_the_bands_native_transports_pick_from() -> None:
+    """Mooncake's transfer engine binds a random port in its own band; a rig port picked
+    there can be lost to it between the pick and the peer's bind."""
+    from kvfail.rig.ports import _in_native_band
+
+    assert _in_native_band(15_684) and not _in_native_band(17_000)
+    assert not any(_in_native_band(p) for p in free_ports(200))
