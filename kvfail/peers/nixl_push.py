@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvfail.peers.base import quarantined
 from kvfail.peers.nixl import NixlPair, nixl_available
 from kvfail.peers.nixl_producer import _handshake_payload
+from kvfail.peers.stepping import quarantined
 
 if TYPE_CHECKING:
     from kvfail.harness import Engine

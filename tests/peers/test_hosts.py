@@ -33,11 +33,12 @@ require_netns()
 
 from kvfail.faults.netns import NamespaceHost, PartitionMode  # noqa: E402
 from kvfail.harness import Engine, RunResult, oracles  # noqa: E402
-from kvfail.peers.base import PeerPair, all_blocks_free, quarantined  # noqa: E402
+from kvfail.peers.base import PeerPair  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import NixlPushPair  # noqa: E402
+from kvfail.peers.stepping import all_blocks_free, quarantined  # noqa: E402
 from kvfail.rig.processes import PeerExitedError  # noqa: E402
 
 #: One xdist worker for the whole module and ``tests/faults/test_netns.py``: split test by

@@ -31,11 +31,12 @@ require_transport("mooncake")
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
-from kvfail.peers.base import PeerPair, all_blocks_free, with_param  # noqa: E402
+from kvfail.peers.base import PeerPair, with_param  # noqa: E402
 from kvfail.peers.mooncake import MooncakePair  # noqa: E402
 from kvfail.peers.nixl import NixlPair  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import NixlPushPair  # noqa: E402
+from kvfail.peers.stepping import all_blocks_free  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -29,7 +29,6 @@ from tests.transports import require_transport
 require_transport("nixl")
 
 from kvfail.harness import oracles  # noqa: E402
-from kvfail.peers.base import all_blocks_free  # noqa: E402
 from kvfail.peers.nixl import (  # noqa: E402
     BAD_METADATA,
     HANDSHAKE_TIMEOUT_S,
@@ -38,6 +37,7 @@ from kvfail.peers.nixl import (  # noqa: E402
     wrong_port,
 )
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
+from kvfail.peers.stepping import all_blocks_free  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

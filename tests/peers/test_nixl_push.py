@@ -21,13 +21,13 @@ from tests.waiting import step_until
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
-from kvfail.peers.base import all_blocks_free  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import (  # noqa: E402
     NixlPushPair,
     late_notifications,
     quarantined,
 )
+from kvfail.peers.stepping import all_blocks_free  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
