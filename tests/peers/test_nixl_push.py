@@ -11,6 +11,7 @@ a time: each is about what D reported, what it holds, and in what order.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from tests.waiting import step_until
 require_transport("nixl")
 
 from kvfail.harness import Engine, oracles  # noqa: E402
+from kvfail.peers.decode_record import DecodeRecord  # noqa: E402
 from kvfail.peers.nixl_exit_guard import install_exit_guard  # noqa: E402
 from kvfail.peers.nixl_push import (  # noqa: E402
     NixlPushPair,
@@ -60,6 +62,24 @@ def _stats(pair: NixlPushPair) -> dict[str, int]:
     return dict(worker.failure_stats().as_dict())
 
 
+@contextlib.contextmanager
+def _p_frozen_past_deadline(pair: NixlPushPair, engine: Engine, rid: str) -> Iterator[DecodeRecord]:
+    """P prefills ``rid`` and is stopped before it can WRITE; D adds the request and
+    reports it at its deadline. Yields D's record; on the way out P is thawed unless the
+    body thawed or killed it, as the module's later tests share this P."""
+    params = pair.prefill(rid, 100)  # P's blocks are ready; P waits for D's registration
+    pair.freeze_p()
+    try:
+        rec = pair.add(rid, params, prompt_len=100, consumer=engine)
+        step_until(
+            pair, engine, lambda: rec.reported_s is not None, "the deadline's report", WAIT_S
+        )
+        yield rec
+    finally:
+        if pair.p.process.frozen:
+            pair.thaw_p()
+
+
 def test_happy_push_bytes_arrive_exactly(pair: NixlPushPair) -> None:
     rid = "push-happy"
     rec = pair.prefill_and_add(rid, prompt_len=100, consumer=KVFAIL)
@@ -84,14 +104,7 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
     before = _stats(pair)
     late_before = late_notifications(engine)
     rid = "push-frozen"
-    params = pair.prefill(rid, 100)  # P's blocks are ready; P waits for D's registration
-    pair.freeze_p()
-    thawed = False
-    try:
-        rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
-        step_until(
-            pair, engine, lambda: rec.reported_s is not None, "the deadline's report", WAIT_S
-        )
+    with _p_frozen_past_deadline(pair, engine, rid) as rec:
         assert rec.failed and engine.status(rid).name == "FINISHED_ERROR", rec
         after = _stats(pair)
         assert after["stage.watchdog"] - before["stage.watchdog"] == 1, (before, after)
@@ -104,13 +117,9 @@ def test_frozen_p_fails_at_deadline_holds_blocks_until_its_late_write(
             pair.observe(engine)
         assert quarantined(engine) == held
         pair.thaw_p()
-        thawed = True
         step_until(
             pair, engine, lambda: quarantined(engine)["loads"] == 0, "the hold's release", WAIT_S
         )
-    finally:
-        if not thawed:
-            pair.thaw_p()
     assert late_notifications(engine) - late_before == 1
     after = _stats(pair)
     assert after["late_reports"] - before["late_reports"] >= 1, (before, after)
@@ -139,20 +148,8 @@ def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
     worker = control.workers[0].connector.connector_worker
     worker.failure_reporter._fence = lambda req_id: True  # no hold: blocks back at once
     rid = "push-control"
-    params = pair.prefill(rid, 100)
-    pair.freeze_p()
-    thawed = False
-    try:
-        rec = pair.add(rid, params, prompt_len=100, consumer=control)
-        step_until(
-            pair, control, lambda: rec.reported_s is not None, "the control's report", WAIT_S
-        )
+    with _p_frozen_past_deadline(pair, control, rid) as rec:
         assert rec.failed and quarantined(control)["loads"] == 0
-        pair.thaw_p()
-        thawed = True
-    finally:
-        if not thawed:
-            pair.thaw_p()
     # P's WRITE into the freed blocks completed.
     assert pair.wait_finished_sending(control, [rid], WAIT_S)
     findings = pair.integrity_findings(control)
@@ -167,12 +164,9 @@ def test_killed_p_blocks_come_back_once_p_is_known_dead(pair: NixlPushPair) -> N
     engine = _engine(pair)
     late_before = late_notifications(engine)
     rid = "push-killed"
-    params = pair.prefill(rid, 100)
-    pair.freeze_p()
-    rec = pair.add(rid, params, prompt_len=100, consumer=KVFAIL)
-    step_until(pair, engine, lambda: rec.reported_s is not None, "the deadline's report", WAIT_S)
-    assert rec.failed and quarantined(engine)["loads"] == 1
-    pair.kill_p()
+    with _p_frozen_past_deadline(pair, engine, rid) as rec:
+        assert rec.failed and quarantined(engine)["loads"] == 1
+        pair.kill_p()
     step_until(
         pair, engine, lambda: quarantined(engine)["loads"] == 0, "release once P is dead", WAIT_S
     )
