@@ -97,6 +97,19 @@ def _echo(host: NamespaceHost, payload: bytes) -> bytes:
     return bytes(got)
 
 
+def _connect_gets_no_answer(host: NamespaceHost) -> None:
+    """A new connection to the host waits: no refusal, no error, the answer never comes."""
+    with pytest.raises(TimeoutError):
+        socket.create_connection((host.inner_addr, PORT), timeout=1.0)
+
+
+def _heals(host: NamespaceHost) -> None:
+    """Healed, the host answers over its link again, bytes intact."""
+    host.heal()
+    assert host.partitioned is None
+    assert _echo(host, b"after heal") == b"after heal"
+
+
 def _links() -> set[str]:
     out = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True, check=True)
     return {str(link["ifname"]) for link in json.loads(out.stdout)}
@@ -118,11 +131,8 @@ def test_a_silent_partition_drops_packets_and_heals(
 ) -> None:
     host.partition("silent")
     assert host.partitioned == "silent"
-    with pytest.raises(TimeoutError):  # no refusal, no error: the answer never comes
-        socket.create_connection((host.inner_addr, PORT), timeout=1.0)
-    host.heal()
-    assert host.partitioned is None
-    assert _echo(host, b"after heal") == b"after heal"
+    _connect_gets_no_answer(host)
+    _heals(host)
 
 
 def test_a_deaf_partition_drops_what_d_sends_while_the_host_still_reaches_d(
@@ -143,11 +153,8 @@ def test_a_deaf_partition_drops_what_d_sends_while_the_host_still_reaches_d(
         conn.settimeout(1.0)
         with pytest.raises(TimeoutError):  # and our bytes never reached it
             conn.recv(16)
-    with pytest.raises(TimeoutError):
-        socket.create_connection((host.inner_addr, PORT), timeout=1.0)
-    host.heal()
-    assert host.partitioned is None
-    assert _echo(host, b"after heal") == b"after heal"
+    _connect_gets_no_answer(host)
+    _heals(host)
 
 
 def test_a_refusing_partition_fails_at_once_and_heals(
@@ -157,8 +164,7 @@ def test_a_refusing_partition_fails_at_once_and_heals(
     with pytest.raises(OSError) as refused:
         socket.create_connection((host.inner_addr, PORT), timeout=READY_S)
     assert not isinstance(refused.value, TimeoutError)  # an error, not a wait
-    host.heal()
-    assert _echo(host, b"healed") == b"healed"
+    _heals(host)
 
 
 def test_a_bandwidth_limit_shapes_both_ends_and_keeps_bytes_intact(
