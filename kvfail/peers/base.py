@@ -143,12 +143,15 @@ class PeerPair(PairStepping, StuckEvidence):
         num_blocks: int,
         ready_timeout_s: float,
         tp_size: int,
+        p_tp_size: int | None,
         num_kv_cache_groups: int,
         host: NamespaceHost | None,
     ) -> None:
         """What every pair's constructor sets before P starts (:meth:`_start`): D's
-        connector and configuration, P's settings (``p_kwargs``, for
-        :meth:`_new_producer`), and the transport's environment defaults (``env``)."""
+        connector and configuration, P's settings (for :meth:`_new_producer`: the
+        transport's ``p_kwargs``, and the layout P shares with D: its pool
+        :data:`P_POOL_FACTOR` times D's, ``p_tp_size`` or D's TP size, D's KV-cache groups,
+        the host), and the transport's environment defaults (``env``)."""
         self.connector = connector
         self.connector_module = connector_module
         self.extra_config = dict(extra_config)
@@ -156,7 +159,13 @@ class PeerPair(PairStepping, StuckEvidence):
         self.ready_timeout_s = ready_timeout_s
         self.tp_size = tp_size
         self.num_kv_cache_groups = num_kv_cache_groups
-        self._p_kwargs = p_kwargs
+        self._p_kwargs = {
+            **p_kwargs,
+            "num_blocks": num_blocks * P_POOL_FACTOR,
+            "tp_size": p_tp_size or tp_size,
+            "num_kv_cache_groups": num_kv_cache_groups,
+            "host": host,
+        }
         #: The simulated host P runs on (None: P shares loopback with D).
         self.host = host
         for key, value in env.items():

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.faults import FaultProxy
 from kvfail.peers.base import (
-    P_POOL_FACTOR,
     DecodeRecord,
     PeerPair,
     closed_port,
@@ -246,10 +245,6 @@ class MooncakePair(PeerPair):
                         p_abort_request_timeout_s or abort_request_timeout_s
                     )
                 },
-                "num_blocks": num_blocks * P_POOL_FACTOR,
-                "tp_size": p_tp_size or tp_size,
-                "num_kv_cache_groups": num_kv_cache_groups,
-                "host": host,
             },
             env={
                 **MOONCAKE_ENV,
@@ -258,6 +253,7 @@ class MooncakePair(PeerPair):
             num_blocks=num_blocks,
             ready_timeout_s=ready_timeout_s,
             tp_size=tp_size,
+            p_tp_size=p_tp_size,
             num_kv_cache_groups=num_kv_cache_groups,
             host=host,
         )

@@ -60,7 +60,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail import compat
 from kvfail.peers.base import (
-    P_POOL_FACTOR,
     PeerPair,
     closed_port,
     unknown_engine,
@@ -241,15 +240,12 @@ class NixlPair(PeerPair):
             p_kwargs={
                 "connector": p_connector,
                 "connector_module": p_connector_module,
-                "num_blocks": num_blocks * P_POOL_FACTOR,
-                "tp_size": p_tp_size or tp_size,
-                "num_kv_cache_groups": num_kv_cache_groups,
-                "host": host,
             },
             env=NIXL_ENV,
             num_blocks=num_blocks,
             ready_timeout_s=ready_timeout_s,
             tp_size=tp_size,
+            p_tp_size=p_tp_size,
             num_kv_cache_groups=num_kv_cache_groups,
             host=host,
         )
