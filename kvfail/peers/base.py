@@ -139,11 +139,11 @@ class PeerPair(PairStepping, StuckEvidence):
         connector_module: str | None,
         extra_config: Mapping[str, Any],
         p_kwargs: dict[str, Any],
+        p_tp_size: int | None,
         env: Mapping[str, str],
         num_blocks: int,
         ready_timeout_s: float,
         tp_size: int,
-        p_tp_size: int | None,
         num_kv_cache_groups: int,
         host: NamespaceHost | None,
     ) -> None:

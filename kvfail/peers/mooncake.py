@@ -246,6 +246,7 @@ class MooncakePair(PeerPair):
                     )
                 },
             },
+            p_tp_size=p_tp_size,
             env={
                 **MOONCAKE_ENV,
                 "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(abort_request_timeout_s),
@@ -253,7 +254,6 @@ class MooncakePair(PeerPair):
             num_blocks=num_blocks,
             ready_timeout_s=ready_timeout_s,
             tp_size=tp_size,
-            p_tp_size=p_tp_size,
             num_kv_cache_groups=num_kv_cache_groups,
             host=host,
         )

@@ -241,11 +241,11 @@ class NixlPair(PeerPair):
                 "connector": p_connector,
                 "connector_module": p_connector_module,
             },
+            p_tp_size=p_tp_size,
             env=NIXL_ENV,
             num_blocks=num_blocks,
             ready_timeout_s=ready_timeout_s,
             tp_size=tp_size,
-            p_tp_size=p_tp_size,
             num_kv_cache_groups=num_kv_cache_groups,
             host=host,
         )
