@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.child_pytest import run_child
 from tests.conformance import minimal_driver
 
 HERE = Path(__file__).resolve().parent
@@ -66,7 +66,7 @@ def test_the_example_runs_the_suite_as_a_registered_driver(tmp_path: Path) -> No
     paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     selected = " or ".join(EXPECTED_PASSED)
-    run = subprocess.run(
+    run = run_child(
         [
             *(sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rs"),
             *("--pyargs", "kvfail.conformance.scenarios.test_scenarios"),
@@ -75,11 +75,8 @@ def test_the_example_runs_the_suite_as_a_registered_driver(tmp_path: Path) -> No
             *("--kvfail-require-drivers", "-k", selected),
         ],
         cwd=work,
+        timeout_s=600,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]

@@ -13,12 +13,12 @@ two vLLM imports.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.child_pytest import run_child
 from tests.transports import require_transport
 
 require_transport("nixl")
@@ -29,12 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_layout_mismatch_fails_the_handshake_without_asserts() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-O", "-m", "tests.peers.nixl_layout_under_O"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
+    proc = run_child(
+        [sys.executable, "-O", "-m", "tests.peers.nixl_layout_under_O"], cwd=ROOT, timeout_s=400
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("RESULT ", "ERROR "))]
     assert lines and lines[-1].startswith("RESULT "), (

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.child_pytest import run_child
+
 pytest.importorskip("vllm", reason="the installed suite needs vLLM")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,12 +80,9 @@ def _source_copy(dest: Path) -> Path:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     source = _source_copy(tmp_path_factory.mktemp("source"))
-    built = subprocess.run(
+    built = run_child(
         [*PIP, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        timeout_s=300,
     )
     assert built.returncode == 0, built.stderr[-3000:]
     (path,) = out.glob("kvfail-*.whl")
@@ -103,49 +102,39 @@ def test_the_installed_suite_runs_from_outside_the_checkout(wheel: Path, tmp_pat
         [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
     )
     python = venv / "bin" / "python"
-    installed = subprocess.run(
+    installed = run_child(
         [*PIP, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        timeout_s=300,
     )
     assert installed.returncode == 0, installed.stderr[-3000:]
     # The third-party packages come from the running venv as a plain path: its .pth files
     # (among them the hook that maps kvfail to the checkout) are not processed there.
-    site = subprocess.run(
+    site = run_child(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        timeout_s=60,
         check=True,
     ).stdout.strip()
     Path(site, "borrowed-third-party.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "KVFAIL_SHM_PREFIX"}}
-    where = subprocess.run(
+    where = run_child(
         [
             str(python),
             "-c",
             "import kvfail, connectors; print(kvfail.__file__, connectors.__file__)",
         ],
         cwd=elsewhere,
+        timeout_s=120,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
         check=True,
     ).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), where
-    run = subprocess.run(
+    run = run_child(
         [str(python), "-m", "pytest", "--pyargs", SUITE, *SUITE_ARGS],
         cwd=elsewhere,
+        timeout_s=1200,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
     )
     failures = run.stdout.find("= FAILURES =")
     tail = run.stdout[failures : failures + 8000] if failures >= 0 else ""
