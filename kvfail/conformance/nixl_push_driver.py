@@ -26,8 +26,10 @@ Fault points advertised, each real here:
 Not advertised: ``notify_failed`` (in push mode D sends P no done-notification; P's
 completion rides on its WRITE), ``peer_bad_metadata`` / ``peer_metadata_mismatch`` (D's
 handshake with P loads notification agents only, and P's layout is checked by P when it
-handshakes with D: a D-side scenario would test P), ``kill_one_peer`` and the TP layouts
-(not built for push).
+handshakes with D: a D-side scenario would test P), ``kill_one_peer``, and the TP layouts:
+the push pair builds them (``tests/peers/test_nixl_push.py`` loads exact bytes from a P at
+TP 2), but kvfail's push D cannot yet end a hold when P's writer ranks die (see
+``_TP_NOT_YET``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ class _LateWrite(LateRead):
             f"in the {NixlDriver.LATE_SETTLE_S:g} s after, while D did not step "
             f"(only P's WRITE could write), the load's blocks changed {where}{seen}"
         )
+
+
+#: Why the push driver stays at TP 1 although its pair builds every layout: with P's
+#: WRITEs posted by P's rank processes, kvfail's push D takes only their completion
+#: notifications as proof that a held load is over, and a P killed mid-load sends none.
+_TP_NOT_YET = (
+    "kvfail's push D holds a load until P's writer ranks notify, so a P killed at TP 2 "
+    "strands its blocks (docs/shapes.md); the layouts wait for a liveness proof from "
+    "P's rank processes"
+)
 
 
 class NixlPushDriver(NixlDriver):
@@ -131,9 +143,9 @@ class NixlPushDriver(NixlDriver):
             super().declared(),
             async_load=Claim(True, "P WRITEs asynchronously; D polls its notifications each step"),
             remote_prefill=Claim(True, "a real P process prefills and WRITEs into D's blocks"),
-            two_groups=Claim(False, "the push pair is built with one KV-cache group"),
-            tp2=Claim(False, "the push pair runs TP 1 only"),
-            hetero_tp=Claim(False, "the push pair runs TP 1 only"),
+            two_groups=Claim(False, "the push driver builds one KV-cache group"),
+            tp2=Claim(False, _TP_NOT_YET),
+            hetero_tp=Claim(False, _TP_NOT_YET),
         )
 
 

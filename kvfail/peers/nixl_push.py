@@ -40,7 +40,9 @@ def nixl_push_available() -> str | None:
 
 
 class NixlPushPair(NixlPair):
-    """P (subprocess, upstream ``NixlPushConnector``) + D engines here, in push mode.
+    """P (subprocess, upstream ``NixlPushConnector``) + D engines here, in push mode, at
+    any TP sizes and group count a pull pair takes (P's push worker maps head shards by
+    the TP ratio).
 
     D defaults to kvfail's ``KvfailNixlPushConnector``; pass ``connector=
     "NixlPushConnector"`` (``connector_module=None``) for upstream's D.
@@ -51,8 +53,6 @@ class NixlPushPair(NixlPair):
         kwargs.setdefault("connector_module", KVFAIL_PUSH[1])
         kwargs.setdefault("p_connector", UPSTREAM_PUSH[0])
         kwargs.setdefault("p_connector_module", UPSTREAM_PUSH[1])
-        if int(kwargs.get("tp_size", 1)) != 1:
-            raise ValueError("the push pair runs TP 1 only")
         super().__init__(**kwargs)
 
     def _register(self, key: str, engine: Engine) -> Engine:

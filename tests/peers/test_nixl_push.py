@@ -158,6 +158,27 @@ def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
     pair.decoders.pop("control", None)
 
 
+def test_push_from_a_wider_p_lands_exact_bytes() -> None:
+    """P at TP 2 WRITEs into a D at TP 1: upstream's push worker maps P's head shards
+    onto D's rank by the TP ratio, and D ends each load once every producing rank has
+    notified. The byte oracle checks every head of every block. (What keeps this shape
+    out of the conformance layouts is D's hold when P dies, not the transfer:
+    docs/shapes.md.)"""
+    hetero = NixlPushPair(tp_size=1, p_tp_size=2, build_default_consumer=False)
+    try:
+        engine = hetero.consumer("fail", name=KVFAIL, extra_config={"kvfail_deadline_s": 8.0})
+        hetero.warm(KVFAIL, within_s=WAIT_S)
+        rids = [f"push-p2d1-{i}" for i in range(3)]
+        for rid in rids:
+            hetero.prefill_and_add(rid, 100, consumer=engine)
+        assert hetero.run(rids, consumer=engine, timeout_s=WAIT_S).ok
+        assert [hetero.records[r].failed for r in rids] == [False] * 3
+        assert all(hetero.verify(r) for r in rids)
+        assert hetero.integrity_findings(engine) == []
+    finally:
+        hetero.close()
+
+
 def test_killed_p_blocks_come_back_once_p_is_known_dead(pair: NixlPushPair) -> None:
     """P stopped (so its WRITE cannot happen first), D fails the load and holds it; P is
     then SIGKILLed: its side channel refuses connections and the blocks come back."""
