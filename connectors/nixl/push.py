@@ -33,8 +33,11 @@ stages x P ranks per D rank, counted as upstream's worker counts them), or, for 
 runs as one process (TP 1, PP 1: its writer is the process that serves the side
 channel), that side channel refusing connections. A refusal proves only that the
 side channel's process closed its listener; where P's WRITEs come from other processes
-(its TP/PP workers) it proves nothing about them, so those holds wait for the
-notifications. P's own lease is no such bound either: D cannot observe it, and on P it
+(its TP/PP workers) it proves nothing about them. There the hold also asks the writers'
+own transport: D's NIXL agent sends each of P's rank agents a notification, and only if
+every one fails with ``nixlRemoteDisconnectError`` (UCX closed the endpoint to that
+process) as well as the side channel refusing is P taken as gone. A stopped P keeps its
+endpoints, so it stays held. P's own lease is no such bound either: D cannot observe it, and on P it
 only drops requests not yet matched, never a WRITE already posted or one matched right
 after a thaw.
 
@@ -112,6 +115,10 @@ MAX_HOLD_DEADLINES: Final = 4
 #: (:meth:`KvfailNixlPushWorker._late_notification`), so the retry only advances the
 #: probe and the overdue check, which the probe's own interval paces anyway.
 HOLD_RETRY_S: Final = PROBE_INTERVAL_S
+#: The notification a held load sends P's rank agents to learn whether their processes
+#: are gone: a heartbeat naming no request, which a live NIXL worker takes as a no-op
+#: (any other text would reach its completion parsing).
+WRITER_PING: Final = b"HB:"
 
 
 @dataclass
@@ -120,6 +127,8 @@ class _Held:
 
     host: str
     port: int
+    #: P's engine id: names the rank agents D handshook with (the writers here).
+    engine_id: str = ""
     #: P's pipeline stages: each stage's ranks write their own layers and notify apart.
     pp_size: int = 1
     #: Whether a refused side channel proves P's writers gone: P is one process (TP 1,
@@ -283,6 +292,14 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         if probes.gone(addr, since=held.since, waiter=req_id):
             if held.refusal_proves:
                 return True
+            if self._writers_disconnected(held):
+                logger.warning(
+                    "kvfail: P %s is gone: its side channel refuses connections and every "
+                    "writer rank's NIXL endpoint reports the remote disconnected; releasing %r",
+                    held.peer,
+                    req_id,
+                )
+                return True
             if not held.said_refused:
                 held.said_refused = True
                 logger.warning(
@@ -299,6 +316,26 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
             held.said_unresolved = True
             logger.warning("kvfail: held load %r: P's side channel host %s", req_id, why)
         return False
+
+    def _writers_disconnected(self, held: _Held) -> bool:
+        """Whether D's NIXL endpoint to every P rank agent it handshook with is closed.
+
+        The evidence comes from the writers' own processes: a notification to a live or
+        stopped agent is accepted (its connection stays up), and UCX answers one to a
+        process that is gone with ``nixlRemoteDisconnectError``. Any other outcome, or
+        no agent known, proves nothing."""
+        agents = self._remote_agents.get(held.engine_id) if held.engine_id else None
+        if not agents:
+            return False
+        for name in list(agents.values()):
+            try:
+                self.nixl_wrapper.send_notif(name, WRITER_PING)
+            except Exception as exc:  # the binding's own class; matched by name below
+                if type(exc).__name__ != "nixlRemoteDisconnectError":
+                    return False
+            else:
+                return False
+        return True
 
     # ------------------------------------------------------------------ notifications
 
@@ -366,9 +403,15 @@ def _held_from(meta: Any, notified: int) -> _Held:
     pp_size = max(1, int(getattr(meta, "pp_size", 1) or 1))
     tp_size = max(1, int(getattr(meta, "tp_size", 1) or 1))
     if remote is None or not remote.host or not remote.port:
-        held = _Held("", 0, pp_size)  # nowhere to probe: only notifications end it
+        held = _Held("", 0, "", pp_size)  # nowhere to probe: only notifications end it
     else:
-        held = _Held(remote.host, int(remote.port), pp_size, tp_size * pp_size == 1)
+        held = _Held(
+            remote.host,
+            int(remote.port),
+            str(getattr(remote, "engine_id", "") or ""),
+            pp_size,
+            tp_size * pp_size == 1,
+        )
     held.notified = notified
     return held
 

@@ -8,7 +8,7 @@ late-write digests) is :class:`~kvfail.conformance.nixl_driver.NixlDriver`'s.
 
 P runs upstream's ``NixlPushConnector``; D runs kvfail's ``KvfailNixlPushConnector``
 (or, through :meth:`NixlPushDriver.for_class`, any ``NixlPushConnector`` subclass; the
-entry point ``nixl-push:upstream`` runs upstream's D). TP 1, one KV-cache group only.
+entry point ``nixl-push:upstream`` runs upstream's D).
 
 Fault points advertised, each real here:
 
@@ -26,10 +26,8 @@ Fault points advertised, each real here:
 Not advertised: ``notify_failed`` (in push mode D sends P no done-notification; P's
 completion rides on its WRITE), ``peer_bad_metadata`` / ``peer_metadata_mismatch`` (D's
 handshake with P loads notification agents only, and P's layout is checked by P when it
-handshakes with D: a D-side scenario would test P), ``kill_one_peer``, and the TP layouts:
-the push pair builds them (``tests/peers/test_nixl_push.py`` loads exact bytes from a P at
-TP 2), but kvfail's push D cannot yet end a hold when P's writer ranks die (see
-``_TP_NOT_YET``).
+handshakes with D: a D-side scenario would test P) and ``kill_one_peer``. Every layout of
+the pull driver is built, two KV-cache groups and P at another TP size included.
 """
 
 from __future__ import annotations
@@ -58,22 +56,12 @@ class _LateWrite(LateRead):
         )
 
 
-#: Why the push driver stays at TP 1 although its pair builds every layout: with P's
-#: WRITEs posted by P's rank processes, kvfail's push D takes only their completion
-#: notifications as proof that a held load is over, and a P killed mid-load sends none.
-_TP_NOT_YET = (
-    "kvfail's push D holds a load until P's writer ranks notify, so a P killed at TP 2 "
-    "strands its blocks (docs/shapes.md); the layouts wait for a liveness proof from "
-    "P's rank processes"
-)
-
-
 class NixlPushDriver(NixlDriver):
     """A real NIXL push pair (see the module docstring)."""
 
     pair_module = "kvfail.peers.nixl_push"
     pair_name = "NixlPushPair"
-    layouts = frozenset({(1, 1, 1)})
+    layouts = NixlDriver.layouts
     #: Shared by every push driver of the session, never with the pull drivers.
     P_KEY = "nixl-push-P"
     MOVES_BLOCKS_BY = "_send_registration_to_p"
@@ -143,9 +131,16 @@ class NixlPushDriver(NixlDriver):
             super().declared(),
             async_load=Claim(True, "P WRITEs asynchronously; D polls its notifications each step"),
             remote_prefill=Claim(True, "a real P process prefills and WRITEs into D's blocks"),
-            two_groups=Claim(False, "the push driver builds one KV-cache group"),
-            tp2=Claim(False, _TP_NOT_YET),
-            hetero_tp=Claim(False, _TP_NOT_YET),
+            tp2=Claim(
+                True,
+                "P and D each run two TP rank processes in a real gloo world; P rank r "
+                "WRITEs into the blocks D rank r registered",
+            ),
+            hetero_tp=Claim(
+                True,
+                "P runs its own TP size (p2d1, p1d2); P's push worker maps its head shards "
+                "onto D's ranks by the TP ratio, and D waits for every producing rank",
+            ),
         )
 
 

@@ -9,7 +9,9 @@ send replaced at its class (a recorder, no network):
 * a load whose registration went out is reported at the deadline but held; P's
   completion notification is taken from upstream's queue, counted as late (never passed
   on) and releases it;
-* P's side channel refusing connections releases it too; a listening one does not.
+* P's side channel refusing connections releases it too; a listening one does not;
+* where P's writers are other processes (TP or PP > 1), the refusal releases it only
+  with every writer's NIXL endpoint reporting its process gone.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def _worker(clock: ManualClock) -> Any:
     w._recving_metadata = {}
     w.consumer_notification_counts_by_req = defaultdict(int)
     w._pending_completion_notifs = queue.Queue()
+    w._remote_agents = defaultdict(dict)  # P's rank agents, by engine id (none handshook)
     w.init_failure_reporter(
         num_kv_cache_groups=1,
         default_deadline_s=DEADLINE_S,
@@ -229,6 +232,51 @@ def test_a_refused_side_channel_does_not_end_a_hold_whose_writers_are_elsewhere(
     w._get_new_notifs()
     w.drain_step()
     assert not w.failure_reporter.is_quarantined("r")
+
+
+class nixlRemoteDisconnectError(Exception):  # named as the binding's class
+    """What NIXL's binding raises for a notification to an agent whose process is gone."""
+
+
+class _Agents:
+    """D's NIXL agent at its one seam here, ``send_notif``: agents in ``gone`` answer as
+    UCX does for a dead process. The real answer is shown over UCX by the conformance
+    scenario ``test_peer_killed_after_warm_pull`` at ``tp2``/``p2d1`` with NIXL push."""
+
+    def __init__(self, gone: set[str]) -> None:
+        self.gone = gone
+        self.sent: list[tuple[str, bytes]] = []
+
+    def send_notif(self, name: str, msg: bytes) -> None:
+        self.sent.append((name, msg))
+        if name in self.gone:
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+
+@pytest.mark.parametrize("gone", [{"P-r0", "P-r1"}, {"P-r0"}, set()])
+def test_a_hold_whose_writers_are_elsewhere_ends_when_every_writer_is_disconnected(
+    sent: list[str], gone: set[str]
+) -> None:
+    """At TP 2 the refusal alone proves nothing, but with it D asks each P rank agent it
+    handshook with: only when every one is disconnected (its process gone) does the hold
+    end. One still connected (alive, or stopped: its endpoint stays up) keeps it."""
+    clock = ManualClock(100.0)
+    w = _worker(clock)
+    w._remote_agents["P"] = {(0, 0): "P-r0", (0, 1): "P-r1"}
+    w.nixl_wrapper = agents = _Agents(gone)
+    _load_from(w, "r", closed_port(), tp_size=2)
+    _held_after_deadline(w, clock, "r")
+    every = gone == {"P-r0", "P-r1"}
+    end = time.monotonic() + 10.0
+    for _ in range(12):  # far more refusals than the probe needs to call P gone
+        clock.now += 1.0
+        w.drain_step()
+        time.sleep(0.02)
+        if every and not w.failure_reporter.is_quarantined("r"):
+            break
+        assert time.monotonic() < end
+    assert w.failure_reporter.is_quarantined("r") is not every
+    assert agents.sent and all(msg == b"HB:" for _, msg in agents.sent)
 
 
 def test_a_p_whose_name_stops_resolving_keeps_its_hold_and_the_drain_runs(

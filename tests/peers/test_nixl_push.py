@@ -161,9 +161,9 @@ def test_control_freeing_at_the_deadline_is_flagged(pair: NixlPushPair) -> None:
 def test_push_from_a_wider_p_lands_exact_bytes() -> None:
     """P at TP 2 WRITEs into a D at TP 1: upstream's push worker maps P's head shards
     onto D's rank by the TP ratio, and D ends each load once every producing rank has
-    notified. The byte oracle checks every head of every block. (What keeps this shape
-    out of the conformance layouts is D's hold when P dies, not the transfer:
-    docs/shapes.md.)"""
+    notified. The byte oracle checks every head of every block. (The conformance suite
+    runs this shape too, ``--connector nixl-push --layout p2d1``; this keeps it in the
+    default run.)"""
     hetero = NixlPushPair(tp_size=1, p_tp_size=2, build_default_consumer=False)
     try:
         engine = hetero.consumer("fail", name=KVFAIL, extra_config={"kvfail_deadline_s": 8.0})
