@@ -327,6 +327,10 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         agents = self._remote_agents.get(held.engine_id) if held.engine_id else None
         if not agents:
             return False
+        # Keyed (pipeline stage, TP rank): every stage of P writes here, so an agent list
+        # missing a stage cannot speak for that stage's writers.
+        if not set(range(held.pp_size)) <= {stage for stage, _ in agents}:
+            return False
         for name in list(agents.values()):
             try:
                 self.nixl_wrapper.send_notif(name, WRITER_PING)

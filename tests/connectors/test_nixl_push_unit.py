@@ -279,6 +279,22 @@ def test_a_hold_whose_writers_are_elsewhere_ends_when_every_writer_is_disconnect
     assert agents.sent and all(msg == b"HB:" for _, msg in agents.sent)
 
 
+def test_writers_of_a_stage_d_never_met_are_not_proven_gone(sent: list[str]) -> None:
+    """P at PP 2, but D knows only stage 0's agents: their endpoints being closed says
+    nothing of stage 1's writers, so the hold stays for its notifications."""
+    clock = ManualClock(100.0)
+    w = _worker(clock)
+    w._remote_agents["P"] = {(0, 0): "P-s0"}
+    w.nixl_wrapper = _Agents({"P-s0"})
+    _load_from(w, "r", closed_port(), pp_size=2)
+    _held_after_deadline(w, clock, "r")
+    for _ in range(12):
+        clock.now += 1.0
+        w.drain_step()
+        time.sleep(0.02)
+        assert w.failure_reporter.is_quarantined("r")
+
+
 def test_a_p_whose_name_stops_resolving_keeps_its_hold_and_the_drain_runs(
     sent: list[str], caplog: pytest.LogCaptureFixture, unresolvable_name: str
 ) -> None:
