@@ -37,9 +37,9 @@ side channel's process closed its listener; where P's WRITEs come from other pro
 own transport: D's NIXL agent sends each of P's rank agents a notification, and only if
 every one fails with ``nixlRemoteDisconnectError`` (UCX closed the endpoint to that
 process) as well as the side channel refusing is P taken as gone. A stopped P keeps its
-endpoints, so it stays held. P's own lease is no such bound either: D cannot observe it, and on P it
-only drops requests not yet matched, never a WRITE already posted or one matched right
-after a thaw.
+endpoints, so it stays held. P's own lease is no such bound either: D cannot observe it,
+and on P it only drops requests not yet matched, never a WRITE already posted or one
+matched right after a thaw.
 
 Holds are bounded for visibility, not freed: past ``kvfail_max_hold_s`` (default
 :data:`MAX_HOLD_DEADLINES` deadlines) a hold without that evidence stays held, is counted
@@ -407,14 +407,14 @@ def _held_from(meta: Any, notified: int) -> _Held:
     pp_size = max(1, int(getattr(meta, "pp_size", 1) or 1))
     tp_size = max(1, int(getattr(meta, "tp_size", 1) or 1))
     if remote is None or not remote.host or not remote.port:
-        held = _Held("", 0, "", pp_size)  # nowhere to probe: only notifications end it
+        held = _Held("", 0, pp_size=pp_size)  # nowhere to probe: only notifications end it
     else:
         held = _Held(
             remote.host,
             int(remote.port),
-            str(getattr(remote, "engine_id", "") or ""),
-            pp_size,
-            tp_size * pp_size == 1,
+            engine_id=remote.engine_id or "",
+            pp_size=pp_size,
+            refusal_proves=tp_size * pp_size == 1,
         )
     held.notified = notified
     return held

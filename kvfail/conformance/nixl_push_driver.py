@@ -61,7 +61,6 @@ class NixlPushDriver(NixlDriver):
 
     pair_module = "kvfail.peers.nixl_push"
     pair_name = "NixlPushPair"
-    layouts = NixlDriver.layouts
     #: Shared by every push driver of the session, never with the pull drivers.
     P_KEY = "nixl-push-P"
     MOVES_BLOCKS_BY = "_send_registration_to_p"

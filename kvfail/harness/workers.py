@@ -42,6 +42,7 @@ from kvfail.harness.config import BuiltConfig
 from kvfail.harness.hooks import RankView
 from kvfail.harness.ranks import RankCrash, RankProcess
 from kvfail.rig import nixl_progress
+from kvfail.rig.ports import lost_its_port
 from kvfail.rig.shm import new_shm_ident, release_shared_memory
 
 if TYPE_CHECKING:
@@ -207,11 +208,6 @@ def build_worker(built: BuiltConfig, rank: int, how: WorkerBuild) -> Worker:
 RENDEZVOUS_RETRIES = 2
 
 
-def _lost_its_port(exc: RankCrash) -> bool:
-    text = f"{exc.exc_type} {exc.message}".lower()
-    return "eaddrinuse" in text or "address already in use" in text
-
-
 def start_rank_processes(
     built: BuiltConfig, env: Mapping[str, str] | None
 ) -> tuple[list[Worker], str]:
@@ -227,7 +223,7 @@ def start_rank_processes(
         try:
             return _start_world(built, env)
         except RankCrash as exc:
-            if retries <= 0 or exc.phase != "start" or not _lost_its_port(exc):
+            if retries <= 0 or exc.phase != "start" or not lost_its_port(exc.message):
                 raise
             retries -= 1
             _log.warning("a TP world lost its rendezvous port to another bind; restarting it")

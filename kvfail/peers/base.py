@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.decode_record import DecodeRecord
-from kvfail.peers.stepping import PairStepping, all_blocks_free, quarantined
+from kvfail.peers.stepping import PairStepping
 from kvfail.peers.stuck_evidence import StuckEvidence
 from kvfail.rig.environ import environ_set
 from kvfail.rig.procfs import signal_landed
@@ -49,15 +49,11 @@ def link_env(host: NamespaceHost, *, inside: bool) -> dict[str, str]:
     return {"VLLM_HOST_IP": addr, "VLLM_NIXL_SIDE_CHANNEL_HOST": addr, "UCX_NET_DEVICES": device}
 
 
-# all_blocks_free and quarantined now live in kvfail.peers.stepping; importable from
-# here as before.
 __all__ = [
     "P_POOL_FACTOR",
     "PeerPair",
-    "all_blocks_free",
     "closed_port",
     "producer_engine_id",
-    "quarantined",
     "unknown_engine",
     "with_param",
 ]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfail.peers.base import link_env, producer_engine_id
 from kvfail.rig.loopback import LOOPBACK
-from kvfail.rig.ports import free_port
+from kvfail.rig.ports import free_port, lost_its_port
 from kvfail.rig.processes import PeerExitedError, PeerProcess
 from kvfail.rig.zygote import Zygote, ZygoteError, shared_zygote
 
@@ -205,7 +205,7 @@ class ProducerHandleBase:
                     timeout_s, line=self.prefix + '{"' + self.ready_key + '"'
                 )
             except PeerExitedError as exc:
-                if retries <= 0 or "Address already in use" not in str(exc):
+                if retries <= 0 or not lost_its_port(str(exc)):
                     raise
                 retries -= 1
                 _log.warning("P %s lost its port to another bind; restarting it", self.engine_id)

@@ -18,7 +18,7 @@ from kvfail.rig.loopback import LOOPBACK, family, require_local
 if TYPE_CHECKING:
     from kvfail.rig.processes import PeerProcess
 
-__all__ = ["free_port", "free_ports", "wait_for_port"]
+__all__ = ["free_port", "free_ports", "lost_its_port", "wait_for_port"]
 
 #: Its own generator, seeded from the OS: processes that import this at the same moment
 #: still pick different ports.
@@ -86,6 +86,13 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def lost_its_port(error: str) -> bool:
+    """Whether a peer's start-up error says another bind took the port we picked for it:
+    the race :func:`free_ports` cannot close, which its callers answer with a fresh port."""
+    text = error.lower()
+    return "eaddrinuse" in text or "address already in use" in text
 
 
 def free_port(host: str = LOOPBACK) -> int:
