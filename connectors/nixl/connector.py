@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -65,7 +64,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from connectors.config import NixlPullKvfailConfig, validate_extra_config
 from connectors.nixl.layout import RemoteLayout, check_remote_layout
-from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
+from connectors.nixl.peer_watch import PeerWatch
+from connectors.nixl.probe import PROBE_INTERVAL_S
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail import compat
 from kvfail.compat import KVConnectorTransferResults
@@ -203,9 +203,6 @@ class TrackerDecides:
         )
         return results
 
-    def _kvfail_before_poll(self) -> None:
-        """Hook: before upstream polls."""
-
     def _kvfail_settled(self, finished: set[str]) -> None:
         """Hook: the loads upstream finished, now settled in the tracker."""
 
@@ -274,7 +271,9 @@ class TrackerDecides:
         raise NotImplementedError
 
 
-class KvfailNixlWorkerMixin(TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin):
+class KvfailNixlWorkerMixin(
+    PeerWatch, TrackerDecides, NamedHolds, LoggedFailureStages, FailureReporterMixin
+):
     """The pull and push workers' kvfail bases, in the one order they need (the tracker's
     report first, the reporter mixin last): put it right before upstream's worker."""
 
@@ -302,15 +301,9 @@ class KvfailNixlWorker(KvfailNixlWorkerMixin, NixlPullConnectorWorker):
         )
         # How often a P that loads wait on is probed; off (null or 0): a dead P is left
         # to UCX and the deadline.
-        interval = seconds_from(_extra(vllm_config), PROBE_INTERVAL_KEY, PROBE_INTERVAL_S)
-        self._kvfail_probes = None if interval is None else SideChannelProbes(interval)
-        #: P engine id -> the side channel its handshake used (written by the handshake
-        #: thread, read at drains).
-        self._kvfail_side_channels: dict[str, tuple[str, int]] = {}
-        #: Load -> when D first watched its P: an older refusal may be an earlier P's.
-        self._kvfail_watched: dict[str, float] = {}
-        #: Loads failed because their P is gone, whose READs may not have ended yet.
-        self._kvfail_unfenced: set[str] = set()
+        self._kvfail_init_peer_watch(
+            seconds_from(_extra(vllm_config), PROBE_INTERVAL_KEY, PROBE_INTERVAL_S)
+        )
 
     # ------------------------------------------------------------------ loads start
 
@@ -440,75 +433,6 @@ class KvfailNixlWorker(KvfailNixlWorkerMixin, NixlPullConnectorWorker):
         if state == "PROC":
             return False
         return self._try_release_xfer_handle(req_id, handle)
-
-    # ------------------------------------------------------------------ per step
-
-    def _kvfail_before_poll(self) -> None:
-        self._kvfail_watch_peers()
-
-    def shutdown(self) -> None:
-        if self._kvfail_probes is not None:
-            self._kvfail_probes.close()
-        super().shutdown()
-
-    # ------------------------------------------------------------------ P gone?
-
-    def _kvfail_watch_peers(self) -> None:
-        """Fail every load whose P process is gone, and free the blocks of those failed
-        earlier once their READs have ended.
-
-        A gone P writes nothing more, but a READ still in ``PROC`` may hold bytes D's
-        UCX has received and not yet copied, so the load is reported at once and its
-        blocks are held until :meth:`kvfail_fence` holds (as after the deadline).
-        Without quarantine the failure is only recorded: it is delivered when upstream
-        ends the READ, or by the deadline's fence.
-        """
-        tracker = self.failure_reporter
-        for req_id in list(self._kvfail_unfenced):
-            if not (tracker.is_quarantined(req_id) or tracker.is_tracked(req_id)):
-                self._kvfail_unfenced.discard(req_id)  # released by the deadline's fence
-            elif self.kvfail_fence(req_id):
-                self._kvfail_unfenced.discard(req_id)
-                self.load_fenced(req_id)
-        probes = self._kvfail_probes
-        if probes is None:
-            return
-        now = time.monotonic()
-        watched: dict[str, float] = {}
-        # A copy: failing a load whose READs have all ended forgets its metadata.
-        for req_id, meta in list(self._recving_metadata.items()):
-            remote = meta.remote
-            if remote is None or not tracker.is_tracked(req_id):
-                continue
-            if tracker.failure_of(req_id) is not None:
-                continue
-            addr = self._kvfail_side_channels.get(remote.engine_id)
-            if addr is None and remote.host and remote.port:
-                addr = (remote.host, int(remote.port))
-            if addr is None:
-                continue
-            since = watched[req_id] = self._kvfail_watched.get(req_id, now)
-            if probes.gone(addr, since=since, waiter=req_id):
-                self._kvfail_p_gone(
-                    req_id, f"P's side channel {addr[0]}:{addr[1]} refuses connections: P is gone"
-                )
-            elif (unresolved := probes.unresolved(addr, since=since)) is not None:
-                # Not proof that P is gone, but no READ can reach it any more: the load
-                # fails, and its blocks wait for its READs to end, as for a gone P.
-                self._kvfail_p_gone(req_id, f"P's side channel host {unresolved}")
-        for req_id in self._kvfail_watched.keys() - watched.keys():
-            probes.forget(req_id)
-        self._kvfail_watched = watched
-
-    def _kvfail_p_gone(self, req_id: str, reason: str) -> None:
-        if not self.failure_reporter.quarantine:
-            self.load_failed(req_id, Stage.PEER_LOST, reason, settle=False)
-            return
-        self.load_failed(req_id, Stage.PEER_LOST, reason, fenced=False)
-        if self.kvfail_fence(req_id):
-            self.load_fenced(req_id)
-        else:
-            self._kvfail_unfenced.add(req_id)
 
 
 class KvfailNixlConnector(QuarantineConnector, KvfailMetricsConnector, NixlPullConnector):

@@ -18,6 +18,10 @@ mixin:
 * a failed registration handshake, or no agent to send it to, fails it at ``handshake``
   (fenced: P never got the registration, and a handshake that ends later never sends
   it, see :meth:`KvfailNixlPushWorker._do_send_reg_notif`);
+* a load whose P's side channel refuses connections, or whose host stops resolving, is
+  failed at ``peer_lost`` and reported at once (:mod:`connectors.nixl.peer_watch`, as in
+  pull mode): a P that dies after D's registration went out sends nothing more, and D
+  posted no transfer that could fail; its blocks are held as below;
 * the deadline (``kvfail_deadline_s``) fails it at ``watchdog`` and reports it at once,
   request-level, so recompute runs in fresh blocks. Its fence
   (:meth:`KvfailNixlPushWorker.kvfail_fence`) holds (False) while P may still write:
@@ -78,7 +82,7 @@ from connectors.nixl.connector import (
     _deadline_from,
     _extra,
 )
-from connectors.nixl.probe import PROBE_INTERVAL_S, SideChannelProbes
+from connectors.nixl.probe import PROBE_INTERVAL_S
 from connectors.nixl.stats import KvfailNixlStats
 from kvfail.deadline import seconds_from
 from kvfail.stages import Stage
@@ -189,7 +193,7 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         self._kvfail_reg_sent: set[str] = set()
         self._kvfail_reg_closed: dict[str, float] = {}
         self._kvfail_held: dict[str, _Held] = {}
-        self._kvfail_probes = SideChannelProbes()
+        self._kvfail_init_peer_watch(PROBE_INTERVAL_S)
         #: Completion notifications for loads D already failed (C7: counted, not passed).
         self.kvfail_late_notifications = 0
         #: Holds that passed ``kvfail_max_hold_s`` without evidence (since creation).
@@ -243,6 +247,8 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         held = self._kvfail_held.get(req_id)
         if held is None:
             held = self._kvfail_held[req_id] = _held_from(meta, notified)
+        else:
+            held.notified += notified  # counted by upstream since the last try
         if held.done or self._p_dead(req_id, held):
             self._forget(req_id)
             return True
@@ -276,7 +282,8 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         self._kvfail_held.pop(req_id, None)
         with self._kvfail_reg_lock:
             self._kvfail_reg_sent.discard(req_id)
-        self._kvfail_probes.forget(req_id)
+        if self._kvfail_probes is not None:
+            self._kvfail_probes.forget(req_id)
 
     # ------------------------------------------------------------------ P dead?
 
@@ -289,6 +296,8 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
             return False
         addr = (held.host, held.port)
         probes = self._kvfail_probes
+        if probes is None:
+            return False
         if probes.gone(addr, since=held.since, waiter=req_id):
             if held.refusal_proves:
                 return True
@@ -395,10 +404,6 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         if finished:
             with self._kvfail_reg_lock:
                 self._kvfail_reg_sent -= finished
-
-    def shutdown(self) -> None:
-        self._kvfail_probes.close()
-        super().shutdown()
 
 
 def _held_from(meta: Any, notified: int) -> _Held:

@@ -11,7 +11,9 @@ send replaced at its class (a recorder, no network):
   on) and releases it;
 * P's side channel refusing connections releases it too; a listening one does not;
 * where P's writers are other processes (TP or PP > 1), the refusal releases it only
-  with every writer's NIXL endpoint reporting its process gone.
+  with every writer's NIXL endpoint reporting its process gone;
+* a load still waiting when its P's side channel starts refusing is failed at once, not
+  at its deadline, and held by the same rules.
 """
 
 from __future__ import annotations
@@ -277,6 +279,32 @@ def test_a_hold_whose_writers_are_elsewhere_ends_when_every_writer_is_disconnect
         assert time.monotonic() < end
     assert w.failure_reporter.is_quarantined("r") is not every
     assert agents.sent and all(msg == b"HB:" for _, msg in agents.sent)
+
+
+@pytest.mark.parametrize("gone", [{"P-r0", "P-r1"}, {"P-r0"}])
+def test_a_load_whose_p_dies_after_its_registration_went_out_fails_before_its_deadline(
+    sent: list[str], gone: set[str]
+) -> None:
+    """A P that dies once it has D's registration sends nothing more, and a push D posted
+    no transfer that could fail: only P's side channel can tell. The watch before each
+    poll reports the load failed at once (before, it waited for its deadline, or for ever
+    without one); its blocks go back only once every writer is proven gone."""
+    clock = ManualClock(100.0)  # never advanced: the deadline cannot fire
+    w = _worker(clock)
+    w._remote_agents["P"] = {(0, 0): "P-r0", (0, 1): "P-r1"}
+    w.nixl_wrapper = _Agents(gone)
+    _load_from(w, "r", closed_port(), tp_size=2)
+    w._do_send_reg_notif("r", {})
+    every = gone == {"P-r0", "P-r1"}
+    failed: set[str] = set()
+    end = time.monotonic() + 10.0
+    while "r" not in failed or (every and w.failure_reporter.is_quarantined("r")):
+        assert time.monotonic() < end, "the load of a gone P was never failed and settled"
+        w._kvfail_watch_peers()
+        failed |= w.drain_step().failed_recving
+        time.sleep(0.05)
+    assert w.failure_reporter.is_quarantined("r") is not every
+    assert sent == ["r"]
 
 
 def test_writers_of_a_stage_d_never_met_are_not_proven_gone(sent: list[str]) -> None:
