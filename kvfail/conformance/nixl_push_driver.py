@@ -21,7 +21,11 @@ Fault points advertised, each real here:
 * ``net_delay``: the same stall, shorter than the deadline: the WRITE lands in time;
 * ``kill_before_pull``: P stopped, then SIGKILLed before it ever wrote;
 * ``refuse`` / ``unknown_engine``: D's registration handshake cannot reach the P it names;
-* ``abort_while_waiting`` (driver-side).
+* ``abort_while_waiting`` (driver-side);
+* ``tp_one_rank``: one P rank SIGKILLed after P prefilled; the rest of P dies with it, as
+  vLLM's executor makes it (see :meth:`NixlPushDriver._executor_reaps_p`);
+* ``tp_one_rank_frozen``: one P rank SIGSTOPped; its share is never written until it
+  goes on, so only D's deadline ends the load.
 
 Not advertised: ``notify_failed`` (in push mode D sends P no done-notification; P's
 completion rides on its WRITE), ``peer_bad_metadata`` / ``peer_metadata_mismatch`` (D's
@@ -33,8 +37,9 @@ the pull driver is built, two KV-cache groups and P at another TP size included.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from kvfail.conformance.driver import Claim, Declared
+from kvfail.conformance.driver import Claim, Declared, Provocation
 from kvfail.conformance.nixl_driver import NixlDriver
 from kvfail.conformance.nixl_fault_state import KillOnProvoke, LateRead
 from kvfail.conformance.pair_driver import OnPeer, PairInjector
@@ -85,6 +90,8 @@ class NixlPushDriver(NixlDriver):
             FaultPoint.REFUSE,
             FaultPoint.UNKNOWN_ENGINE,
             FaultPoint.ABORT_WHILE_WAITING,
+            FaultPoint.TP_ONE_RANK,
+            FaultPoint.TP_ONE_RANK_FROZEN,
         )
         return {
             **{point: pull[point] for point in same},
@@ -93,7 +100,25 @@ class NixlPushDriver(NixlDriver):
             ),
             FaultPoint.FREEZE_PEER: PairInjector(on_peer=_freeze_at_once),
             FaultPoint.SLOW_PEER_PAST_DEADLINE: PairInjector(on_peer=self._late_write),
+            FaultPoint.TP_ONE_RANK: PairInjector(
+                on_peer=self._kill_p_rank, provoke=self._executor_reaps_p
+            ),
         }
+
+    def _executor_reaps_p(self, call: Provocation) -> None:
+        """``tp_one_rank`` in push mode: once one P rank is dead, the rest of P dies too,
+        as vLLM's ``MultiprocExecutor`` makes it (its worker monitor shuts the executor
+        down, and the engine with it, as soon as any worker exits).
+
+        Why here and not in pull mode: a pull D READs from P's surviving rank, whose NIXL
+        agent answers without P's engine, in the window before the monitor reaps it. A
+        push P's surviving rank WRITEs only as P's engine steps, which a dead rank stops;
+        the harness would otherwise keep a wedged P that no vLLM deployment has, whose
+        live listener and live agents no D could ever tell from a slow P."""
+        pair: Any = self._pair_of(call.engine)
+        producer = pair.p
+        if producer is not None and producer.process.alive:  # once for several requests
+            producer.process.kill(timeout_s=pair.kill_timeout_s)
 
     def _late_write(self, call: OnPeer) -> None:
         """P stopped with D's registration unread, continued once D gave the load up.
