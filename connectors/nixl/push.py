@@ -33,12 +33,12 @@ mixin:
 
 What ends a hold is evidence from the writers themselves (see ``README.md``, "What ends
 a hold"): a completion notification from every P rank that writes here (P's pipeline
-stages x P ranks per D rank, counted as upstream's worker counts them), or, for a P that
-runs as one process (TP 1, PP 1: its writer is the process that serves the side
-channel), that side channel refusing connections. A refusal proves only that the
-side channel's process closed its listener; where P's WRITEs come from other processes
-(its TP/PP workers) it proves nothing about them. There the hold also asks the writers'
-own transport: D's NIXL agent sends each of P's rank agents a notification, and only if
+stages x P ranks per D rank, counted as upstream's worker counts them), or proof that
+every writer's process is gone. A refusal of P's side channel proves only that its
+listener closed: P's WRITEs may come from other processes (its TP/PP workers), and even
+at TP 1, where listener and writer share a process, vLLM's graceful shutdown closes the
+listener while a WRITE may still be under way. So the hold also asks the writers' own
+transport: D's NIXL agent sends each of P's rank agents a notification, and only if
 every one fails with ``nixlRemoteDisconnectError`` (UCX closed the endpoint to that
 process) as well as the side channel refusing is P taken as gone. A stopped P keeps its
 endpoints, so it stays held. P's own lease is no such bound either: D cannot observe it,
@@ -135,9 +135,6 @@ class _Held:
     engine_id: str = ""
     #: P's pipeline stages: each stage's ranks write their own layers and notify apart.
     pp_size: int = 1
-    #: Whether a refused side channel proves P's writers gone: P is one process (TP 1,
-    #: PP 1), so the side channel's process is the writer.
-    refusal_proves: bool = False
     #: P's completion notifications owed (one per P rank writing here); None until the
     #: first arrives, as upstream learns P's TP size from it.
     owed: int | None = None
@@ -288,10 +285,12 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
     # ------------------------------------------------------------------ P dead?
 
     def _p_dead(self, req_id: str, held: _Held) -> bool:
-        """Whether P's writers are proven gone: its side channel refuses connections
-        since the hold began, and P is one process, so that is the writer's own listener
-        (see the module docstring). A stopped or slow P counts as alive; a name that no
-        longer resolves proves nothing (said once, the hold stays)."""
+        """Whether P's writers are proven gone: its side channel refuses connections since
+        the hold began, and D's NIXL endpoint to every writer reports its process gone
+        (see the module docstring). A refusal alone is a closed listener, not a stopped
+        writer: a graceful shutdown closes it while a WRITE is still under way, even at
+        TP 1 where listener and writer share a process. A stopped or slow P counts as
+        alive; a name that no longer resolves proves nothing (said once, the hold stays)."""
         if not held.port:
             return False
         addr = (held.host, held.port)
@@ -299,8 +298,6 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
         if probes is None:
             return False
         if probes.gone(addr, since=held.since, waiter=req_id):
-            if held.refusal_proves:
-                return True
             if self._writers_disconnected(held):
                 logger.warning(
                     "kvfail: P %s is gone: its side channel refuses connections and every "
@@ -312,9 +309,10 @@ class KvfailNixlPushWorker(KvfailNixlWorkerMixin, NixlPushConnectorWorker):
             if not held.said_refused:
                 held.said_refused = True
                 logger.warning(
-                    "kvfail: P %s's side channel refuses connections, but P's WRITEs for "
-                    "%r come from %d pipeline stage(s) of other processes; the hold stays "
-                    "until their completion notifications",
+                    "kvfail: P %s's side channel refuses connections, but not every writer "
+                    "of %r (%d pipeline stage(s)) is proven gone: a closed listener is not "
+                    "a stopped WRITE; the hold stays until the writers' notifications or "
+                    "their processes are gone",
                     held.peer,
                     req_id,
                     held.pp_size,
@@ -410,7 +408,6 @@ def _held_from(meta: Any, notified: int) -> _Held:
     """The hold of a load whose registration went out, from its (popped) metadata."""
     remote = None if meta is None else meta.remote
     pp_size = max(1, int(getattr(meta, "pp_size", 1) or 1))
-    tp_size = max(1, int(getattr(meta, "tp_size", 1) or 1))
     if remote is None or not remote.host or not remote.port:
         held = _Held("", 0, pp_size=pp_size)  # nowhere to probe: only notifications end it
     else:
@@ -419,7 +416,6 @@ def _held_from(meta: Any, notified: int) -> _Held:
             int(remote.port),
             engine_id=remote.engine_id or "",
             pp_size=pp_size,
-            refusal_proves=tp_size * pp_size == 1,
         )
     held.notified = notified
     return held

@@ -9,9 +9,9 @@ send replaced at its class (a recorder, no network):
 * a load whose registration went out is reported at the deadline but held; P's
   completion notification is taken from upstream's queue, counted as late (never passed
   on) and releases it;
-* P's side channel refusing connections releases it too; a listening one does not;
-* where P's writers are other processes (TP or PP > 1), the refusal releases it only
-  with every writer's NIXL endpoint reporting its process gone;
+* P's side channel refusing connections releases it only with every writer's NIXL
+  endpoint reporting its process gone, at TP 1 too (a graceful shutdown closes the
+  listener first); a listening side channel never does;
 * a load still waiting when its P's side channel starts refusing is failed at once, not
   at its deadline, and held by the same rules.
 """
@@ -136,20 +136,32 @@ def test_sent_load_is_held_until_ps_late_notification(sent: list[str]) -> None:
     assert w.take_quarantine_notice().released == {("r", 0)}
 
 
-def test_sent_load_is_released_once_ps_side_channel_refuses(sent: list[str]) -> None:
+@pytest.mark.parametrize("writer_gone", [True, False])
+def test_a_refused_side_channel_ends_a_tp1_hold_only_with_its_writer_gone(
+    sent: list[str], writer_gone: bool
+) -> None:
+    """P at TP 1: listener and writer share a process, but vLLM's graceful shutdown closes
+    the listener while a WRITE may still be under way. The refusal ends the hold only once
+    the writer's own NIXL endpoint says its process is gone (a refusal alone released it
+    before, shutdown or not)."""
     clock = ManualClock(100.0)
     w = _worker(clock)
+    w._remote_agents["P"] = {(0, 0): "P-r0"}
+    w.nixl_wrapper = _Agents({"P-r0"} if writer_gone else set())
     _load(w, "r", closed_port())
     w._do_send_reg_notif("r", {})
     _past_deadline(w, clock)
     assert w.take_quarantine_notice().held == {("r", 0)}
     end = time.monotonic() + 10.0
-    while w.failure_reporter.is_quarantined("r"):
-        assert time.monotonic() < end, "P's refused side channel never released the hold"
+    for _ in range(12):  # far more refusals than the probe needs to call P gone
+        assert time.monotonic() < end
         clock.now += 1.0
         w.drain_step()
         time.sleep(0.05)
-    assert w.take_quarantine_notice().released == {("r", 0)}
+        if not w.failure_reporter.is_quarantined("r"):
+            break
+    assert w.failure_reporter.is_quarantined("r") is not writer_gone
+    assert w.take_quarantine_notice().released == ({("r", 0)} if writer_gone else set())
     assert w.kvfail_late_notifications == 0
 
 
