@@ -38,12 +38,21 @@ async def resolved_socket(
 ) -> tuple[socket.socket, Any] | None:
     """A new non-blocking socket of ``kind`` for ``host:port``, in the address's own family
     (IPv4 or IPv6), with the address to use; None when the name does not resolve within
-    ``timeout_s``. The lookup runs on the loop's executor, never blocking the loop."""
-    loop = asyncio.get_running_loop()
+    ``timeout_s``.
+
+    An IP literal (what P's workers advertise) is parsed on the loop itself: that lookup
+    never waits on a resolver, and the executor's round trip costs the loop thread's
+    GIL hand-offs, each of which a busy engine thread can hold up for a switch interval,
+    on the pull's path. A host name is looked up on the loop's executor, never blocking
+    the loop."""
     try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=kind), timeout_s)
-    except (OSError, TimeoutError, UnicodeError):
-        return None
+        infos = socket.getaddrinfo(host, port, type=kind, flags=socket.AI_NUMERICHOST)
+    except (OSError, UnicodeError):
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=kind), timeout_s)
+        except (OSError, TimeoutError, UnicodeError):
+            return None
     if not infos:
         return None
     family, sock_kind, proto, _, address = infos[0]
