@@ -151,7 +151,11 @@ class SideChannelProbes:
         """Whether ``addr`` refused :attr:`refusals` connects in a row, the first at or
         after ``since`` (a refusal before a load began may concern an earlier P on the
         same port). Advances the probe by at most one step; never blocks."""
-        probe = self._probes.setdefault(addr, _Probe())
+        # Called for every waiting load at every drain: build a probe only when none is
+        # there (``setdefault`` would build and drop one per call, on the engine thread).
+        probe = self._probes.get(addr)
+        if probe is None:
+            probe = self._probes[addr] = _Probe()
         probe.waiters.add(waiter)
         now = self._clock()
         if probe.sock is not None:
