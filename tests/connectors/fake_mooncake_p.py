@@ -145,9 +145,11 @@ class FakePrefill:
             ready = [d for d in self._due if d[0] <= now]
             self._due = [d for d in self._due if d[0] > now]
             for _, worker, identity, reply, exchange in ready:
-                worker.sock.send_multipart([identity, reply])
+                # Stamped before the send: D may see the reply, and finish the load,
+                # before a stamp taken after the send, so only this one bounds it.
                 with self._lock:
                     exchange.replied_at.append(time.monotonic())
+                worker.sock.send_multipart([identity, reply])
 
     def _answer(self, worker: _Worker, identity: bytes, payload: bytes) -> None:
         meta = self._meta.decode(payload)
